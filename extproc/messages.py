@@ -1,0 +1,52 @@
+"""The plain objects that cross the protobuf boundary.
+
+``codec`` turns Envoy's ``ProcessingRequest`` messages into a ``RequestInfo`` and turns a
+``Forward`` or ``Respond`` back into a ``ProcessingResponse``. Everything between those two
+points (policy, queues, picking) sees only these frozen objects, so it can be unit-tested
+without sockets or protobuf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """One client request as Envoy reported it (headers, then the whole buffered body)."""
+
+    method: str
+    path: str
+    headers: Mapping[str, str]
+    """Lower-cased names; pseudo-headers (``:path`` ...) included."""
+    body: bytes = b""
+    request_id: str = ""
+    invalid_headers: tuple[str, ...] = ()
+    """Names of headers whose value was not valid UTF-8 (they are not in ``headers``)."""
+
+    def header(self, name: str, default: str | None = None) -> str | None:
+        return self.headers.get(name, default)
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Let the request go upstream, rewritten."""
+
+    body: bytes
+    """The new body; the codec sets ``content-length`` to match."""
+    endpoints: tuple[str, ...]
+    """``ip:port`` of the chosen endpoint first, alternates after (retries, hedges)."""
+    set_headers: Mapping[str, str] = field(default_factory=dict)
+    remove_headers: tuple[str, ...] = ()
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    """Dynamic metadata for Envoy's ``fairlane`` namespace (access logs, response headers)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Respond:
+    """Answer the client directly (Envoy's ImmediateResponse); nothing reaches a backend."""
+
+    status: int
+    body: bytes
+    headers: Mapping[str, str] = field(default_factory=dict)

@@ -50,3 +50,16 @@ class Respond:
     status: int
     body: bytes
     headers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One finished request, from Envoy's gRPC access log (the completion feedback channel)."""
+
+    request_id: str
+    status: int
+    """HTTP status sent to the client (0 when the client went away before a response)."""
+    upstream: str
+    """``ip:port`` of the backend that answered last, or "" when none did."""
+    duration_s: float
+    response_bytes: int

@@ -1,0 +1,159 @@
+"""The only module that touches Envoy's protobuf messages.
+
+ext_proc ``ProcessingRequest`` / ``ProcessingResponse`` and access-log entries are converted
+here to and from the plain objects of ``extproc.messages``. upb-backed ``xds-protos`` classes
+are used because decoding them costs a few microseconds, where betterproto-style dataclasses
+cost hundreds (see the performance notes in the README).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+
+from envoy.config.core.v3 import base_pb2
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import duration_pb2, struct_pb2
+
+from extproc.messages import Completion, Forward, RequestInfo, Respond
+
+ProcessingRequest = pb.ProcessingRequest
+ProcessingResponse = pb.ProcessingResponse
+
+ENDPOINT_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+FAIRLANE_NAMESPACE = "fairlane"
+
+
+class HeadersPart:
+    """The request-headers message, decoded: what is known before the body arrives."""
+
+    __slots__ = ("end_of_stream", "headers", "invalid")
+
+    def __init__(self, headers: dict[str, str], invalid: tuple[str, ...], end_of_stream: bool):
+        self.headers = headers
+        self.invalid = invalid
+        self.end_of_stream = end_of_stream
+
+    def request_info(self, body: bytes = b"") -> RequestInfo:
+        headers = self.headers
+        return RequestInfo(
+            method=headers.get(":method", ""),
+            path=headers.get(":path", ""),
+            headers=headers,
+            body=body,
+            request_id=headers.get("x-request-id", ""),
+            invalid_headers=self.invalid,
+        )
+
+
+def decode_headers(message: pb.ProcessingRequest) -> HeadersPart:
+    """Header names arrive lower-cased; values are bytes (``raw_value``) to be checked."""
+    headers: dict[str, str] = {}
+    invalid: list[str] = []
+    http_headers = message.request_headers
+    for header in http_headers.headers.headers:
+        try:
+            headers[header.key] = header.raw_value.decode("utf-8")
+        except UnicodeDecodeError:
+            invalid.append(header.key)
+    return HeadersPart(headers, tuple(invalid), http_headers.end_of_stream)
+
+
+def kind(message: pb.ProcessingRequest) -> str:
+    """Which phase a message belongs to: ``request_headers``, ``request_body``, ..."""
+    return message.WhichOneof("request") or ""
+
+
+def body_of(message: pb.ProcessingRequest) -> tuple[bytes, bool]:
+    return message.request_body.body, message.request_body.end_of_stream
+
+
+def _header_options(headers: Mapping[str, str]) -> Iterator[base_pb2.HeaderValueOption]:
+    # raw_value, not value: Envoy reads only raw_value (a `value` silently sets "").
+    for key, value in headers.items():
+        yield base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=key, raw_value=value.encode())
+        )
+
+
+def _mutation(set_headers: Mapping[str, str], remove: Iterable[str]) -> pb.HeaderMutation:
+    return pb.HeaderMutation(
+        set_headers=list(_header_options(set_headers)), remove_headers=list(remove)
+    )
+
+
+def continue_headers() -> pb.ProcessingResponse:
+    """Let the headers through unchanged; the decision is made on the body."""
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+
+
+def hold(seconds: float) -> pb.ProcessingResponse:
+    """Extend Envoy's per-message timer while the request waits in a queue.
+
+    Envoy honours one override per processing state, counted from its arrival.
+    """
+    whole = int(seconds)
+    timeout = duration_pb2.Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
+    return pb.ProcessingResponse(override_message_timeout=timeout)
+
+
+def forward(decision: Forward, phase: str) -> pb.ProcessingResponse:
+    """Release the request upstream with its rewritten body, headers and chosen endpoints.
+
+    ``phase`` is the message being answered (``request_body``, or ``request_headers`` for a
+    request without a body, where the body cannot be replaced).
+    """
+    endpoints = ",".join(decision.endpoints)
+    set_headers = dict(decision.set_headers)
+    if endpoints:
+        set_headers[ENDPOINT_HEADER] = endpoints
+    common = pb.CommonResponse()
+    if phase == "request_body":
+        # In BUFFERED mode the processor owns content-length; a stale one is a local 503.
+        set_headers["content-length"] = str(len(decision.body))
+        common.body_mutation.body = decision.body
+    common.header_mutation.CopyFrom(_mutation(set_headers, decision.remove_headers))
+    metadata = struct_pb2.Struct()
+    if endpoints:
+        metadata.update({LB_NAMESPACE: {ENDPOINT_HEADER: endpoints}})
+    if decision.metadata:
+        metadata.update({FAIRLANE_NAMESPACE: dict(decision.metadata)})
+    if phase == "request_body":
+        return pb.ProcessingResponse(
+            request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
+        )
+    return pb.ProcessingResponse(
+        request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata
+    )
+
+
+def respond(decision: Respond) -> pb.ProcessingResponse:
+    """Answer the client from Envoy (429, 401, ...): nothing reaches a backend."""
+    headers = {"content-type": "application/json", **decision.headers}
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=decision.status),  # type: ignore[arg-type]
+            headers=_mutation(headers, ()),
+            body=decision.body,
+        )
+    )
+
+
+def completions(entries: Iterable[accesslog_pb2.HTTPAccessLogEntry]) -> Iterator[Completion]:
+    """Finished requests from one batch of Envoy access-log entries."""
+    for entry in entries:
+        common = entry.common_properties
+        upstream = ""
+        if common.HasField("upstream_remote_address"):
+            socket = common.upstream_remote_address.socket_address
+            upstream = f"{socket.address}:{socket.port_value}"
+        duration = common.duration.seconds + common.duration.nanos / 1e9
+        yield Completion(
+            request_id=entry.request.request_id,
+            status=entry.response.response_code.value,
+            upstream=upstream,
+            duration_s=duration,
+            response_bytes=entry.response.response_body_bytes,
+        )

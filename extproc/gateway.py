@@ -1,0 +1,148 @@
+"""One request's way through the gateway: classify, queue, prioritise, route.
+
+Plain Python with no grpc or protobuf: the servicer hands in a ``RequestInfo`` and gets back
+a ``Forward`` (send it upstream, rewritten), a ``Respond`` (answer the client) or a ``Pending``
+(tell Envoy to hold the request, then await the outcome). Every client error is a
+``Rejection`` turned into an OpenAI-shaped ``Respond`` here, so nothing a client sends can
+break the stream for the next request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from extproc.admission import Admission, Grant, Ticket
+from extproc.classify import RequestClass, authenticate, classify, parse_body
+from extproc.errors import Rejection, error_body
+from extproc.messages import Completion, Forward, RequestInfo, Respond
+from extproc.picker import pick
+from extproc.policy import PolicyStore
+
+log = logging.getLogger("fairlane.gateway")
+
+#: Headers the gateway itself sets or consumes: a client's copy never reaches a backend.
+PRIORITY_HEADER = "x-vllm-priority"
+TIER_HEADER = "x-fairlane-tier"
+TENANT_HEADER = "x-fairlane-tenant"
+_STRIPPED_EXACT = frozenset(
+    {
+        "x-priority",  # the client's tier ask, consumed by classify
+        "authorization",  # tenant keys stay at the gateway
+        "x-api-key",
+        "x-target-cluster",
+    }
+)
+_STRIPPED_PREFIXES = ("x-fairlane-",)
+
+#: Envoy holds a request at most this long past its queue deadline before giving up on us.
+HOLD_MARGIN_S = 5.0
+MAX_HOLD_S = 3600.0
+
+
+class Pending:
+    """A request waiting in a queue: hold it in Envoy for ``hold_s``, then await ``outcome``."""
+
+    def __init__(self, gateway: Gateway, info: RequestInfo, body: dict[str, Any],
+                 request: RequestClass, ticket: Ticket, request_id: str) -> None:
+        self._gateway = gateway
+        self._info = info
+        self._body = body
+        self._request = request
+        self._ticket = ticket
+        self._request_id = request_id
+        self.hold_s = min(MAX_HOLD_S, ticket.deadline_s + HOLD_MARGIN_S)
+
+    async def outcome(self) -> Forward | Respond:
+        try:
+            grant = await self._ticket.wait()
+        except Rejection as rejection:
+            return respond_to(rejection)
+        return self._gateway.forward(self._info, self._body, self._request, grant,
+                                     self._request_id)
+
+
+def respond_to(rejection: Rejection) -> Respond:
+    return Respond(rejection.status, rejection.body, rejection.headers)
+
+
+def client_headers_to_strip(headers: Mapping[str, str]) -> tuple[str, ...]:
+    """Names of client headers that must not reach a backend (the gateway's own)."""
+    return tuple(
+        name
+        for name in headers
+        if name in _STRIPPED_EXACT or name.startswith(_STRIPPED_PREFIXES)
+    )
+
+
+class Gateway:
+    """The per-request decisions, over the live policy and the admission gate."""
+
+    def __init__(self, policies: PolicyStore, admission: Admission) -> None:
+        self.policies = policies
+        self.admission = admission
+
+    def handle(self, info: RequestInfo) -> Forward | Respond | Pending:
+        try:
+            return self._handle(info)
+        except Rejection as rejection:
+            return respond_to(rejection)
+        except Exception:  # a bug must cost one request, never the service
+            log.exception("unexpected error handling %s %s", info.method, info.path)
+            return Respond(500, error_body(500, "internal gateway error"))
+
+    def _handle(self, info: RequestInfo) -> Forward | Respond | Pending:
+        policy = self.policies.current
+        if not info.body and info.method in ("GET", "HEAD"):
+            return self._forward_bodiless(info)
+        body = parse_body(policy, info)
+        request = classify(policy, info, body)
+        request_id = info.request_id
+        if not request_id or self.admission.knows(request_id):
+            request_id = uuid.uuid4().hex  # a client reused an id: keep ours unique
+        ticket = self.admission.submit(request_id, request)
+        if ticket.granted:
+            grant = ticket.granted_now()
+            return self.forward(info, body, request, grant, request_id)
+        return Pending(self, info, body, request, ticket, request_id)
+
+    def _forward_bodiless(self, info: RequestInfo) -> Forward:
+        """``GET /v1/models`` and friends: authenticated, not queued (they cost no GPU)."""
+        authenticate(self.policies.current, info)
+        chosen = pick(self.admission.pool.backends, limit=1 << 30)
+        if chosen is None:
+            raise Rejection(503, "no healthy backend", code="no_backend")
+        return Forward(
+            body=b"",
+            endpoints=tuple(b.address for b in chosen),
+            remove_headers=client_headers_to_strip(info.headers),
+        )
+
+    def forward(self, info: RequestInfo, body: dict[str, Any], request: RequestClass,
+                grant: Grant, request_id: str) -> Forward:
+        """The request as a backend must see it: vLLM priority in body and header."""
+        body["priority"] = grant.priority
+        set_headers = {
+            PRIORITY_HEADER: str(grant.priority),
+            TIER_HEADER: request.tier.name,
+            TENANT_HEADER: request.tenant.name,
+        }
+        if request.path != info.path:
+            set_headers[":path"] = request.path
+        if request_id != info.request_id:
+            set_headers["x-request-id"] = request_id
+        strip = tuple(h for h in client_headers_to_strip(info.headers) if h not in set_headers)
+        return Forward(
+            body=json.dumps(body, separators=(",", ":")).encode(),
+            endpoints=grant.endpoints,
+            set_headers=set_headers,
+            remove_headers=strip,
+            metadata={"tier": request.tier.name, "queue_ms": str(round(grant.queued_s * 1000))},
+        )
+
+    def completed(self, completion: Completion) -> None:
+        """Envoy finished a request: free its backend slot."""
+        self.admission.release(completion.request_id)

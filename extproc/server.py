@@ -1,0 +1,147 @@
+"""``fairlane serve``: the ext_proc and access-log gRPC services in one process.
+
+The grpc server options matter for held requests: Envoy pings its HTTP/2 connections while
+requests sit in queues, and grpc's defaults answer frequent pings with GOAWAY
+("too many pings"), which would fail every held request; bodies larger than grpc's 4 MiB
+default must still be accepted up to the policy's limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+
+from extproc.admission import Admission
+from extproc.backends import BackendPool, BackendSpec, parse_backend
+from extproc.gateway import Gateway
+from extproc.policy import DEFAULT_POLICY_PATH, PolicyStore
+from extproc.service import AccessLog, ExternalProcessor
+
+log = logging.getLogger("fairlane.server")
+
+MAX_MESSAGE_BYTES = 64 << 20  # above any policy's max_body_bytes plus protobuf framing
+
+
+def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    backends: tuple[BackendSpec, ...]
+    policy_path: Path = DEFAULT_POLICY_PATH
+    host: str = "127.0.0.1"
+    port: int = 50051
+    health_interval_s: float = 1.0
+    completion_timeout_s: float = 1800.0
+    """A request whose completion event never arrives frees its slot after this long."""
+
+
+class Service:
+    """The running service: gateway state plus the gRPC server and its background tasks."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.policies = PolicyStore(config.policy_path)
+        self.pool = BackendPool(config.backends)
+        self.admission = Admission(
+            self.pool, lambda: self.policies.current.max_in_flight_per_backend
+        )
+        self.policies.on_change(lambda _policy: self.admission.dispatch())
+        self.gateway = Gateway(self.policies, self.admission)
+        self.server = grpc.aio.server(options=grpc_options())
+        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
+            ExternalProcessor(self.gateway), self.server
+        )
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(self.gateway), self.server)
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        await self.server.start()
+        self._tasks = [
+            asyncio.create_task(self.policies.watch(), name="policy-watch"),
+            asyncio.create_task(
+                self.pool.watch_health(self.config.health_interval_s), name="health"
+            ),
+            asyncio.create_task(self._expire_lost_completions(), name="expire"),
+        ]
+        log.info("fairlane ext_proc service on %s:%d", self.config.host, self.port)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.server.stop(grace_s)
+
+    async def _expire_lost_completions(self) -> None:
+        interval = min(10.0, self.config.completion_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            self.admission.expire(self.config.completion_timeout_s)
+
+
+async def serve(config: ServiceConfig) -> None:
+    """Run until SIGINT/SIGTERM."""
+    service = Service(config)
+    await service.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await service.stop()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (default %(default)s)")
+    parser.add_argument(
+        "--policy", type=Path, default=DEFAULT_POLICY_PATH,
+        help="policy YAML, reloaded when it changes (default: the embedded default policy)",
+    )
+    parser.add_argument(
+        "--backend", action="append", default=[], metavar="[REGION=]URL", required=True,
+        help="a vLLM server, e.g. region-a=http://10.0.0.5:8000 (repeatable; first region is local)",
+    )
+    parser.add_argument("--log-level", default="INFO")
+
+
+def backends_from_args(values: Sequence[str]) -> tuple[BackendSpec, ...]:
+    try:
+        return tuple(parse_backend(v) for v in values)
+    except ValueError as exc:
+        raise SystemExit(f"fairlane: {exc}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = ServiceConfig(
+        backends=backends_from_args(args.backend), policy_path=args.policy,
+        host=args.host, port=args.port,
+    )
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        asyncio.run(serve(config))
+    else:
+        uvloop.run(serve(config))
+    return 0

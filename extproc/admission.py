@@ -16,13 +16,16 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from extproc.backends import Backend, BackendPool
-from extproc.classify import RequestClass
 from extproc.errors import Rejection
 from extproc.picker import pick
 from extproc.priority import vllm_priority
 from extproc.queues import QueueFull, TierQueues, Waiter
+
+if TYPE_CHECKING:
+    from extproc.classify import RequestClass
 
 log = logging.getLogger("fairlane.admission")
 

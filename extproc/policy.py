@@ -1,0 +1,876 @@
+"""The YAML policy: tiers, tenants and classification rules, validated and hot-reloaded.
+
+A policy file is the operator's whole say over scheduling, so a mistake in it must be found
+before it serves traffic: ``parse_policy`` checks the entire file and reports *every*
+problem as ``file:line: field.path: message`` (line numbers come from PyYAML's node marks),
+rather than stopping at the first. Nothing is half-applied: a ``Policy`` exists only when
+the whole file is valid, and ``PolicyStore`` swaps it in with a single attribute assignment.
+
+Per-request code only reads ``Policy``; every lookup it needs (API key -> tenant, word ->
+tier, tenant -> most urgent allowed tier) is a dict built once when the policy is made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from yaml.constructor import SafeConstructor
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+log = logging.getLogger("fairlane.policy")
+
+_PACKAGED_DEFAULT = Path(__file__).with_name("default_policy.yaml")
+_REPO_DEFAULT = Path(__file__).resolve().parent.parent / "policies" / "default.yaml"
+DEFAULT_POLICY_PATH = _REPO_DEFAULT if _REPO_DEFAULT.is_file() else _PACKAGED_DEFAULT
+"""The policy used when none is given: the checkout's ``policies/default.yaml`` when
+running from a source tree (editable install), else the copy shipped inside the package
+(``extproc/default_policy.yaml``, a symlink in the repository that wheels turn into a file)."""
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+EscalationMode = Literal["downgrade", "reject"]
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True, slots=True)
+class Tier:
+    """A strict priority band; every request is served in exactly one."""
+
+    name: str
+    rank: int
+    """0 = most urgent; the tier's position in the file."""
+    priority: int
+    """Base vLLM priority (lower = earlier); the continuous priority adds to it."""
+    queue_limit: int
+    """How many requests of this tier the gateway may hold before shedding with 429."""
+    queue_deadline_s: float
+    """How long a request may wait in the gateway before it is shed with 503."""
+    slo_ttft_ms: int | None = None
+    slo_latency_s: float | None = None
+    aliases: tuple[str, ...] = ()
+    """Other words a client may ask for this tier with (``high``, ``low``, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """Who is calling, as identified by an API key, and which tiers that caller may use."""
+
+    name: str
+    api_keys: tuple[str, ...]
+    tiers: tuple[str, ...]
+    """Allowed tier names; asking for anything less urgent than the best of them is fine."""
+    default_tier: str
+    weight: float = 1.0
+    """Fair-share weight of this tenant's flows within a band."""
+
+
+ConditionOp = Literal["equals", "in", "present", "gt", "ge", "lt", "le", "regex"]
+
+
+@dataclass(frozen=True, slots=True)
+class Condition:
+    """One test on a request header or a body field; a rule matches when all of its hold."""
+
+    field: str
+    op: ConditionOp
+    operand: Any
+    """A scalar, a tuple for ``in``, a bool for ``present``, a compiled pattern for ``regex``."""
+
+    def test(self, found: bool, value: Any) -> bool:
+        if self.op == "present":
+            return found is bool(self.operand)
+        if not found:
+            return False
+        if self.op == "equals":
+            return _same(value, self.operand)
+        if self.op == "in":
+            return any(_same(value, option) for option in self.operand)
+        if self.op == "regex":
+            return isinstance(value, str) and self.operand.search(value) is not None
+        if not _is_number(value):
+            return False
+        if self.op == "gt":
+            return bool(value > self.operand)
+        if self.op == "ge":
+            return bool(value >= self.operand)
+        if self.op == "lt":
+            return bool(value < self.operand)
+        return bool(value <= self.operand)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _same(value: object, operand: object) -> bool:
+    """Equality where ``true`` never equals ``1`` (Python's ``True == 1`` would let it)."""
+    if isinstance(value, bool) or isinstance(operand, bool):
+        return type(value) is type(operand) and value == operand
+    return value == operand
+
+
+_MISSING = object()
+
+
+def _body_value(body: Mapping[str, Any], dotted: tuple[str, ...]) -> Any:
+    value: Any = body
+    for key in dotted:
+        if not isinstance(value, Mapping) or key not in value:
+            return _MISSING
+        value = value[key]
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """What a rule looks at: the path (query string excluded), headers, body fields."""
+
+    path_prefix: str | None = None
+    path_regex: re.Pattern[str] | None = None
+    headers: tuple[Condition, ...] = ()
+    """Header names are lower-case, as Envoy reports them."""
+    body: tuple[Condition, ...] = ()
+    """Field names may be dotted (``metadata.team``) to reach into nested objects."""
+
+    def matches(self, path: str, headers: Mapping[str, str], body: Mapping[str, Any]) -> bool:
+        path = path.partition("?")[0]
+        if self.path_prefix is not None and not path.startswith(self.path_prefix):
+            return False
+        if self.path_regex is not None and self.path_regex.search(path) is None:
+            return False
+        for cond in self.headers:
+            value = headers.get(cond.field)
+            if not cond.test(value is not None, value):
+                return False
+        for cond in self.body:
+            value = _body_value(body, tuple(cond.field.split(".")))
+            if not cond.test(value is not _MISSING, value):
+                return False
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """Classification by what a request looks like; the first matching rule decides."""
+
+    name: str
+    match: Match
+    tier: str | None = None
+    workload: str | None = None
+    strip_path_prefix: str | None = None
+    """Removed from the front of the path before it goes upstream."""
+    add_path_prefix: str | None = None
+    """Put in front of the (stripped) path: strip ``/v1/batch`` + add ``/v1`` turns
+    ``/v1/batch/chat/completions`` into ``/v1/chat/completions``."""
+
+    @property
+    def rewrites_path(self) -> bool:
+        return self.strip_path_prefix is not None or self.add_path_prefix is not None
+
+    def rewrite(self, path: str) -> str:
+        rest = path
+        if self.strip_path_prefix is not None and path.startswith(self.strip_path_prefix):
+            rest = path[len(self.strip_path_prefix) :]
+        if self.add_path_prefix is None:
+            return rest if rest.startswith("/") else "/" + rest
+        if rest and not rest.startswith(("/", "?")):
+            rest = "/" + rest
+        return (self.add_path_prefix.rstrip("/") + rest) or "/"
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """One validated policy file. Build it with ``parse_policy``/``load_policy``."""
+
+    tiers: tuple[Tier, ...]
+    tenants: tuple[Tenant, ...]
+    rules: tuple[Rule, ...] = ()
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    on_escalation: EscalationMode = "downgrade"
+    """What happens when a client asks for a tier more urgent than its key allows."""
+    max_in_flight_per_backend: int = 16
+    user_header: str = "x-user-id"
+    """Where the end-user id comes from when the body has no ``"user"`` string."""
+    source: str = "<policy>"
+
+    _tiers_by_name: dict[str, Tier] = field(init=False, repr=False, compare=False)
+    _tiers_by_word: dict[str, Tier] = field(init=False, repr=False, compare=False)
+    _tenants_by_key: dict[str, Tenant] = field(init=False, repr=False, compare=False)
+    _tenants_by_name: dict[str, Tenant] = field(init=False, repr=False, compare=False)
+    _top_tier: dict[str, Tier] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by_name = {tier.name: tier for tier in self.tiers}
+        by_word = dict(by_name)
+        for tier in self.tiers:
+            by_word.update(dict.fromkeys(tier.aliases, tier))
+        tenants_by_key = {key: tenant for tenant in self.tenants for key in tenant.api_keys}
+        top = {
+            tenant.name: min((by_name[t] for t in tenant.tiers), key=lambda t: t.rank)
+            for tenant in self.tenants
+        }
+        object.__setattr__(self, "_tiers_by_name", by_name)
+        object.__setattr__(self, "_tiers_by_word", by_word)
+        object.__setattr__(self, "_tenants_by_key", tenants_by_key)
+        object.__setattr__(self, "_tenants_by_name", {t.name: t for t in self.tenants})
+        object.__setattr__(self, "_top_tier", top)
+
+    def tier(self, name: str) -> Tier:
+        """The tier called ``name`` (``KeyError`` if there is none)."""
+        return self._tiers_by_name[name]
+
+    def tier_for_ask(self, word: str) -> Tier | None:
+        """The tier a client means by ``word`` (a tier name or alias, any case)."""
+        return self._tiers_by_word.get(word.strip().lower())
+
+    def tenant(self, name: str) -> Tenant:
+        return self._tenants_by_name[name]
+
+    def tenant_for_key(self, key: str) -> Tenant | None:
+        return self._tenants_by_key.get(key)
+
+    def top_tier(self, tenant: Tenant) -> Tier:
+        """The most urgent tier ``tenant`` may use: the ceiling for whatever it asks."""
+        return self._top_tier[tenant.name]
+
+    @property
+    def lowest_tier(self) -> Tier:
+        return self.tiers[-1]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class PolicyError(Exception):
+    """A policy file that cannot be used, with every problem found in it."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = list(errors)
+        count = f"{len(errors)} error{'s' if len(errors) != 1 else ''}"
+        super().__init__(f"invalid policy ({count}):\n" + "\n".join(self.errors))
+
+
+# --------------------------------------------------------------------------- parsing
+
+_TIER_NAME = re.compile(r"[a-z][a-z0-9_-]*")
+_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*")
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")
+_TOP_KEYS = (
+    "tiers",
+    "tenants",
+    "rules",
+    "max_body_bytes",
+    "on_escalation",
+    "max_in_flight_per_backend",
+    "user_header",
+)
+_TIER_KEYS = (
+    "name",
+    "priority",
+    "queue_limit",
+    "queue_deadline_s",
+    "slo_ttft_ms",
+    "slo_latency_s",
+    "aliases",
+)
+_TENANT_KEYS = ("name", "api_keys", "tiers", "default_tier", "weight")
+_RULE_KEYS = ("name", "match", "tier", "workload", "strip_path_prefix", "add_path_prefix")
+_MATCH_KEYS = ("path_prefix", "path_regex", "headers", "body")
+_HEADER_OPS = ("equals", "in", "present", "regex")
+_BODY_OPS = ("equals", "in", "present", "gt", "ge", "lt", "le", "regex")
+_NUMBER_OPS = ("gt", "ge", "lt", "le")
+
+T = TypeVar("T")
+
+
+class _Reader:
+    """Walks the YAML node tree, turning nodes into values and collecting located errors.
+
+    Each accessor returns the value, or ``None`` after recording an error, so one pass over
+    the file finds every problem instead of stopping at the first.
+    """
+
+    def __init__(self, filename: str) -> None:
+        self.filename = filename
+        self.errors: list[str] = []
+        self._constructor = SafeConstructor()
+
+    def error(self, node: Node | None, path: str, message: str) -> None:
+        line = node.start_mark.line + 1 if node is not None else 1
+        where = f"{path}: " if path else ""
+        self.errors.append(f"{self.filename}:{line}: {where}{message}")
+
+    def scalar(self, node: Node) -> Any:
+        return self._constructor.construct_object(node, deep=True)
+
+    def mapping(self, node: Node, path: str, keys: tuple[str, ...] | None) -> dict[str, Node]:
+        """A mapping's items by key; ``keys`` lists the allowed ones (``None``: any)."""
+        if not isinstance(node, MappingNode):
+            self.error(node, path, f"must be a mapping, not {_kind(node)}")
+            return {}
+        self._constructor.flatten_mapping(node)  # resolve `<<: *anchor` merges
+        items: dict[str, Node] = {}
+        for key_node, value_node in node.value:
+            key = self.scalar(key_node) if isinstance(key_node, ScalarNode) else None
+            if not isinstance(key, str):
+                self.error(key_node, path, "keys must be strings")
+                continue
+            sub = _join(path, key)
+            if keys is not None and key not in keys:
+                self.error(key_node, sub, f"unknown field (expected one of: {', '.join(keys)})")
+            elif key in items:
+                self.error(key_node, sub, "duplicate field")
+            else:
+                items[key] = value_node
+        return items
+
+    def sequence(self, node: Node, path: str) -> list[Node]:
+        if not isinstance(node, SequenceNode):
+            self.error(node, path, f"must be a list, not {_kind(node)}")
+            return []
+        return list(node.value)
+
+    def typed(self, node: Node, path: str, kind: type[T] | tuple[type, ...], what: str) -> T | None:
+        value = self.scalar(node) if isinstance(node, ScalarNode) else None
+        if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _types(kind)):
+            self.error(node, path, f"must be {what}, not {_kind(node)}")
+            return None
+        return value  # type: ignore[return-value]
+
+    def string(self, node: Node, path: str, pattern: re.Pattern[str] | None = None) -> str | None:
+        value = self.typed(node, path, str, "a string")
+        if value is None:
+            return None
+        if not value:
+            self.error(node, path, "must not be empty")
+            return None
+        if pattern is not None and not pattern.fullmatch(value):
+            self.error(node, path, f"{value!r} is not a valid name (pattern {pattern.pattern})")
+            return None
+        return value
+
+    def integer(self, node: Node, path: str, minimum: int | None = None) -> int | None:
+        value = self.typed(node, path, int, "an integer")
+        if value is not None and minimum is not None and value < minimum:
+            self.error(node, path, f"must be >= {minimum}, not {value}")
+            return None
+        return value
+
+    def positive(self, node: Node, path: str) -> float | None:
+        value = self.typed(node, path, (int, float), "a number")
+        if value is not None and not value > 0:
+            self.error(node, path, f"must be > 0, not {value}")
+            return None
+        return None if value is None else float(value)
+
+    def strings(self, node: Node, path: str, pattern: re.Pattern[str] | None = None) -> list[str]:
+        """A list of distinct strings, each element checked (and located) on its own."""
+        return [value for _, _, value in self.located_strings(node, path, pattern)]
+
+    def located_strings(
+        self, node: Node, path: str, pattern: re.Pattern[str] | None = None
+    ) -> list[tuple[str, Node, str]]:
+        """Like ``strings`` but each valid value comes with its path and node, for later
+        cross-checks that must point at the exact line."""
+        found: list[tuple[str, Node, str]] = []
+        for i, item in enumerate(self.sequence(node, path)):
+            item_path = f"{path}[{i}]"
+            value = self.string(item, item_path, pattern)
+            if value is None:
+                continue
+            if any(value == seen for _, _, seen in found):
+                self.error(item, item_path, f"{_shown(value, path)} is listed twice")
+            else:
+                found.append((item_path, item, value))
+        return found
+
+    def regex(self, node: Node, path: str) -> re.Pattern[str] | None:
+        text = self.string(node, path)
+        if text is None:
+            return None
+        try:
+            return re.compile(text)
+        except re.error as exc:
+            self.error(node, path, f"invalid regular expression: {exc}")
+            return None
+
+
+def _types(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _shown(value: str, path: str) -> str:
+    """Never echo an API key into logs or terminals; show its start only."""
+    return _mask(value) if "api_keys" in path else repr(value)
+
+
+def _mask(key: str) -> str:
+    return f"{key[: min(4, len(key) // 3)]}…"
+
+
+def _kind(node: Node) -> str:
+    if isinstance(node, MappingNode):
+        return "a mapping"
+    if isinstance(node, SequenceNode):
+        return "a list"
+    tag = node.tag.rsplit(":", 1)[-1]
+    return {
+        "str": "a string",
+        "int": "an integer",
+        "float": "a number",
+        "bool": "a boolean",
+        "null": "null",
+    }.get(tag, tag)
+
+
+def parse_policy(text: str, filename: str = "<policy>") -> Policy:
+    """Validate the whole policy in ``text``; raise ``PolicyError`` listing every problem."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark is not None else 1
+        problem = " ".join(str(p) for p in (exc.context, exc.problem) if p)
+        raise PolicyError([f"{filename}:{line}: YAML syntax error: {problem}"]) from None
+    except yaml.YAMLError as exc:
+        raise PolicyError([f"{filename}:1: YAML error: {exc}"]) from None
+    reader = _Reader(filename)
+    if root is None:
+        reader.error(None, "", "the policy is empty (it needs at least `tiers` and `tenants`)")
+        raise PolicyError(reader.errors)
+    policy = _read_policy(reader, root)
+    if reader.errors or policy is None:
+        raise PolicyError(reader.errors)
+    return policy
+
+
+def load_policy(path: str | os.PathLike[str]) -> Policy:
+    """Read and validate the policy file at ``path``."""
+    return _parse_bytes(Path(path).read_bytes(), str(path))
+
+
+def _parse_bytes(data: bytes, filename: str) -> Policy:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise PolicyError([f"{filename}:{line}: the file is not valid UTF-8"]) from None
+    return parse_policy(text, filename)
+
+
+def _read_policy(reader: _Reader, root: Node) -> Policy | None:
+    top = reader.mapping(root, "", _TOP_KEYS)
+    if not isinstance(root, MappingNode):
+        return None
+    for required in ("tiers", "tenants"):
+        if required not in top:
+            reader.error(root, required, "is required")
+    tiers = _read_tiers(reader, top["tiers"]) if "tiers" in top else []
+    tier_ranks = {tier.name: tier.rank for tier in tiers}
+    tenants = _read_tenants(reader, top["tenants"], tier_ranks) if "tenants" in top else []
+    rules = _read_rules(reader, top["rules"], tier_ranks) if "rules" in top else []
+    settings = _read_settings(reader, top)
+    if reader.errors or not tiers or not tenants:
+        return None
+    return Policy(
+        tiers=tuple(tiers),
+        tenants=tuple(tenants),
+        rules=tuple(rules),
+        source=reader.filename,
+        **settings,
+    )
+
+
+def _read_settings(reader: _Reader, top: dict[str, Node]) -> dict[str, Any]:
+    settings: dict[str, Any] = {}
+    if "max_body_bytes" in top:
+        settings["max_body_bytes"] = reader.integer(top["max_body_bytes"], "max_body_bytes", 1)
+    if "max_in_flight_per_backend" in top:
+        node = top["max_in_flight_per_backend"]
+        settings["max_in_flight_per_backend"] = reader.integer(node, "max_in_flight_per_backend", 1)
+    if "on_escalation" in top:
+        node = top["on_escalation"]
+        mode = reader.string(node, "on_escalation")
+        if mode is not None and mode not in ("downgrade", "reject"):
+            reader.error(node, "on_escalation", f"must be 'downgrade' or 'reject', not {mode!r}")
+        settings["on_escalation"] = mode
+    if "user_header" in top:
+        name = reader.string(top["user_header"], "user_header")
+        if name is not None and not _HEADER_NAME.fullmatch(name):
+            reader.error(top["user_header"], "user_header", "must be a lower-case header name")
+        settings["user_header"] = name
+    return settings
+
+
+def _required(reader: _Reader, node: Node, items: dict[str, Node], path: str, *keys: str) -> bool:
+    missing = [key for key in keys if key not in items]
+    for key in missing:
+        reader.error(node, _join(path, key), "is required")
+    return not missing
+
+
+def _read_tiers(reader: _Reader, node: Node) -> list[Tier]:
+    tiers: list[Tier] = []
+    words: dict[str, str] = {}  # name or alias -> path where first used
+    items = reader.sequence(node, "tiers")
+    if isinstance(node, SequenceNode) and not items:
+        reader.error(node, "tiers", "must list at least one tier")
+    for i, tier_node in enumerate(items):
+        tier = _read_tier(reader, tier_node, f"tiers[{i}]", rank=len(tiers))
+        if tier is None:
+            continue
+        ok = True
+        for word, word_path in [(tier.name, f"tiers[{i}].name")] + [
+            (alias, f"tiers[{i}].aliases") for alias in tier.aliases
+        ]:
+            if word in words:
+                reader.error(tier_node, word_path, f"{word!r} is already used by {words[word]}")
+                ok = False
+            else:
+                words[word] = word_path
+        if ok:
+            tiers.append(tier)
+    return tiers
+
+
+def _read_tier(reader: _Reader, node: Node, path: str, rank: int) -> Tier | None:
+    items = reader.mapping(node, path, _TIER_KEYS)
+    errors_before = len(reader.errors)
+    _required(reader, node, items, path, "name", "priority", "queue_limit", "queue_deadline_s")
+    fields: dict[str, Any] = {}
+    for key, read in _TIER_FIELDS.items():
+        if key in items and not (key.startswith("slo_") and _is_null(items[key])):
+            fields[key] = read(reader, items[key], f"{path}.{key}")
+    if len(reader.errors) != errors_before:
+        return None
+    fields["aliases"] = tuple(fields.get("aliases", ()))
+    return Tier(rank=rank, **fields)
+
+
+_TIER_FIELDS: dict[str, Callable[[_Reader, Node, str], Any]] = {
+    "name": lambda r, n, p: r.string(n, p, _TIER_NAME),
+    "priority": lambda r, n, p: r.integer(n, p),
+    "queue_limit": lambda r, n, p: r.integer(n, p, 0),
+    "queue_deadline_s": lambda r, n, p: r.positive(n, p),
+    "slo_ttft_ms": lambda r, n, p: r.integer(n, p, 1),
+    "slo_latency_s": lambda r, n, p: r.positive(n, p),
+    "aliases": lambda r, n, p: r.strings(n, p, _TIER_NAME),
+}
+
+
+def _is_null(node: Node) -> bool:
+    return isinstance(node, ScalarNode) and node.tag.endswith(":null")
+
+
+def _read_tenants(reader: _Reader, node: Node, tier_ranks: dict[str, int]) -> list[Tenant]:
+    tenants: list[Tenant] = []
+    key_owner: dict[str, str] = {}
+    items = reader.sequence(node, "tenants")
+    if isinstance(node, SequenceNode) and not items:
+        reader.error(node, "tenants", "must list at least one tenant")
+    for i, tenant_node in enumerate(items):
+        path = f"tenants[{i}]"
+        tenant = _read_tenant(reader, tenant_node, path, tier_ranks, key_owner)
+        if tenant is None:
+            continue
+        if any(t.name == tenant.name for t in tenants):
+            reader.error(tenant_node, f"{path}.name", f"tenant {tenant.name!r} is defined twice")
+            continue
+        tenants.append(tenant)
+    return tenants
+
+
+def _read_tenant(
+    reader: _Reader,
+    node: Node,
+    path: str,
+    tier_ranks: dict[str, int],
+    key_owner: dict[str, str],
+) -> Tenant | None:
+    items = reader.mapping(node, path, _TENANT_KEYS)
+    errors_before = len(reader.errors)
+    _required(reader, node, items, path, "name", "api_keys", "tiers")
+    name = reader.string(items["name"], f"{path}.name", _TENANT_NAME) if "name" in items else None
+    keys = (
+        _read_api_keys(reader, items["api_keys"], f"{path}.api_keys", name or path, key_owner)
+        if "api_keys" in items
+        else []
+    )
+    tiers = (
+        _read_tier_refs(reader, items["tiers"], f"{path}.tiers", tier_ranks)
+        if "tiers" in items
+        else []
+    )
+    default = tiers[0] if tiers else None
+    if "default_tier" in items:
+        default = reader.string(items["default_tier"], f"{path}.default_tier")
+        if default is not None and default not in tiers:
+            reader.error(
+                items["default_tier"],
+                f"{path}.default_tier",
+                f"{default!r} is not one of this tenant's tiers ({', '.join(tiers)})",
+            )
+    weight = reader.positive(items["weight"], f"{path}.weight") if "weight" in items else 1.0
+    if len(reader.errors) != errors_before or name is None or default is None or weight is None:
+        return None
+    return Tenant(name, tuple(keys), tuple(tiers), default, weight)
+
+
+def _read_api_keys(
+    reader: _Reader, node: Node, path: str, owner: str, key_owner: dict[str, str]
+) -> list[str]:
+    """The tenant's keys; a key may belong to one tenant only, or identity is ambiguous."""
+    if isinstance(node, SequenceNode) and not node.value:
+        reader.error(node, path, "must list at least one key")
+    keys: list[str] = []
+    for key_path, key_node, key in reader.located_strings(node, path):
+        if any(ch.isspace() for ch in key):
+            reader.error(key_node, key_path, "must not contain whitespace")
+        elif key in key_owner:
+            reader.error(
+                key_node, key_path, f"key {_mask(key)} is already used by tenant {key_owner[key]!r}"
+            )
+        else:
+            key_owner[key] = owner
+            keys.append(key)
+    return keys
+
+
+def _read_tier_refs(
+    reader: _Reader, node: Node, path: str, tier_ranks: dict[str, int]
+) -> list[str]:
+    if isinstance(node, SequenceNode) and not node.value:
+        reader.error(node, path, "must list at least one tier")
+    names: list[str] = []
+    for name_path, name_node, name in reader.located_strings(node, path):
+        if name in tier_ranks:
+            names.append(name)
+        else:
+            reader.error(name_node, name_path, _unknown_tier(name, tier_ranks))
+    return names
+
+
+def _unknown_tier(name: str, tier_ranks: dict[str, int]) -> str:
+    return f"unknown tier {name!r} (tiers are: {', '.join(tier_ranks) or 'none'})"
+
+
+def _read_rules(reader: _Reader, node: Node, tier_ranks: dict[str, int]) -> list[Rule]:
+    rules: list[Rule] = []
+    names: set[str] = set()
+    for i, rule_node in enumerate(reader.sequence(node, "rules")):
+        rule = _read_rule(reader, rule_node, f"rules[{i}]", tier_ranks)
+        if rule is None:
+            continue
+        if rule.name in names:
+            reader.error(rule_node, f"rules[{i}].name", f"rule {rule.name!r} is defined twice")
+            continue
+        names.add(rule.name)
+        rules.append(rule)
+    return rules
+
+
+def _read_rule(reader: _Reader, node: Node, path: str, tier_ranks: dict[str, int]) -> Rule | None:
+    items = reader.mapping(node, path, _RULE_KEYS)
+    if not _required(reader, node, items, path, "name", "match"):
+        return None
+    errors_before = len(reader.errors)
+    name = reader.string(items["name"], f"{path}.name")
+    match = _read_match(reader, items["match"], f"{path}.match")
+    tier = workload = strip = add = None
+    if "tier" in items:
+        tier = reader.string(items["tier"], f"{path}.tier")
+        if tier is not None and tier not in tier_ranks:
+            reader.error(items["tier"], f"{path}.tier", _unknown_tier(tier, tier_ranks))
+    if "workload" in items:
+        workload = reader.string(items["workload"], f"{path}.workload", _TENANT_NAME)
+    if "strip_path_prefix" in items:
+        strip = _read_path_prefix(reader, items["strip_path_prefix"], f"{path}.strip_path_prefix")
+        prefix = match.path_prefix if match else None
+        if strip is not None and match is not None and not (prefix or "").startswith(strip):
+            reader.error(
+                items["strip_path_prefix"],
+                f"{path}.strip_path_prefix",
+                f"needs match.path_prefix to start with {strip!r}, so it always applies",
+            )
+    if "add_path_prefix" in items:
+        add = _read_path_prefix(reader, items["add_path_prefix"], f"{path}.add_path_prefix")
+    if tier is None and workload is None and strip is None and add is None:
+        reader.error(node, path, "does nothing: set tier, workload or a path rewrite")
+    if len(reader.errors) != errors_before or name is None or match is None:
+        return None
+    return Rule(name, match, tier, workload, strip, add)
+
+
+def _read_path_prefix(reader: _Reader, node: Node, path: str) -> str | None:
+    value = reader.string(node, path)
+    if value is not None and not value.startswith("/"):
+        reader.error(node, path, f"must start with '/', not {value!r}")
+        return None
+    return value
+
+
+def _read_match(reader: _Reader, node: Node, path: str) -> Match | None:
+    items = reader.mapping(node, path, _MATCH_KEYS)
+    if isinstance(node, MappingNode) and not items:
+        reader.error(node, path, "must test something (an empty match would match every request)")
+    errors_before = len(reader.errors)
+    prefix = None
+    if "path_prefix" in items:
+        prefix = _read_path_prefix(reader, items["path_prefix"], f"{path}.path_prefix")
+    regex = None
+    if "path_regex" in items:
+        regex = reader.regex(items["path_regex"], f"{path}.path_regex")
+    headers: tuple[Condition, ...] = ()
+    body: tuple[Condition, ...] = ()
+    if "headers" in items:
+        headers = tuple(_read_conditions(reader, items["headers"], f"{path}.headers", _HEADER_OPS))
+    if "body" in items:
+        body = tuple(_read_conditions(reader, items["body"], f"{path}.body", _BODY_OPS))
+    if len(reader.errors) != errors_before or not isinstance(node, MappingNode):
+        return None
+    return Match(prefix, regex, headers, body)
+
+
+def _read_conditions(
+    reader: _Reader, node: Node, path: str, ops: tuple[str, ...]
+) -> Iterator[Condition]:
+    """``field: value`` (equals), ``field: [a, b]`` (in) or ``field: {op: operand, ...}``."""
+    is_headers = ops is _HEADER_OPS
+    for name, value_node in reader.mapping(node, path, None).items():
+        sub = _join(path, name)
+        if is_headers and not _HEADER_NAME.fullmatch(name):
+            reader.error(value_node, sub, "header names must be lower-case tokens")
+            continue
+        if isinstance(value_node, MappingNode):
+            for op, operand_node in reader.mapping(value_node, sub, ops).items():
+                cond = _read_condition(reader, operand_node, f"{sub}.{op}", name, op, is_headers)
+                if cond is not None:
+                    yield cond
+        else:
+            op = "in" if isinstance(value_node, SequenceNode) else "equals"
+            cond = _read_condition(reader, value_node, sub, name, op, is_headers)
+            if cond is not None:
+                yield cond
+
+
+def _read_condition(
+    reader: _Reader, node: Node, path: str, field: str, op: str, is_headers: bool
+) -> Condition | None:
+    operand: Any
+    if op == "present":
+        operand = reader.typed(node, path, bool, "true or false")
+    elif op == "regex":
+        operand = reader.regex(node, path)
+    elif op in _NUMBER_OPS:
+        operand = reader.typed(node, path, (int, float), "a number")
+    elif op == "in":
+        values = [
+            _read_operand(reader, item, f"{path}[{i}]", is_headers)
+            for i, item in enumerate(reader.sequence(node, path))
+        ]
+        operand = None if None in values else tuple(values)
+    else:
+        operand = _read_operand(reader, node, path, is_headers)
+    if operand is None:
+        return None
+    return Condition(field, op, operand)  # type: ignore[arg-type]
+
+
+def _read_operand(reader: _Reader, node: Node, path: str, is_headers: bool) -> Any:
+    """A value to compare with: header values are strings; body values any JSON scalar."""
+    if is_headers:
+        value = reader.typed(node, path, str, "a string (quote numbers and booleans)")
+        return value
+    if not isinstance(node, ScalarNode) or _is_null(node):
+        reader.error(node, path, f"must be a string, number or boolean, not {_kind(node)}")
+        return None
+    return reader.scalar(node)
+
+
+# --------------------------------------------------------------------------- hot reload
+
+PolicyListener = Callable[[Policy], None]
+_UNREADABLE = (-1, -1, -1)
+
+
+class PolicyStore:
+    """The policy in force, re-read from its file while the service runs.
+
+    ``current`` is replaced by one attribute assignment, so a reader sees the old policy
+    or the new one, never a mix. A file that fails validation is logged and ignored: a typo
+    in an edit must not take the gateway down, nor leave it without a policy.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], poll_interval_s: float = 1.0) -> None:
+        self.path = Path(path)
+        self.poll_interval_s = poll_interval_s
+        self._listeners: list[PolicyListener] = []
+        data = self.path.read_bytes()
+        self._stamp = self._stat()
+        self._digest = hashlib.sha256(data).digest()
+        self.current: Policy = _parse_bytes(data, str(self.path))
+
+    def on_change(self, callback: PolicyListener) -> None:
+        """Call ``callback(new_policy)`` after each swap (queues resize their limits)."""
+        self._listeners.append(callback)
+
+    def _stat(self) -> tuple[int, int, int]:
+        st = self.path.stat()
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def reload(self) -> bool:
+        """Re-read the file if it changed; return whether a new policy was swapped in."""
+        try:
+            stamp = self._stat()
+            if stamp == self._stamp:
+                return False
+            data = self.path.read_bytes()
+        except OSError as exc:  # e.g. mid-way through an editor's delete-and-recreate
+            if self._stamp != _UNREADABLE:
+                log.warning("policy %s not readable, keeping the previous one: %s", self.path, exc)
+            self._stamp = _UNREADABLE
+            return False
+        self._stamp = stamp
+        digest = hashlib.sha256(data).digest()
+        if digest == self._digest:
+            return False
+        self._digest = digest  # a bad file is reported once, not on every poll
+        try:
+            policy = _parse_bytes(data, str(self.path))
+        except PolicyError as exc:
+            log.error("policy %s not reloaded, keeping the previous one: %s", self.path, exc)
+            return False
+        self.current = policy
+        log.info(
+            "policy %s reloaded: %d tiers, %d tenants, %d rules",
+            self.path,
+            len(policy.tiers),
+            len(policy.tenants),
+            len(policy.rules),
+        )
+        for listener in self._listeners:
+            try:
+                listener(policy)
+            except Exception:
+                log.exception("policy listener %r failed", listener)
+        return True
+
+    async def watch(self) -> None:
+        """Poll the file forever (cancel the task to stop); a stat per poll when unchanged."""
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            self.reload()

@@ -78,6 +78,8 @@ H2_MAX_WINDOW = 2**31 - 1
 # Upstream (vLLM) limits: high enough never to be the bottleneck; admission is fairlane's job.
 BACKEND_MAX_REQUESTS = 100_000
 BACKEND_MAX_RETRIES = 1_000  # Envoy's default of 3 concurrent retries (hedges count) is too low.
+# Floor for the global downstream connection limit (overload manager).
+MIN_DOWNSTREAM_CONNECTIONS = 50_000
 
 
 class EnvoyConfigError(RuntimeError):
@@ -189,6 +191,12 @@ class EnvoyParams:
         """Circuit-breaker limit on the ext_proc cluster: every held request is one stream."""
         return self.max_held_requests + EXTPROC_STREAM_HEADROOM
 
+    @property
+    def max_downstream_connections(self) -> int:
+        """Global client-connection cap: HTTP/1.1 clients hold one connection per held
+        request, so it must sit well above ``max_held_requests``."""
+        return max(MIN_DOWNSTREAM_CONNECTIONS, 2 * self.max_held_requests)
+
 
 # --------------------------------------------------------------------------- pure builders
 
@@ -200,6 +208,20 @@ def render_bootstrap(params: EnvoyParams) -> dict[str, Any]:
         "static_resources": {
             "listeners": [_listener(params)],
             "clusters": [extproc_cluster(params), backend_cluster(params)],
+        },
+        # A bound on client connections (Envoy warns at startup without one). Check the
+        # process's file-descriptor limit (ulimit -n) is above it.
+        "overload_manager": {
+            "resource_monitors": [
+                {
+                    "name": "envoy.resource_monitors.global_downstream_max_connections",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.resource_monitors."
+                        "downstream_connections.v3.DownstreamConnectionsConfig",
+                        "max_active_downstream_connections": params.max_downstream_connections,
+                    },
+                }
+            ]
         },
     }
 
@@ -323,9 +345,12 @@ def route(params: EnvoyParams) -> dict[str, Any]:
                 },
             },
         },
-        # From the service's ``fairlane`` dynamic metadata. A missing key formats as empty
-        # and Envoy skips empty values (keep_empty_value false), so local replies (an
-        # ext_proc ImmediateResponse, a 413, ...) get no such header rather than "-".
+        # From the service's ``fairlane`` dynamic metadata (numbers print as "12", "12.5").
+        # Verified on Envoy 1.40: a missing namespace/key formats as empty and empty values
+        # are skipped (keep_empty_value false), so the header is absent, never "-". Route
+        # headers also apply to local replies: an ImmediateResponse whose ProcessingResponse
+        # carries ``fairlane`` metadata gets them too, and headers the ImmediateResponse
+        # sets itself win over these.
         "response_headers_to_add": [
             {
                 "header": {

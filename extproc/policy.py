@@ -415,10 +415,11 @@ def _join(path: str, key: str) -> str:
 
 def _shown(value: str, path: str) -> str:
     """Never echo an API key into logs or terminals; show its start only."""
-    return _mask(value) if "api_keys" in path else repr(value)
+    return key_hint(value) if "api_keys" in path else repr(value)
 
 
-def _mask(key: str) -> str:
+def key_hint(key: str) -> str:
+    """Enough of an API key to tell keys apart in messages, never enough to use one."""
     return f"{key[: min(4, len(key) // 3)]}…"
 
 
@@ -642,7 +643,9 @@ def _read_api_keys(
             reader.error(key_node, key_path, "must not contain whitespace")
         elif key in key_owner:
             reader.error(
-                key_node, key_path, f"key {_mask(key)} is already used by tenant {key_owner[key]!r}"
+                key_node,
+                key_path,
+                f"key {key_hint(key)} is already used by tenant {key_owner[key]!r}",
             )
         else:
             key_owner[key] = owner

@@ -19,6 +19,7 @@ from extproc.admission import Admission, Grant, Ticket
 from extproc.classify import RequestClass, authenticate, classify, parse_body
 from extproc.errors import Rejection, error_body
 from extproc.messages import Completion, Forward, RequestInfo, Respond
+from extproc.metrics import Outcomes
 from extproc.picker import pick
 from extproc.policy import PolicyStore
 
@@ -60,13 +61,9 @@ class Pending:
         try:
             grant = await self._ticket.wait()
         except Rejection as rejection:
-            return respond_to(rejection)
+            return self._gateway.respond_to(rejection)
         return self._gateway.forward(self._info, self._body, self._request, grant,
                                      self._request_id)
-
-
-def respond_to(rejection: Rejection) -> Respond:
-    return Respond(rejection.status, rejection.body, rejection.headers)
 
 
 def client_headers_to_strip(headers: Mapping[str, str]) -> tuple[str, ...]:
@@ -84,15 +81,21 @@ class Gateway:
     def __init__(self, policies: PolicyStore, admission: Admission) -> None:
         self.policies = policies
         self.admission = admission
+        self.outcomes = Outcomes()
 
     def handle(self, info: RequestInfo) -> Forward | Respond | Pending:
         try:
             return self._handle(info)
         except Rejection as rejection:
-            return respond_to(rejection)
+            return self.respond_to(rejection)
         except Exception:  # a bug must cost one request, never the service
             log.exception("unexpected error handling %s %s", info.method, info.path)
+            self.outcomes.reject(500, "internal_error")
             return Respond(500, error_body(500, "internal gateway error"))
+
+    def respond_to(self, rejection: Rejection) -> Respond:
+        self.outcomes.reject(rejection.status, rejection.code)
+        return Respond(rejection.status, rejection.body, rejection.headers)
 
     def _handle(self, info: RequestInfo) -> Forward | Respond | Pending:
         policy = self.policies.current
@@ -135,6 +138,7 @@ class Gateway:
         if request_id != info.request_id:
             set_headers["x-request-id"] = request_id
         strip = tuple(h for h in client_headers_to_strip(info.headers) if h not in set_headers)
+        self.outcomes.forward(request.tier.name)
         return Forward(
             body=json.dumps(body, separators=(",", ":")).encode(),
             endpoints=grant.endpoints,

@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
 from extproc.admission import Admission
 from extproc.backends import BackendPool, BackendSpec, parse_backend
 from extproc.gateway import Gateway
+from extproc.metrics import GatewayCollector, start_metrics_server
 from extproc.policy import DEFAULT_POLICY_PATH, PolicyStore
 from extproc.service import AccessLog, ExternalProcessor
 
@@ -51,6 +53,8 @@ class ServiceConfig:
     health_interval_s: float = 1.0
     completion_timeout_s: float = 1800.0
     """A request whose completion event never arrives frees its slot after this long."""
+    metrics_port: int | None = None
+    """Serve the gateway's Prometheus metrics on this port (0: any free port)."""
 
 
 class Service:
@@ -72,9 +76,16 @@ class Service:
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(self.gateway), self.server)
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         self._tasks: list[asyncio.Task[None]] = []
+        self._metrics: web.AppRunner | None = None
+        self.metrics_port: int | None = None
 
     async def start(self) -> None:
         await self.server.start()
+        if self.config.metrics_port is not None:
+            collector = GatewayCollector(self.admission, self.gateway.outcomes)
+            self._metrics, self.metrics_port = await start_metrics_server(
+                collector, self.config.host, self.config.metrics_port
+            )
         self._tasks = [
             asyncio.create_task(self.policies.watch(), name="policy-watch"),
             asyncio.create_task(
@@ -91,6 +102,8 @@ class Service:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.server.stop(grace_s)
+        if self._metrics is not None:
+            await self._metrics.cleanup()
 
     async def _expire_lost_completions(self) -> None:
         interval = min(10.0, self.config.completion_timeout_s / 4)
@@ -122,6 +135,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backend", action="append", default=[], metavar="[REGION=]URL", required=True,
         help="a vLLM server, e.g. region-a=http://10.0.0.5:8000 (repeatable; first region is local)",
     )
+    parser.add_argument(
+        "--metrics-port", type=int, default=None,
+        help="serve the gateway's Prometheus metrics at /metrics on this port",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -136,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = ServiceConfig(
         backends=backends_from_args(args.backend), policy_path=args.policy,
-        host=args.host, port=args.port,
+        host=args.host, port=args.port, metrics_port=args.metrics_port,
     )
     try:
         import uvloop

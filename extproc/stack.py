@@ -38,6 +38,7 @@ class StackConfig:
     """Have each simulator log the requests it receives (tests read them)."""
     admin_port: int = 0
     service_port: int = 0
+    metrics_port: int = 0
     envoy_log_level: str = "warn"
 
 
@@ -49,6 +50,7 @@ class Stack:
     group: ProcessGroup
     backends: tuple[BackendSpec, ...] = ()
     service_port: int = 0
+    metrics_port: int = 0
     admin_port: int = 0
     request_logs: dict[str, Path] = field(default_factory=dict)
     """Backend address -> the simulator's request log (when ``sim_log_requests``)."""
@@ -66,10 +68,11 @@ class Stack:
         policy = load_policy(config.policy_path)  # fail before starting anything
         self.backends = config.backends or self._start_simulators()
         self.service_port = config.service_port or free_port()
+        self.metrics_port = config.metrics_port or free_port()
         service = self.group.start(
             "service",
             [sys.executable, "-m", "extproc", "serve", "--port", str(self.service_port),
-             "--policy", str(config.policy_path),
+             "--metrics-port", str(self.metrics_port), "--policy", str(config.policy_path),
              *[arg for b in self.backends for arg in ("--backend", f"{b.region}={b.url}")]],
         )
         wait_port_open(self.service_port, service)
@@ -157,6 +160,7 @@ def _print_banner(stack: Stack) -> None:
         f"fairlane is up: OpenAI API on {stack.url}",
         *[f"  backend {b.address} ({b.region})" for b in stack.backends],
         f"  ext_proc service 127.0.0.1:{stack.service_port}, Envoy admin {stack.admin_url}",
+        f"  gateway metrics http://127.0.0.1:{stack.metrics_port}/metrics",
         f"  logs in {stack.group.log_dir}",
         "",
         "try:",

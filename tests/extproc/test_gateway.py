@@ -1,0 +1,126 @@
+"""The per-request pipeline without sockets: real policy, real admission, plain objects."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from extproc.admission import Admission
+from extproc.backends import BackendPool, BackendSpec
+from extproc.gateway import Gateway, Pending
+from extproc.messages import Completion, Forward, RequestInfo, Respond
+from extproc.policy import DEFAULT_POLICY_PATH, PolicyStore
+
+CHAT = "/v1/chat/completions"
+
+
+def make_gateway(limit: int = 4, policy_path: Path = DEFAULT_POLICY_PATH) -> Gateway:
+    pool = BackendPool([BackendSpec("127.0.0.1", 8101, "a"), BackendSpec("127.0.0.1", 8102, "b")])
+    admission = Admission(pool, lambda: limit)
+    return Gateway(PolicyStore(policy_path), admission)
+
+
+def request(
+    key: str = "sk-chat-demo",
+    body: object = None,
+    path: str = CHAT,
+    request_id: str = "rid-1",
+    **headers: str,
+) -> RequestInfo:
+    payload = body if body is not None else {
+        "model": "m", "messages": [{"role": "user", "content": "hello"}]}
+    all_headers = {":method": "POST", ":path": path, "x-request-id": request_id,
+                   "authorization": f"Bearer {key}", **headers}
+    return RequestInfo("POST", path, all_headers, json.dumps(payload).encode(), request_id)
+
+
+async def test_forward_injects_priority_in_body_and_header_and_names_endpoints() -> None:
+    gateway = make_gateway()
+    decision = gateway.handle(request())
+    assert isinstance(decision, Forward)
+    body = json.loads(decision.body)
+    assert body["priority"] == 0 and decision.set_headers["x-vllm-priority"] == "0"
+    assert decision.endpoints == ("127.0.0.1:8101", "127.0.0.1:8102")
+    assert decision.metadata == {"tier": "interactive", "queue_ms": "0"}
+
+
+async def test_client_internal_headers_and_numeric_priority_never_pass() -> None:
+    gateway = make_gateway()
+    info = request(
+        key="sk-api-demo",
+        body={"model": "m", "prompt": "x", "priority": -100},
+        **{"x-vllm-priority": "-100", "x-gateway-destination-endpoint": "6.6.6.6:1",
+           "x-fairlane-tier": "interactive", "x-target-cluster": "evil"},
+    )
+    decision = gateway.handle(info)
+    assert isinstance(decision, Forward)
+    assert json.loads(decision.body)["priority"] == 10
+    assert decision.set_headers["x-vllm-priority"] == "10"
+    assert decision.set_headers["x-fairlane-tier"] == "api"
+    assert "6.6.6.6:1" not in decision.endpoints
+    # the codec always overwrites x-gateway-destination-endpoint with decision.endpoints
+    assert {"authorization", "x-target-cluster"} <= set(decision.remove_headers)
+    assert "x-vllm-priority" not in decision.remove_headers  # overwritten, not removed
+
+
+async def test_each_pending_request_of_a_user_ranks_one_lower() -> None:
+    gateway = make_gateway(limit=10)
+    priorities = []
+    for i in range(3):
+        decision = gateway.handle(request(key="sk-api-demo", request_id=f"r{i}"))
+        assert isinstance(decision, Forward)
+        priorities.append(int(decision.set_headers["x-vllm-priority"]))
+    assert priorities == [10, 11, 12]
+
+
+@pytest.mark.parametrize(
+    ("info", "status"),
+    [
+        (request(key="sk-nobody"), 401),
+        (RequestInfo("POST", CHAT, {"authorization": "Bearer sk-chat-demo"}, b"{nope"), 400),
+        (request(**{"x-priority": "platinum"}), 400),
+    ],
+)
+async def test_bad_requests_become_openai_errors(info: RequestInfo, status: int) -> None:
+    decision = make_gateway().handle(info)
+    assert isinstance(decision, Respond)
+    assert decision.status == status
+    assert set(json.loads(decision.body)["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_held_request_is_released_by_a_completion() -> None:
+    gateway = make_gateway(limit=1)
+    first = gateway.handle(request(request_id="a", key="sk-batch-demo"))
+    assert isinstance(first, Forward)
+    assert isinstance(gateway.handle(request(request_id="b", key="sk-batch-demo")), Forward)
+    held = gateway.handle(request(request_id="c"))
+    assert isinstance(held, Pending)
+    assert held.hold_s > 10  # the interactive deadline plus a margin
+    gateway.completed(Completion("a", 200, "127.0.0.1:8101", 1.0, 10))
+    decision = await held.outcome()
+    assert isinstance(decision, Forward)
+    assert decision.endpoints[0] == "127.0.0.1:8101"
+
+
+async def test_batch_path_is_rewritten_and_served_as_batch() -> None:
+    decision = make_gateway().handle(request(path="/v1/batch/chat/completions"))
+    assert isinstance(decision, Forward)
+    assert decision.set_headers[":path"] == "/v1/chat/completions"
+
+
+async def test_reused_request_id_gets_a_fresh_one() -> None:
+    gateway = make_gateway()
+    gateway.handle(request(request_id="same"))
+    second = gateway.handle(request(request_id="same"))
+    assert isinstance(second, Forward)
+    assert second.set_headers["x-request-id"] != "same"
+
+
+async def test_bodiless_get_is_authenticated_and_routed_without_queueing() -> None:
+    gateway = make_gateway()
+    info = RequestInfo("GET", "/v1/models", {"authorization": "Bearer sk-chat-demo"})
+    decision = gateway.handle(info)
+    assert isinstance(decision, Forward) and decision.endpoints
+    assert gateway.admission.in_flight == 0
+    anonymous = gateway.handle(RequestInfo("GET", "/v1/models", {}))
+    assert isinstance(anonymous, Respond) and anonymous.status == 401

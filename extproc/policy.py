@@ -318,8 +318,10 @@ class _Reader:
         if not isinstance(node, MappingNode):
             self.error(node, path, f"must be a mapping, not {_kind(node)}")
             return {}
+        own = {id(key_node) for key_node, _ in node.value}
         self._constructor.flatten_mapping(node)  # resolve `<<: *anchor` merges
         items: dict[str, Node] = {}
+        merged: set[str] = set()  # keys from a merge, which the mapping's own keys override
         for key_node, value_node in node.value:
             key = self.scalar(key_node) if isinstance(key_node, ScalarNode) else None
             if not isinstance(key, str):
@@ -328,10 +330,13 @@ class _Reader:
             sub = _join(path, key)
             if keys is not None and key not in keys:
                 self.error(key_node, sub, f"unknown field (expected one of: {', '.join(keys)})")
-            elif key in items:
+            elif key in items and key not in merged:
                 self.error(key_node, sub, "duplicate field")
             else:
                 items[key] = value_node
+                merged.discard(key)
+                if id(key_node) not in own:
+                    merged.add(key)
         return items
 
     def sequence(self, node: Node, path: str) -> list[Node]:

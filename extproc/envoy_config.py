@@ -540,8 +540,6 @@ def _listener(params: EnvoyParams) -> dict[str, Any]:
             },
         ],
     }
-    if params.access_log_path is not None:
-        hcm["access_log"] = [_access_log(params.access_log_path)]
     return {
         "name": "fairlane_http",
         "address": _socket_address(params.listen_host, params.listen_port),
@@ -569,7 +567,36 @@ def _hcm_settings(params: EnvoyParams) -> dict[str, Any]:
         "max_request_headers_kb": 96,
         # x-request-id ties the service's logs, the access log and the client together.
         "generate_request_id": True,
+        "access_log": _access_logs(params),
     }
+
+
+def _access_logs(params: EnvoyParams) -> list[dict[str, Any]]:
+    """The completion feed first, then the optional file log.
+
+    The service learns that a request finished (and frees its backend slot) from Envoy's
+    gRPC access-log stream to the same process, so response bodies never pass through
+    Python. ``buffer_size_bytes: 0`` sends each entry at once instead of batching for 1 s.
+    """
+    logs = [
+        {
+            "name": "envoy.access_loggers.http_grpc",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3."
+                "HttpGrpcAccessLogConfig",
+                "common_config": {
+                    "log_name": "fairlane-completions",
+                    "transport_api_version": "V3",
+                    "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+                    "buffer_size_bytes": 0,
+                    "buffer_flush_interval": "0.1s",
+                },
+            },
+        }
+    ]
+    if params.access_log_path is not None:
+        logs.append(_access_log(params.access_log_path))
+    return logs
 
 
 def _access_log(path: str) -> dict[str, Any]:

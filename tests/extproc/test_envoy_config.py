@@ -234,7 +234,11 @@ def test_timeouts_and_limits(name: str) -> None:
     ]["explicit_http_config"]["http2_protocol_options"]
     assert h2["connection_keepalive"] == {"interval": "10s", "timeout": "5s"}
     assert h2["initial_stream_window_size"] > params.max_body_bytes
-    assert ("access_log" in hcm) == (params.access_log_path is not None)
+    logs = hcm["access_log"]
+    completions = logs[0]["typed_config"]["common_config"]
+    assert completions["grpc_service"]["envoy_grpc"]["cluster_name"] == "fairlane_extproc"
+    assert completions["buffer_size_bytes"] == 0  # each completion is sent at once
+    assert len(logs) == (2 if params.access_log_path is not None else 1)
 
 
 @pytest.mark.parametrize("name", RENDERS)

@@ -1,0 +1,114 @@
+"""A whole gateway (real Envoy, the service, simulated vLLM) on free loopback ports.
+
+The stack is the one ``fairlane up`` runs, started with a small test policy so that queues
+fill and deadlines pass within seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from extproc.processes import ProcessGroup
+from extproc.stack import Stack, StackConfig
+
+# One backend that admits one request at a time: a single long request fills the fleet.
+TEST_POLICY = """\
+max_body_bytes: 65536
+max_in_flight_per_backend: 1
+on_escalation: downgrade
+user_header: x-user-id
+tiers:
+  - name: interactive
+    aliases: [high]
+    priority: 0
+    queue_limit: 4
+    queue_deadline_s: 30
+  - name: api
+    aliases: [normal]
+    priority: 10
+    queue_limit: 1
+    queue_deadline_s: 1.5
+  - name: batch
+    aliases: [low]
+    priority: 20
+    queue_limit: 8
+    queue_deadline_s: 60
+tenants:
+  - name: chat-app
+    api_keys: [sk-chat-demo]
+    tiers: [interactive]
+  - name: code-review
+    api_keys: [sk-api-demo]
+    tiers: [api]
+  - name: nightly-batch
+    api_keys: [sk-batch-demo]
+    tiers: [batch]
+rules:
+  - name: batch-endpoint
+    match: {path_prefix: /v1/batch/}
+    tier: batch
+    strip_path_prefix: /v1/batch
+    add_path_prefix: /v1
+"""
+
+# llama-8b-l4 takes ~55 ms per step: 60 tokens hold the only slot for ~3 s.
+SIM_ARGS = ("--scheduling-policy", "priority", "--profile", "llama-8b-l4", "--model", "sim-model")
+MODEL = "sim-model"
+
+
+def start_stack(tmp: Path, policy_text: str = TEST_POLICY) -> tuple[ProcessGroup, Stack]:
+    policy = tmp / "policy.yaml"
+    policy.write_text(policy_text)
+    group = ProcessGroup(tmp / "logs")
+    try:
+        config = StackConfig(
+            port=_free(), policy_path=policy, sim_regions=("region-a",),
+            sim_args=SIM_ARGS, sim_log_requests=True,
+        )
+        stack = Stack(config, group).start()
+    except BaseException:
+        group.stop()
+        raise
+    return group, stack
+
+
+def _free() -> int:
+    from extproc.processes import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    group, running = start_stack(tmp_path_factory.mktemp("stack"))
+    try:
+        yield running
+    finally:
+        group.stop()
+
+
+def backend_requests(stack: Stack) -> list[dict[str, Any]]:
+    """Every request the (single) simulated backend received, oldest first."""
+    (log,) = stack.request_logs.values()
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def chat(content: str = "Hello there", max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}

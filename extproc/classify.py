@@ -272,7 +272,7 @@ def _text_tokens(value: Any, field: str) -> int:
                 total += 1
             elif isinstance(item, list):
                 total += len(item)
-            elif isinstance(item, Mapping):  # a Responses API message item
+            elif isinstance(item, Mapping) and field == "input":  # a Responses API item
                 total += count_tokens(render_chat([item]))
             elif field == "prompt":
                 break  # not a shape we know; fall through to the error below

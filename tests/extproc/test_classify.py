@@ -1,0 +1,362 @@
+"""Per-request decisions: body parsing, authentication, tier, user, workload, size."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from extproc.classify import RequestClass, authenticate, classify, parse_body, prompt_tokens
+from extproc.errors import Rejection
+from extproc.messages import RequestInfo
+from extproc.policy import DEFAULT_POLICY_PATH, Policy, load_policy, parse_policy
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def policy() -> Policy:
+    return load_policy(DEFAULT_POLICY_PATH)
+
+
+def request(
+    key: str | None = "sk-chat-demo",
+    body: dict[str, Any] | bytes | None = None,
+    path: str = CHAT,
+    method: str = "POST",
+    raw_headers: dict[str, str] | None = None,
+    **headers: str,
+) -> RequestInfo:
+    all_headers = {name.replace("_", "-"): value for name, value in headers.items()}
+    all_headers.update(raw_headers or {})
+    if key is not None:
+        all_headers["authorization"] = f"Bearer {key}"
+    if body is None:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return RequestInfo(method=method, path=path, headers=all_headers, body=raw)
+
+
+def run(policy: Policy, info: RequestInfo) -> RequestClass:
+    return classify(policy, info, parse_body(policy, info))
+
+
+def rejection(policy: Policy, info: RequestInfo) -> Rejection:
+    with pytest.raises(Rejection) as caught:
+        run(policy, info)
+    return caught.value
+
+
+def error_of(rej: Rejection) -> dict[str, Any]:
+    error: dict[str, Any] = json.loads(rej.body)["error"]
+    return error
+
+
+# --------------------------------------------------------------------------- parse_body
+
+
+def test_parse_body_returns_the_object(policy: Policy) -> None:
+    assert parse_body(policy, request(body={"model": "m"})) == {"model": "m"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [
+        (b'{"model": ', "could not parse the JSON body"),
+        (b"\xff\xfe\xfa", "could not parse the JSON body"),
+        (b"[1, 2]", "must be a JSON object, not an array"),
+        (b'"text"', "must be a JSON object, not a string"),
+        (b"3", "must be a JSON object, not a number"),
+        (b"null", "must be a JSON object, not null"),
+        (b"", "body is empty"),
+        (b"[" * 100_000 + b"]" * 100_000, "could not parse the JSON body"),
+    ],
+)
+def test_malformed_body_is_400(policy: Policy, raw: bytes, words: str) -> None:
+    rej = rejection(policy, request(body=raw))
+    assert rej.status == 400
+    assert words in rej.message
+    assert error_of(rej)["type"] == "invalid_request_error"
+
+
+def test_empty_body_is_fine_for_bodiless_methods(policy: Policy) -> None:
+    assert parse_body(policy, request(body=b"", method="GET")) == {}
+
+
+def test_body_over_the_limit_is_413(policy: Policy) -> None:
+    text = DEFAULT_POLICY_PATH.read_text()
+    small = parse_policy(text.replace("max_body_bytes: 8388608", "max_body_bytes: 100"), "s.yaml")
+    fits = {"model": "m", "prompt": "x" * 60}
+    assert len(json.dumps(fits)) <= 100
+    assert parse_body(small, request(body=fits))["prompt"] == "x" * 60
+    rej = rejection(small, request(body={"model": "m", "prompt": "x" * 200}))
+    assert rej.status == 413
+    assert "limit is 100 bytes" in rej.message
+    # checked before parsing: oversized garbage is 413, not 400
+    assert rejection(small, request(body=b"{" * 101)).status == 413
+
+
+def test_invalid_headers_are_named(policy: Policy) -> None:
+    info = RequestInfo(
+        "POST",
+        CHAT,
+        {"authorization": "Bearer sk-chat-demo"},
+        b"{}",
+        invalid_headers=("x-name", "x-city"),
+    )
+    rej = rejection(policy, info)
+    assert rej.status == 400
+    assert "x-city, x-name" in rej.message
+
+
+# --------------------------------------------------------------------------- authentication
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"authorization": "Bearer "},
+        {"authorization": "Basic sk-chat-demo"},
+        {"x-api-key": ""},
+    ],
+)
+def test_missing_key_is_401(policy: Policy, headers: dict[str, str]) -> None:
+    rej = rejection(policy, request(key=None, raw_headers=headers))
+    assert rej.status == 401
+    assert rej.code == "invalid_api_key"
+    assert error_of(rej)["type"] == "authentication_error"
+
+
+def test_unknown_key_is_401_without_echoing_the_key(policy: Policy) -> None:
+    rej = rejection(policy, request(key="sk-wrong-but-long-key"))
+    assert (rej.status, rej.code) == (401, "invalid_api_key")
+    assert "sk-wrong-but-long-key" not in rej.message
+    assert "sk-w***-key" in rej.message
+
+
+def test_keys_are_exact(policy: Policy) -> None:
+    assert rejection(policy, request(key="SK-CHAT-DEMO")).status == 401
+
+
+def test_x_api_key_and_bearer_scheme_case(policy: Policy) -> None:
+    info = request(key=None, x_api_key="sk-api-demo")
+    assert authenticate(policy, info).name == "code-review"
+    info = request(key=None, authorization="bearer   sk-batch-demo ")
+    assert authenticate(policy, info).name == "nightly-batch"
+
+
+def test_auth_is_checked_before_anything_else_in_classify(policy: Policy) -> None:
+    info = request(key="nope", x_priority="martian")
+    assert rejection(policy, info).status == 401
+
+
+# --------------------------------------------------------------------------- tiers
+
+
+@pytest.mark.parametrize(
+    ("key", "tier"),
+    [("sk-chat-demo", "interactive"), ("sk-api-demo", "api"), ("sk-batch-demo", "batch")],
+)
+def test_default_tier_by_key(policy: Policy, key: str, tier: str) -> None:
+    result = run(policy, request(key=key))
+    assert result.tier.name == tier
+    assert (result.asked_tier, result.downgraded) == (None, False)
+
+
+@pytest.mark.parametrize(
+    ("word", "tier"),
+    [
+        ("high", "interactive"),
+        ("normal", "api"),
+        ("low", "batch"),
+        ("batch", "batch"),
+        ("API", "api"),
+        (" Low ", "batch"),
+        ("interactive", "interactive"),
+    ],
+)
+def test_alias_words_via_header(policy: Policy, word: str, tier: str) -> None:
+    result = run(policy, request(key="sk-chat-demo", x_priority=word))
+    assert result.tier.name == tier
+    assert result.asked_tier == tier
+    assert result.downgraded is False
+
+
+def test_asking_via_the_body(policy: Policy) -> None:
+    body = {"model": "m", "prompt": "p", "priority": "low"}
+    result = run(policy, request(body=body))
+    assert (result.tier.name, result.asked_tier) == ("batch", "batch")
+
+
+def test_a_numeric_body_priority_is_not_an_ask(policy: Policy) -> None:
+    result = run(policy, request(key="sk-api-demo", body={"model": "m", "priority": -100}))
+    assert (result.tier.name, result.asked_tier, result.downgraded) == ("api", None, False)
+
+
+def test_the_header_beats_the_body(policy: Policy) -> None:
+    body = {"model": "m", "priority": "high"}
+    assert run(policy, request(body=body, x_priority="low")).tier.name == "batch"
+
+
+def test_unknown_tier_is_400(policy: Policy) -> None:
+    rej = rejection(policy, request(x_priority="urgent!!"))
+    assert (rej.status, rej.param) == (400, "priority")
+    assert "high" in rej.message and "batch" in rej.message
+    rej = rejection(policy, request(body={"model": "m", "priority": "vip"}))
+    assert (rej.status, rej.param) == (400, "priority")
+
+
+def test_escalation_is_downgraded(policy: Policy) -> None:
+    result = run(policy, request(key="sk-batch-demo", x_priority="high"))
+    assert result.tier.name == "batch"
+    assert result.asked_tier == "interactive"
+    assert result.downgraded is True
+    result = run(policy, request(key="sk-api-demo", x_priority="interactive"))
+    assert (result.tier.name, result.downgraded) == ("api", True)
+
+
+def test_escalation_is_403_when_the_policy_rejects() -> None:
+    strict = parse_policy(
+        DEFAULT_POLICY_PATH.read_text().replace(
+            "on_escalation: downgrade", "on_escalation: reject"
+        ),
+        "strict.yaml",
+    )
+    rej = rejection(strict, request(key="sk-api-demo", x_priority="high"))
+    assert (rej.status, rej.code, rej.param) == (403, "tier_not_allowed", "priority")
+    assert error_of(rej)["type"] == "permission_error"
+    # asking lower stays fine, and a rule is capped quietly rather than refused
+    assert run(strict, request(key="sk-api-demo", x_priority="low")).tier.name == "batch"
+
+
+def test_asking_lower_than_allowed_is_always_fine(policy: Policy) -> None:
+    result = run(policy, request(key="sk-chat-demo", x_priority="api"))  # api not in its list
+    assert (result.tier.name, result.downgraded) == ("api", False)
+
+
+# --------------------------------------------------------------------------- rules
+
+
+def test_batch_path_rule_rewrites_the_path(policy: Policy) -> None:
+    result = run(policy, request(path="/v1/batch/chat/completions"))
+    assert result.tier.name == "batch"
+    assert result.path == "/v1/chat/completions"
+    assert result.workload == "batch"
+    assert run(policy, request()).path == CHAT
+
+
+def test_the_client_ask_beats_rules_but_the_path_is_still_rewritten(policy: Policy) -> None:
+    result = run(policy, request(path="/v1/batch/completions", x_priority="normal"))
+    assert (result.tier.name, result.path) == ("api", "/v1/completions")
+
+
+def test_header_rule(policy: Policy) -> None:
+    result = run(policy, request(x_workload="eval"))
+    assert (result.tier.name, result.workload) == ("batch", "eval")
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_body_rule(policy: Policy, field: str) -> None:
+    long = {"model": "m", "prompt": "p", field: 10_000}
+    result = run(policy, request(body=long))
+    assert (result.tier.name, result.workload) == ("batch", "long-generation")
+    assert result.max_tokens == 10_000
+    short = {"model": "m", "prompt": "p", field: 8192}
+    assert run(policy, request(body=short)).tier.name == "interactive"
+
+
+def test_rules_never_escalate() -> None:
+    text = DEFAULT_POLICY_PATH.read_text().replace(
+        "rules:\n",
+        "rules:\n  - name: vip\n    match: {headers: {x-vip: 'yes'}}\n    tier: interactive\n",
+    )
+    custom = parse_policy(text, "vip.yaml")
+    result = run(custom, request(key="sk-batch-demo", x_vip="yes"))
+    assert (result.tier.name, result.downgraded) == ("batch", True)
+    assert run(custom, request(key="sk-api-demo")).tier.name == "api"
+
+
+def test_workload_and_tier_come_from_the_first_rule_that_sets_each() -> None:
+    text = DEFAULT_POLICY_PATH.read_text().replace(
+        "rules:\n",
+        "rules:\n  - name: label\n    match: {body: {model: tagged}}\n    workload: tagged\n",
+    )
+    custom = parse_policy(text, "label.yaml")
+    result = run(custom, request(body={"model": "tagged", "prompt": "p"}, x_workload="eval"))
+    assert (result.tier.name, result.workload) == ("batch", "tagged")
+
+
+# --------------------------------------------------------------------------- user, size, shape
+
+
+def test_user_from_body_then_header_then_tenant(policy: Policy) -> None:
+    body = {"model": "m", "prompt": "p", "user": "u-body"}
+    assert run(policy, request(body=body, x_user_id="u-header")).user == "u-body"
+    assert run(policy, request(x_user_id="u-header")).user == "u-header"
+    assert run(policy, request()).user == "chat-app"
+    assert run(policy, request(body={"model": "m", "user": 42})).user == "chat-app"
+
+
+def test_model_stream_and_max_tokens(policy: Policy) -> None:
+    body = {
+        "model": "llama",
+        "messages": [],
+        "stream": True,
+        "max_tokens": 5,
+        "max_completion_tokens": 7,
+    }
+    result = run(policy, request(body=body))
+    assert (result.model, result.stream, result.max_tokens) == ("llama", True, 7)
+    result = run(policy, request(body={"model": 3, "stream": "yes"}))
+    assert (result.model, result.stream, result.max_tokens) == (None, False, None)
+
+
+@pytest.mark.parametrize("value", ["100", 1.5, -1, True, [1]])
+def test_bad_max_tokens_is_400(policy: Policy, value: object) -> None:
+    rej = rejection(policy, request(body={"model": "m", "max_tokens": value}))
+    assert (rej.status, rej.param) == (400, "max_tokens")
+
+
+def test_token_estimate_grows_with_the_prompt(policy: Policy) -> None:
+    def chat(text: str) -> int:
+        body = {"model": "m", "messages": [{"role": "user", "content": text}]}
+        return run(policy, request(body=body)).prompt_tokens
+
+    short, long = chat("hello there"), chat("hello there " * 200)
+    assert 0 < short < long
+    assert long - short >= 200
+
+
+@pytest.mark.parametrize(
+    ("body", "at_least"),
+    [
+        ({"prompt": "one two three four"}, 4),
+        ({"prompt": ["one two", "three four"]}, 4),
+        ({"prompt": [1, 2, 3, 4, 5]}, 5),
+        ({"prompt": [[1, 2], [3, 4, 5]]}, 5),
+        ({"input": "one two three"}, 3),
+        ({"input": [{"role": "user", "content": "one two three"}]}, 3),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a b c"}]}]}, 3),
+        ({}, 0),
+    ],
+)
+def test_prompt_shapes(body: dict[str, Any], at_least: int) -> None:
+    assert prompt_tokens(body) >= at_least
+    if at_least == 0:
+        assert prompt_tokens(body) == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": "hi"}, "messages"),
+        ({"messages": ["hi"]}, "messages"),
+        ({"prompt": {"text": "hi"}}, "prompt"),
+        ({"prompt": [{"text": "hi"}]}, "prompt"),
+    ],
+)
+def test_bad_prompt_shapes_are_400(policy: Policy, body: dict[str, Any], param: str) -> None:
+    rej = rejection(policy, request(body=body))
+    assert (rej.status, rej.param) == (400, param)

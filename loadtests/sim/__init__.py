@@ -1,0 +1,14 @@
+"""A simulated vLLM 0.32 server: per-step engine, OpenAI API, vLLM's metrics.
+
+Layout, one concept per module:
+
+- ``profiles``  step-time models (how long one engine step takes on a real GPU)
+- ``blocks``    the KV block pool with prefix caching
+- ``engine``    the per-step scheduler (waiting queue, running batch, preemption); no I/O
+- ``metrics``   vLLM's Prometheus metrics, fed from engine events
+- ``runner``    drives the engine on a (sped-up) wall clock
+- ``api``       request parsing, response and SSE chunk shapes, errors
+- ``server``    the aiohttp application
+- ``cli``       ``fairlane sim``
+- ``capacity``  a benchmark of the simulator itself
+"""

@@ -1,0 +1,95 @@
+"""``fairlane sim``: one simulated vLLM 0.32 server.
+
+Flag names follow ``vllm serve`` where vLLM has one (``--max-num-seqs``,
+``--num-gpu-blocks-override``, ``--scheduling-policy``, ``--served-model-name``...), so a
+command line written for the simulator reads like one for the real server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from pathlib import Path
+
+from loadtests.sim.profiles import DEFAULT_PROFILE, PROFILES
+from loadtests.sim.server import SimConfig, start
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", default="sim-llama-8b", help="model name (default %(default)s)")
+    parser.add_argument(
+        "--served-model-name", nargs="+", default=None,
+        help="names the API accepts (default: --model)")
+    parser.add_argument(
+        "--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES),
+        help="step-time model (default %(default)s)")
+    parser.add_argument(
+        "--speedup", type=float, default=1.0,
+        help="run the simulated clock this many times faster than the wall clock")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--num-gpu-blocks", "--num-gpu-blocks-override", dest="num_gpu_blocks", type=int,
+        default=0, help="KV blocks (default: the profile's)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--max-model-len", type=int, default=0, help="default: the profile's")
+    parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    parser.add_argument("--seed", type=int, default=0, help="seed of simulated output lengths")
+    parser.add_argument(
+        "--log-requests", type=Path, default=None, metavar="PATH",
+        help="append one JSON line per received request")
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        model=args.model,
+        served_model_names=tuple(args.served_model_name or ()),
+        profile=args.profile,
+        speedup=args.speedup,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_gpu_blocks=args.num_gpu_blocks,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        scheduling_policy=args.scheduling_policy,
+        seed=args.seed,
+        log_requests=args.log_requests,
+    )
+
+
+async def _serve(config: SimConfig, host: str, port: int) -> None:
+    runner = await start(config, host, port)
+    print(f"fairlane sim: {config.served[0]} ({config.profile}, x{config.speedup:g}) "
+          f"on http://{host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        asyncio.run(_serve(config, args.host, args.port))
+    else:
+        uvloop.run(_serve(config, args.host, args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="fairlane sim")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

@@ -1,0 +1,365 @@
+"""The per-step scheduler, after vLLM 0.32's v1 ``Scheduler.schedule()``.
+
+Everything a gateway can observe from vLLM under load comes from this loop: queueing
+behind a full batch, chunked prefill slowing decodes, KV pressure, preemption, prefix-cache
+hits. Each ``step(now)``:
+
+1. schedules the running requests in order, one decode token or the next prefill chunk
+   each, within the ``max_num_batched_tokens`` budget; when a running request cannot get a
+   KV block, the vLLM victim is preempted (under ``priority`` the max ``(priority,
+   arrival)``, under ``fcfs`` the last running request), its blocks freed and its progress
+   reset, and it goes back to the front of the waiting queue;
+2. only if nothing was preempted in this step, admits waiting requests in queue order while
+   seats (``max_num_seqs``), budget and blocks allow, charging prefill only for tokens not
+   already in the prefix cache. A waiting request never preempts a running one, and the
+   first request that does not fit stops admission (no skipping ahead);
+3. prices the batch with the profile and advances every scheduled request, producing one
+   token for each request whose prompt (and recomputed output) is fully computed.
+
+There is no I/O and no clock here: the caller passes ``now`` (simulated seconds) and gets
+the step's duration back, so unit tests drive the engine on a virtual clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from loadtests.sim.blocks import BlockHash, BlockPool
+from loadtests.sim.profiles import Profile
+
+
+class Policy(StrEnum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One request inside the engine: its parameters, progress and timestamps."""
+
+    request_id: str
+    prompt_len: int
+    block_hashes: list[BlockHash]
+    max_tokens: int
+    # How many tokens to generate: max_tokens, or fewer when a (simulated) EOS comes first.
+    output_len: int
+    priority: int = 0
+    arrival: float = 0.0
+    # max_tokens as the client sent it (None if absent); only reported in metrics.
+    params_max_tokens: int | None = None
+    # Opaque to the engine: whoever submitted the request hangs its reply channel here.
+    sink: Any = None
+
+    seq: int = 0
+    num_computed: int = 0
+    num_output: int = 0
+    blocks: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    prev_token_at: float | None = None
+    last_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: what must be in the KV cache to decode the next one."""
+        return self.prompt_len + self.num_output
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        return (self.priority, self.arrival, self.seq)
+
+    def __lt__(self, other: EngineRequest) -> bool:
+        return self.sort_key < other.sort_key
+
+
+class FcfsQueue:
+    """Arrival order; a preempted request goes back to the front."""
+
+    def __init__(self) -> None:
+        self._q: deque[EngineRequest] = deque()
+
+    def add(self, req: EngineRequest) -> None:
+        self._q.append(req)
+
+    def requeue(self, req: EngineRequest) -> None:
+        self._q.appendleft(req)
+
+    def peek(self) -> EngineRequest:
+        return self._q[0]
+
+    def pop(self) -> EngineRequest:
+        return self._q.popleft()
+
+    def remove(self, req: EngineRequest) -> None:
+        self._q.remove(req)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[EngineRequest]:
+        return iter(self._q)
+
+
+class PriorityQueue:
+    """A heap on ``(priority, arrival)``: lower first, ties in arrival order."""
+
+    def __init__(self) -> None:
+        self._heap: list[EngineRequest] = []
+
+    def add(self, req: EngineRequest) -> None:
+        heapq.heappush(self._heap, req)
+
+    requeue = add  # a preempted request keeps its original priority and arrival
+
+    def peek(self) -> EngineRequest:
+        return self._heap[0]
+
+    def pop(self) -> EngineRequest:
+        return heapq.heappop(self._heap)
+
+    def remove(self, req: EngineRequest) -> None:
+        self._heap.remove(req)
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[EngineRequest]:
+        return iter(sorted(self._heap))
+
+
+@dataclass
+class EngineConfig:
+    profile: Profile
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    num_gpu_blocks: int = 0  # 0: the profile's
+    block_size: int = 16
+    max_model_len: int = 0  # 0: the profile's
+    policy: Policy = Policy.FCFS
+
+    def __post_init__(self) -> None:
+        if not self.num_gpu_blocks:
+            self.num_gpu_blocks = self.profile.num_gpu_blocks
+        if not self.max_model_len:
+            self.max_model_len = self.profile.max_model_len
+
+
+@dataclass
+class StepOutput:
+    """What one step did; tokens become visible at ``end``."""
+
+    start: float
+    duration: float
+    # Requests that produced one token in this step (``finish_reason`` set on the last one).
+    outputs: list[EngineRequest]
+    num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+    @property
+    def end(self) -> float:
+        return self.start + self.duration
+
+
+class Engine:
+    """Waiting queue, running batch and KV pool, advanced one step at a time."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.profile = config.profile
+        self.pool = BlockPool(config.num_gpu_blocks, config.block_size)
+        self.waiting: FcfsQueue | PriorityQueue = (
+            PriorityQueue() if config.policy == Policy.PRIORITY else FcfsQueue()
+        )
+        self.running: list[EngineRequest] = []
+        self._seq = itertools.count()
+        self._choose_victim: Callable[[], EngineRequest] = (
+            self._priority_victim if config.policy == Policy.PRIORITY else self._fcfs_victim
+        )
+
+    # -- requests in and out ---------------------------------------------------------------
+
+    def add(self, req: EngineRequest, now: float) -> None:
+        """Queue ``req``, arriving at ``now`` (simulated seconds)."""
+        req.arrival = now
+        req.seq = next(self._seq)
+        self.waiting.add(req)
+
+    def abort(self, req: EngineRequest, now: float) -> bool:
+        """Drop ``req`` wherever it is and free its blocks; False if it had already finished."""
+        if req.finish_reason is not None:
+            return False
+        if req in self.running:
+            self.running.remove(req)
+            self._release(req)
+        else:
+            self.waiting.remove(req)
+        req.finish_reason = "abort"
+        req.finished_at = now
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- one step -------------------------------------------------------------------------
+
+    def step(self, now: float) -> StepOutput:
+        """Schedule, price and execute one step starting at ``now``."""
+        out = StepOutput(start=now, duration=0.0, outputs=[])
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[EngineRequest, int] = {}  # request -> tokens this step, in order
+        running = self.running
+
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_new = min(req.num_tokens - req.num_computed, budget)
+            while not self._grow(req, req.num_computed + num_new):
+                victim = self._choose_victim()
+                victim_index = running.index(victim)
+                del running[victim_index]
+                if victim_index < i:
+                    i -= 1
+                budget += scheduled.pop(victim, 0)
+                self._preempt(victim)
+                out.num_preemptions += 1
+                if victim is req:
+                    break
+            else:
+                scheduled[req] = num_new
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request could not be scheduled even after preempting itself
+
+        if not out.num_preemptions:
+            self._admit_waiting(budget, scheduled, out, now)
+
+        decode_seqs = 0
+        context = 0
+        for req, n in scheduled.items():
+            if n == 1 and req.num_output:
+                decode_seqs += 1
+                context += req.num_computed
+            else:
+                out.num_prefill_tokens += n
+            out.num_scheduled_tokens += n
+        out.duration = self.profile.step_seconds(out.num_prefill_tokens, decode_seqs, context)
+        self._execute(scheduled, out)
+        return out
+
+    def _admit_waiting(
+        self, budget: int, scheduled: dict[EngineRequest, int], out: StepOutput, now: float
+    ) -> None:
+        pool = self.pool
+        block_size = self.config.block_size
+        max_seqs = self.config.max_num_seqs
+        while self.waiting and budget > 0 and len(self.running) < max_seqs:
+            req = self.waiting.peek()
+            # Reuse cached full blocks, but always compute at least the last token.
+            max_hit_blocks = min((req.num_tokens - 1) // block_size, len(req.block_hashes))
+            hits = pool.cached_prefix(req.block_hashes[:max_hit_blocks])
+            num_cached = len(hits) * block_size
+            num_new = min(req.num_tokens - num_cached, budget)
+            need = -(-(num_cached + num_new) // block_size) - len(hits)
+            if need + pool.num_evictable(hits) > pool.num_free:
+                break
+            self.waiting.pop()
+            pool.touch(hits)
+            new_blocks = pool.allocate(need)
+            assert new_blocks is not None
+            req.blocks = hits + new_blocks
+            req.num_hashed_blocks = len(hits)
+            req.num_computed = num_cached
+            if req.scheduled_at is None:
+                req.scheduled_at = now
+                req.num_cached_tokens = num_cached
+            out.prefix_queries += req.num_tokens
+            out.prefix_hits += num_cached
+            self.running.append(req)
+            scheduled[req] = num_new
+            budget -= num_new
+
+    def _execute(self, scheduled: dict[EngineRequest, int], out: StepOutput) -> None:
+        end = out.end
+        pool = self.pool
+        block_size = self.config.block_size
+        max_model_len = self.config.max_model_len
+        finished = False
+        for req, n in scheduled.items():
+            req.num_computed += n
+            full = min(req.num_computed // block_size, len(req.block_hashes))
+            for k in range(req.num_hashed_blocks, full):
+                pool.cache(req.blocks[k], req.block_hashes[k])
+            if full > req.num_hashed_blocks:
+                req.num_hashed_blocks = full
+            if req.num_computed < req.num_tokens:
+                continue  # a prefill chunk: no token yet
+            req.num_output += 1
+            req.prev_token_at = req.last_token_at
+            req.last_token_at = end
+            if req.first_token_at is None:
+                req.first_token_at = end
+            if req.num_output >= req.output_len or req.num_tokens >= max_model_len:
+                at_limit = req.num_output >= req.max_tokens or req.num_tokens >= max_model_len
+                req.finish_reason = "length" if at_limit else "stop"
+                req.finished_at = end
+                self._release(req)
+                finished = True
+            out.outputs.append(req)
+        if finished:
+            self.running = [r for r in self.running if r.finish_reason is None]
+
+    # -- KV blocks and preemption -----------------------------------------------------------
+
+    def _grow(self, req: EngineRequest, num_tokens: int) -> bool:
+        """Make ``req`` hold enough blocks for ``num_tokens``; False if the pool is short."""
+        need = -(-num_tokens // self.config.block_size) - len(req.blocks)
+        if need <= 0:
+            return True
+        blocks = self.pool.allocate(need)
+        if blocks is None:
+            return False
+        req.blocks.extend(blocks)
+        return True
+
+    def _priority_victim(self) -> EngineRequest:
+        return max(self.running, key=lambda r: (r.priority, r.arrival))
+
+    def _fcfs_victim(self) -> EngineRequest:
+        return self.running[-1]
+
+    def _preempt(self, req: EngineRequest) -> None:
+        """Recompute-style preemption: drop the KV, keep the output, requeue at the front."""
+        self._release(req)
+        req.num_computed = 0
+        req.num_hashed_blocks = 0
+        req.num_preemptions += 1
+        self.waiting.requeue(req)
+
+    def _release(self, req: EngineRequest) -> None:
+        self.pool.free(req.blocks)
+        req.blocks = []

@@ -1,0 +1,283 @@
+"""The aiohttp application: vLLM's HTTP endpoints over one engine.
+
+Per request the handler parses (``api``), logs (``--log-requests``), submits an
+``EngineRequest`` to the runner and waits for it to finish. Tokens do not travel through
+the handler: the runner calls the request's sink once per token, and for streams the sink
+writes the pre-encoded SSE event straight to the socket as one HTTP chunk. That keeps a
+token's cost at a few microseconds, which is what lets one process on a 2-core machine
+stream hundreds of requests. Handlers are cancelled when the client disconnects
+(``handler_cancellation``), and a cancelled request is aborted in the engine, freeing its
+seat and its KV blocks as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from aiohttp import web
+
+from loadtests.sim.api import (
+    ApiError,
+    ChunkTemplates,
+    GenerateRequest,
+    dumps,
+    full_response,
+    header_priority,
+    models_body,
+    parse_body,
+    parse_generate,
+)
+from loadtests.sim.blocks import block_hashes
+from loadtests.sim.engine import Engine, EngineConfig, EngineRequest, Policy
+from loadtests.sim.metrics import CONTENT_TYPE, SimMetrics, cache_config_labels
+from loadtests.sim.profiles import DEFAULT_PROFILE, get_profile
+from loadtests.sim.runner import Runner
+
+VLLM_VERSION = "0.32.0"
+
+
+@dataclass
+class SimConfig:
+    """Everything ``fairlane sim`` can be told; defaults follow vLLM's."""
+
+    model: str = "sim-llama-8b"
+    served_model_names: tuple[str, ...] = ()
+    profile: str = DEFAULT_PROFILE
+    speedup: float = 1.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    num_gpu_blocks: int = 0  # 0: the profile's
+    block_size: int = 16
+    max_model_len: int = 0  # 0: the profile's
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    log_requests: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def served(self) -> tuple[str, ...]:
+        return self.served_model_names or (self.model,)
+
+
+class StreamSink:
+    """Writes one streaming request's tokens to its socket, one HTTP chunk per event."""
+
+    __slots__ = ("done", "templates", "transport")
+
+    def __init__(
+        self, transport: asyncio.Transport, templates: ChunkTemplates, done: asyncio.Future[None]
+    ) -> None:
+        self.transport = transport
+        self.templates = templates
+        self.done = done
+
+    def __call__(self, req: EngineRequest) -> None:
+        if self.done.done():
+            return
+        transport = self.transport
+        if transport.is_closing():
+            self.done.set_exception(ConnectionResetError("client went away"))
+            return
+        index = req.num_output - 1
+        if req.finish_reason is None:
+            body = self.templates.token(index)
+            transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        else:
+            body = self.templates.last(index, req.finish_reason)
+            transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+            self.done.set_result(None)
+
+
+def _finish_sink(done: asyncio.Future[None]) -> Any:
+    def sink(req: EngineRequest) -> None:
+        if req.finish_reason is not None and not done.done():
+            done.set_result(None)
+
+    return sink
+
+
+class SimServer:
+    """One simulated vLLM: engine, runner, metrics and the HTTP handlers."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        profile = get_profile(config.profile)
+        self.engine = Engine(
+            EngineConfig(
+                profile=profile,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                num_gpu_blocks=config.num_gpu_blocks,
+                block_size=config.block_size,
+                max_model_len=config.max_model_len,
+                policy=Policy(config.scheduling_policy),
+            )
+        )
+        self.max_model_len = self.engine.config.max_model_len
+        self.metrics = SimMetrics(
+            self.engine, config.served[0], cache_config_labels(self.engine)
+        )
+        self.runner = Runner(self.engine, config.speedup, self.metrics.on_step)
+        self._log: IO[str] | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_handler)
+        app.router.add_get("/version", self.version)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, _: web.Application) -> None:
+        if self.config.log_requests is not None:
+            self._log = open(self.config.log_requests, "a", encoding="utf-8")  # noqa: SIM115
+        self.runner.start()
+
+    async def _cleanup(self, _: web.Application) -> None:
+        await self.runner.stop()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    # -- small endpoints --------------------------------------------------------------------
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def version(self, _: web.Request) -> web.Response:
+        return web.Response(body=dumps({"version": VLLM_VERSION}), content_type="application/json")
+
+    async def models(self, _: web.Request) -> web.Response:
+        body = models_body(self.config.served, self.config.model, self.max_model_len)
+        return web.Response(body=body, content_type="application/json")
+
+    async def metrics_handler(self, _: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE}
+        )
+
+    # -- generation -------------------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        body: dict[str, Any] | None = None
+        try:
+            body = parse_body(await request.read())
+            gen = parse_generate(
+                chat, body, headers, self.config.served, self.max_model_len, self.config.seed
+            )
+        except ApiError as err:
+            self._log_request(request.path, headers, body, None)
+            return web.Response(
+                status=err.status, body=err.body(), content_type="application/json"
+            )
+        self._log_request(request.path, headers, body, gen)
+
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        ereq = EngineRequest(
+            request_id=gen.request_id,
+            prompt_len=gen.prompt_len,
+            block_hashes=block_hashes(gen.prompt_token_ids, self.engine.config.block_size),
+            max_tokens=gen.max_tokens,
+            output_len=gen.output_len,
+            priority=gen.priority,
+            params_max_tokens=gen.params_max_tokens,
+        )
+        created = int(time.time())
+        response: web.StreamResponse | None = None
+        try:
+            if gen.stream:
+                response = await self._open_stream(request, gen, created, ereq, done)
+            else:
+                ereq.sink = _finish_sink(done)
+            self.runner.submit(ereq)
+            await done
+        finally:
+            if ereq.finish_reason is None and self.runner.abort(ereq):
+                self.metrics.on_finished(ereq)
+        if response is not None:
+            await response.write_eof()
+            return response
+        assert ereq.finish_reason is not None
+        body = dumps(full_response(gen, ereq.num_output, ereq.finish_reason, created))
+        return web.Response(body=body, content_type="application/json")
+
+    async def _open_stream(
+        self,
+        request: web.Request,
+        gen: GenerateRequest,
+        created: int,
+        ereq: EngineRequest,
+        done: asyncio.Future[None],
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream; charset=utf-8"}
+        )
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        templates = ChunkTemplates(gen, created)
+        await response.write(templates.first())  # also sends the headers
+        transport = request.transport
+        if transport is None:
+            raise ConnectionResetError("client went away")
+        ereq.sink = StreamSink(transport, templates, done)
+        return response
+
+    def _log_request(
+        self,
+        path: str,
+        headers: dict[str, str],
+        body: dict[str, Any] | None,
+        gen: GenerateRequest | None,
+    ) -> None:
+        if self._log is None:
+            return
+        body = body or {}
+        record = {
+            "time": time.time(),
+            "request_id": gen.request_id if gen else None,
+            "path": path,
+            "model": body.get("model"),
+            "priority": gen.priority if gen else None,
+            "body_priority": gen.body_priority if gen else body.get("priority"),
+            "header_priority": gen.header_priority if gen else header_priority(headers),
+            "prompt_tokens": gen.prompt_len if gen else None,
+            "max_tokens": gen.params_max_tokens if gen else body.get("max_tokens"),
+            "stream": gen.stream if gen else bool(body.get("stream", False)),
+            "headers": headers,
+        }
+        self._log.write(json.dumps(record) + "\n")
+        self._log.flush()
+
+
+SIM_KEY: web.AppKey[SimServer] = web.AppKey("sim", SimServer)
+
+
+async def start(config: SimConfig, host: str, port: int) -> web.AppRunner:
+    """Start a simulator listening on ``host:port``; ``await runner.cleanup()`` stops it."""
+    server = SimServer(config)
+    app = server.app()
+    app[SIM_KEY] = server
+    app_runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await app_runner.setup()
+    site = web.TCPSite(app_runner, host, port, backlog=2048, reuse_address=True)
+    await site.start()
+    return app_runner

@@ -217,8 +217,8 @@ class SimServer:
             await response.write_eof()
             return response
         assert ereq.finish_reason is not None
-        body = dumps(full_response(gen, ereq.num_output, ereq.finish_reason, created))
-        return web.Response(body=body, content_type="application/json")
+        payload = dumps(full_response(gen, ereq.num_output, ereq.finish_reason, created))
+        return web.Response(body=payload, content_type="application/json")
 
     async def _open_stream(
         self,

@@ -1,0 +1,100 @@
+"""``fairlane check``: tables on success, file:line errors and exit 1 on failure."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from extproc.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+FAIRLANE = Path(sys.executable).with_name("fairlane")
+
+
+def test_default_policy_is_described(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(REPO / "policies" / "default.yaml")]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert "OK, 3 tiers, 3 tenants" in out
+    lines = out.splitlines()
+    tiers_at = next(i for i, line in enumerate(lines) if line.startswith("TIER "))
+    assert lines[tiers_at].split() == [
+        "TIER",
+        "RANK",
+        "VLLM",
+        "PRIORITY",
+        "QUEUE",
+        "LIMIT",
+        "DEADLINE",
+        "SLO",
+        "ALIASES",
+    ]
+    assert lines[tiers_at + 1].split()[:6] == ["interactive", "0", "0", "256", "10s", "ttft"]
+    assert lines[tiers_at + 3].split()[:5] == ["batch", "2", "20", "100000", "3600s"]
+    chat = next(line for line in lines if line.startswith("chat-app "))
+    assert chat.split() == ["chat-app", "interactive", "interactive", "1", "1", "(sk-c…)"]
+    for key in ("sk-chat-demo", "sk-api-demo", "sk-batch-demo"):
+        assert key not in out  # keys are secrets: only a prefix is shown
+    assert "batch-endpoint" in out and "/v1/batch -> /v1" in out
+
+
+def test_no_argument_checks_the_embedded_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check"]) == 0
+    assert "nightly-batch" in capsys.readouterr().out
+
+
+def test_example_policy_is_described(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(REPO / "policies" / "example.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "on_escalation reject" in out
+    assert "2 (sk-s…, sk-s…)" in out  # two keys, shown as prefixes
+
+
+def test_errors_go_to_stderr_with_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "tiers:\n"
+        "  - {name: a, priority: 0, queue_limit: -1, queue_deadline_s: 1}\n"
+        "tenants:\n"
+        "  - {name: t, api_keys: [sk-t-0001], tiers: [b]}\n"
+    )
+    assert main(["check", str(bad)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [
+        f"{bad}:2: tiers[0].queue_limit: must be >= 0, not -1",
+        f"{bad}:4: tenants[0].tiers[0]: unknown tier 'b' (tiers are: none)",
+        f"{bad}: 2 errors",
+    ]
+
+
+def test_yaml_syntax_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("tiers:\n  - name: a\n   priority: 0\n")
+    assert main(["check", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{bad}:3: YAML syntax error")
+
+
+def test_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(tmp_path / "nope.yaml")]) == 1
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_the_installed_command() -> None:
+    result = subprocess.run(
+        [str(FAIRLANE), "check", "policies/default.yaml"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "policies/default.yaml: OK, 3 tiers, 3 tenants" in result.stdout
+    assert "chat-app" in result.stdout

@@ -137,9 +137,7 @@ def classify(policy: Policy, info: RequestInfo, body: Mapping[str, Any]) -> Requ
     """Decide tenant, tier, user, workload and size for one request (see module docstring)."""
     tenant = authenticate(policy, info)
     asked = _asked_tier(policy, info, body)
-    tier_rule = _first(policy, info, body, "tier")
-    workload_rule = _first(policy, info, body, "workload")
-    path_rule = _first(policy, info, body, "path")
+    tier_rule, workload_rule, path_rule = _deciding_rules(policy, info, body)
     if asked is not None:
         wanted = asked
     elif tier_rule is not None and tier_rule.tier is not None:
@@ -209,13 +207,31 @@ def _within_allowance(
     return best, True
 
 
-def _first(policy: Policy, info: RequestInfo, body: Mapping[str, Any], what: str) -> Rule | None:
-    """The first matching rule that decides ``what`` (tier, workload or path)."""
+def _deciding_rules(
+    policy: Policy, info: RequestInfo, body: Mapping[str, Any]
+) -> tuple[Rule | None, Rule | None, Rule | None]:
+    """The first matching rule that sets the tier, the workload and the path, in one pass
+    that tests each rule at most once and stops when all three are decided."""
+    tier: Rule | None = None
+    workload: Rule | None = None
+    path: Rule | None = None
     for rule in policy.rules:
-        decides = rule.rewrites_path if what == "path" else getattr(rule, what) is not None
-        if decides and rule.match.matches(info.path, info.headers, body):
-            return rule
-    return None
+        useful = (
+            (tier is None and rule.tier is not None)
+            or (workload is None and rule.workload is not None)
+            or (path is None and rule.rewrites_path)
+        )
+        if not useful or not rule.match.matches(info.path, info.headers, body):
+            continue
+        if tier is None and rule.tier is not None:
+            tier = rule
+        if workload is None and rule.workload is not None:
+            workload = rule
+        if path is None and rule.rewrites_path:
+            path = rule
+        if tier is not None and workload is not None and path is not None:
+            break
+    return tier, workload, path
 
 
 def _user(policy: Policy, info: RequestInfo, body: Mapping[str, Any], tenant: Tenant) -> str:

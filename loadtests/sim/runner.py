@@ -78,11 +78,11 @@ class Runner:
             self._deliver(out)
 
     def _deliver(self, out: StepOutput) -> None:
+        # Requests aborted while their step was "on the GPU" get nothing from it.
+        out.outputs = [r for r in out.outputs if r.finish_reason != "abort"]
         if self._on_step is not None:
             self._on_step(out)
         for req in out.outputs:
-            if req.finish_reason == "abort":
-                continue  # aborted while its step was running
             if req.sink is not None:
                 try:
                     req.sink(req)

@@ -114,7 +114,9 @@ class Admission:
         """Queue ``request``; 429 (with ``retry-after``) when its tier's queue is full."""
         tier = request.tier
         loop = asyncio.get_running_loop()
-        waiter = Waiter(request_id, tier.name, tier.rank, self._clock(), loop.create_future(), request)
+        waiter = Waiter(
+            request_id, tier.name, tier.rank, self._clock(), loop.create_future(), request
+        )
         try:
             self.queues.push(waiter, tier.queue_limit)
         except QueueFull as full:
@@ -175,7 +177,9 @@ class Admission:
         cutoff = self._clock() - max_age_s
         stale = [rid for rid, entry in self._in_flight.items() if entry.admitted_at < cutoff]
         for request_id in stale:
-            log.warning("no completion seen for %s after %.0fs; releasing its slot", request_id, max_age_s)
+            log.warning(
+                "no completion seen for %s after %.0fs; releasing its slot", request_id, max_age_s
+            )
             with contextlib.suppress(KeyError):
                 self.release(request_id)
         return len(stale)

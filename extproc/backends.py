@@ -109,9 +109,7 @@ class BackendPool:
         client_timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with aiohttp.ClientSession(timeout=client_timeout) as session:
             while True:
-                results = await asyncio.gather(
-                    *(self._probe(session, b) for b in self.backends)
-                )
+                results = await asyncio.gather(*(self._probe(session, b) for b in self.backends))
                 gained = False
                 for backend, ok in zip(self.backends, results, strict=True):
                     if ok != backend.healthy:

@@ -14,9 +14,15 @@ from collections.abc import Sequence
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("extproc.stack", "Envoy + the ext_proc service + backends on one port (Ctrl-C stops all)"),
+    "up": (
+        "extproc.stack",
+        "Envoy + the ext_proc service + backends on one port (Ctrl-C stops all)",
+    ),
     "serve": ("extproc.server", "the ext_proc gRPC service alone, for an existing Envoy"),
-    "sim": ("loadtests.sim.cli", "one simulated vLLM server (per-step engine, vLLM API and metrics)"),
+    "sim": (
+        "loadtests.sim.cli",
+        "one simulated vLLM server (per-step engine, vLLM API and metrics)",
+    ),
     "check": ("extproc.check", "validate a policy file and print its tiers and tenants"),
 }
 

@@ -134,7 +134,7 @@ def respond(decision: Respond) -> pb.ProcessingResponse:
     headers = {"content-type": "application/json", **decision.headers}
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=decision.status),  # type: ignore[arg-type]
+            status=http_status_pb2.HttpStatus(code=decision.status),
             headers=_mutation(headers, ()),
             body=decision.body,
         )

@@ -22,7 +22,9 @@ _TYPES = {
 }
 
 
-def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> bytes:
+def error_body(
+    status: int, message: str, code: str | None = None, param: str | None = None
+) -> bytes:
     """The JSON bytes of an OpenAI-style error."""
     error = {
         "message": message,

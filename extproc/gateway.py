@@ -47,8 +47,15 @@ MAX_HOLD_S = 3600.0
 class Pending:
     """A request waiting in a queue: hold it in Envoy for ``hold_s``, then await ``outcome``."""
 
-    def __init__(self, gateway: Gateway, info: RequestInfo, body: dict[str, Any],
-                 request: RequestClass, ticket: Ticket, request_id: str) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        info: RequestInfo,
+        body: dict[str, Any],
+        request: RequestClass,
+        ticket: Ticket,
+        request_id: str,
+    ) -> None:
         self._gateway = gateway
         self._info = info
         self._body = body
@@ -62,16 +69,13 @@ class Pending:
             grant = await self._ticket.wait()
         except Rejection as rejection:
             return self._gateway.respond_to(rejection)
-        return self._gateway.forward(self._info, self._body, self._request, grant,
-                                     self._request_id)
+        return self._gateway.forward(self._info, self._body, self._request, grant, self._request_id)
 
 
 def client_headers_to_strip(headers: Mapping[str, str]) -> tuple[str, ...]:
     """Names of client headers that must not reach a backend (the gateway's own)."""
     return tuple(
-        name
-        for name in headers
-        if name in _STRIPPED_EXACT or name.startswith(_STRIPPED_PREFIXES)
+        name for name in headers if name in _STRIPPED_EXACT or name.startswith(_STRIPPED_PREFIXES)
     )
 
 
@@ -124,8 +128,14 @@ class Gateway:
             remove_headers=client_headers_to_strip(info.headers),
         )
 
-    def forward(self, info: RequestInfo, body: dict[str, Any], request: RequestClass,
-                grant: Grant, request_id: str) -> Forward:
+    def forward(
+        self,
+        info: RequestInfo,
+        body: dict[str, Any],
+        request: RequestClass,
+        grant: Grant,
+        request_id: str,
+    ) -> Forward:
         """The request as a backend must see it: vLLM priority in body and header."""
         body["priority"] = grant.priority
         set_headers = {

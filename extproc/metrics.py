@@ -40,33 +40,39 @@ class GatewayCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         depth = GaugeMetricFamily(
-            "fairlane_queue_depth", "Requests held in the gateway's queue, per tier.",
-            labels=["tier"])
+            "fairlane_queue_depth",
+            "Requests held in the gateway's queue, per tier.",
+            labels=["tier"],
+        )
         for tier, count in self.admission.queues.depths().items():
             depth.add_metric([tier], count)
         yield depth
         in_flight = GaugeMetricFamily(
             "fairlane_backend_in_flight",
             "Requests released to a backend and not yet seen to finish.",
-            labels=["backend", "region"])
+            labels=["backend", "region"],
+        )
         healthy = GaugeMetricFamily(
-            "fairlane_backend_healthy", "1 when the backend's health check passes.",
-            labels=["backend", "region"])
+            "fairlane_backend_healthy",
+            "1 when the backend's health check passes.",
+            labels=["backend", "region"],
+        )
         for backend in self.admission.pool.backends:
             in_flight.add_metric([backend.address, backend.region], backend.in_flight)
             healthy.add_metric([backend.address, backend.region], int(backend.healthy))
         yield in_flight
         yield healthy
         forwarded = CounterMetricFamily(
-            "fairlane_requests_forwarded", "Requests released upstream, per tier.",
-            labels=["tier"])
+            "fairlane_requests_forwarded", "Requests released upstream, per tier.", labels=["tier"]
+        )
         for tier, count in self.outcomes.forwarded.items():
             forwarded.add_metric([tier], count)
         yield forwarded
         rejected = CounterMetricFamily(
             "fairlane_requests_rejected",
             "Requests the gateway answered itself, per HTTP status and reason.",
-            labels=["status", "reason"])
+            labels=["status", "reason"],
+        )
         for (status, reason), count in self.outcomes.rejected.items():
             rejected.add_metric([status, reason], count)
         yield rejected
@@ -80,8 +86,9 @@ async def start_metrics_server(
     registry.register(collector)
 
     async def metrics(_: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(registry),
-                            content_type="text/plain", charset="utf-8")
+        return web.Response(
+            body=generate_latest(registry), content_type="text/plain", charset="utf-8"
+        )
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)

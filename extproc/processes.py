@@ -8,6 +8,7 @@ is a context manager so a failing test or a Ctrl-C still stops everything.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -113,10 +114,8 @@ class ProcessGroup:
 def _signal(child: Child, sig: signal.Signals) -> None:
     if child.popen.poll() is not None:
         return
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(child.popen.pid, sig)  # the child's whole session
-    except ProcessLookupError:
-        pass
 
 
 class NotReady(RuntimeError):

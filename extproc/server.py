@@ -128,15 +128,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (default %(default)s)")
     parser.add_argument(
-        "--policy", type=Path, default=DEFAULT_POLICY_PATH,
+        "--policy",
+        type=Path,
+        default=DEFAULT_POLICY_PATH,
         help="policy YAML, reloaded when it changes (default: the embedded default policy)",
     )
     parser.add_argument(
-        "--backend", action="append", default=[], metavar="[REGION=]URL", required=True,
-        help="a vLLM server, e.g. region-a=http://10.0.0.5:8000 (repeatable; first region is local)",
+        "--backend",
+        action="append",
+        default=[],
+        metavar="[REGION=]URL",
+        required=True,
+        help="a vLLM server, e.g. region-a=http://10.0.0.5:8000 "
+        "(repeatable; the first region named is the local one)",
     )
     parser.add_argument(
-        "--metrics-port", type=int, default=None,
+        "--metrics-port",
+        type=int,
+        default=None,
         help="serve the gateway's Prometheus metrics at /metrics on this port",
     )
     parser.add_argument("--log-level", default="INFO")
@@ -150,10 +159,15 @@ def backends_from_args(values: Sequence[str]) -> tuple[BackendSpec, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     config = ServiceConfig(
-        backends=backends_from_args(args.backend), policy_path=args.policy,
-        host=args.host, port=args.port, metrics_port=args.metrics_port,
+        backends=backends_from_args(args.backend),
+        policy_path=args.policy,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
     )
     try:
         import uvloop

@@ -27,7 +27,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
-    async def Process(  # noqa: N802 (gRPC method name)
+    async def Process(
         self,
         request_iterator: AsyncIterator[codec.ProcessingRequest],
         context: grpc.aio.ServicerContext,
@@ -45,7 +45,9 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
                 body, _ = codec.body_of(message)
                 info = headers.request_info(body)
             else:
-                log.warning("unexpected ext_proc message %r; check the filter's processing_mode", phase)
+                log.warning(
+                    "unexpected ext_proc message %r; check the filter's processing_mode", phase
+                )
                 continue
             outcome = self.gateway.handle(info)
             if isinstance(outcome, Pending):
@@ -64,7 +66,7 @@ class AccessLog(als_pb2_grpc.AccessLogServiceServicer):
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
-    async def StreamAccessLogs(  # noqa: N802 (gRPC method name)
+    async def StreamAccessLogs(
         self,
         request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
         context: grpc.aio.ServicerContext,

@@ -71,9 +71,19 @@ class Stack:
         self.metrics_port = config.metrics_port or free_port()
         service = self.group.start(
             "service",
-            [sys.executable, "-m", "extproc", "serve", "--port", str(self.service_port),
-             "--metrics-port", str(self.metrics_port), "--policy", str(config.policy_path),
-             *[arg for b in self.backends for arg in ("--backend", f"{b.region}={b.url}")]],
+            [
+                sys.executable,
+                "-m",
+                "extproc",
+                "serve",
+                "--port",
+                str(self.service_port),
+                "--metrics-port",
+                str(self.metrics_port),
+                "--policy",
+                str(config.policy_path),
+                *[arg for b in self.backends for arg in ("--backend", f"{b.region}={b.url}")],
+            ],
         )
         wait_port_open(self.service_port, service)
         self.admin_port = config.admin_port or free_port()
@@ -87,7 +97,9 @@ class Stack:
             longest_hold_s=min(envoy_config.MAX_MESSAGE_TIMEOUT_S, longest_hold + 10),
             max_held_requests=sum(t.queue_limit for t in policy.tiers),
         )
-        bootstrap = envoy_config.write_bootstrap(params, self.group.log_dir / "envoy.yaml", check=False)
+        bootstrap = envoy_config.write_bootstrap(
+            params, self.group.log_dir / "envoy.yaml", check=False
+        )
         envoy = self.group.start(
             "envoy", envoy_config.envoy_argv(bootstrap, log_level=config.envoy_log_level)
         )
@@ -98,8 +110,15 @@ class Stack:
         specs = []
         for region in self.config.sim_regions:
             port = free_port()
-            argv = [sys.executable, "-m", "extproc", "sim", "--port", str(port),
-                    *self.config.sim_args]
+            argv = [
+                sys.executable,
+                "-m",
+                "extproc",
+                "sim",
+                "--port",
+                str(port),
+                *self.config.sim_args,
+            ]
             spec = BackendSpec("127.0.0.1", port, region)
             if self.config.sim_log_requests:
                 log_path = self.group.log_dir / f"requests-{port}.jsonl"
@@ -115,11 +134,16 @@ class Stack:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8080, help="client port (default %(default)s)")
     parser.add_argument(
-        "--policy", type=Path, default=DEFAULT_POLICY_PATH,
+        "--policy",
+        type=Path,
+        default=DEFAULT_POLICY_PATH,
         help="policy YAML, reloaded when it changes (default: the embedded default policy)",
     )
     parser.add_argument(
-        "--backend", action="append", default=[], metavar="[REGION=]URL",
+        "--backend",
+        action="append",
+        default=[],
+        metavar="[REGION=]URL",
         help="a real vLLM server (repeatable); without any, two simulated ones are started",
     )
     parser.add_argument("--admin-port", type=int, default=0, help="Envoy admin (default: free)")
@@ -132,8 +156,10 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = StackConfig(
-        port=args.port, policy_path=args.policy,
-        backends=backends_from_args(args.backend), admin_port=args.admin_port,
+        port=args.port,
+        policy_path=args.policy,
+        backends=backends_from_args(args.backend),
+        admin_port=args.admin_port,
     )
     signal.signal(signal.SIGTERM, _raise_interrupt)
     with ProcessGroup(args.log_dir) as group:
@@ -144,8 +170,11 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(0.5)
             dead = [c for c in group.children if not c.alive()]
             for child in dead:
-                print(f"fairlane: {child.name} exited ({child.popen.returncode}):\n"
-                      f"{child.log_tail()}", file=sys.stderr)
+                print(
+                    f"fairlane: {child.name} exited ({child.popen.returncode}):\n"
+                    f"{child.log_tail()}",
+                    file=sys.stderr,
+                )
             return 1
         except KeyboardInterrupt:
             print("\nfairlane: stopping", file=sys.stderr)
@@ -166,7 +195,7 @@ def _print_banner(stack: Stack) -> None:
         "try:",
         f"  curl -s {stack.url}/v1/chat/completions -H 'Authorization: Bearer sk-chat-demo' \\",
         "    -H 'content-type: application/json' \\",
-        "    -d '{\"model\": \"sim-llama-8b\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'",
+        '    -d \'{"model": "sim-llama-8b", "messages": [{"role": "user", "content": "Hi"}]}\'',
         "",
         "Ctrl-C stops everything.",
     ]

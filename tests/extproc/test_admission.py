@@ -113,7 +113,7 @@ async def test_unhealthy_backend_holds_requests_until_it_recovers() -> None:
 
 
 async def test_lost_completion_is_reclaimed_after_the_timeout() -> None:
-    admission, pool = make(limit=1)
+    admission, _pool = make(limit=1)
     clock: FakeClock = admission._clock  # type: ignore[assignment]
     admission.submit("lost", Request(API))  # type: ignore[arg-type]
     waiting = admission.submit("next", Request(API))  # type: ignore[arg-type]

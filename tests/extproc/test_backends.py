@@ -26,6 +26,7 @@ def test_regions_keep_their_configured_order() -> None:
 
 async def test_health_polling_marks_a_dead_backend_down_and_a_live_one_up() -> None:
     app = web.Application()
+
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 

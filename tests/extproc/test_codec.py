@@ -6,7 +6,9 @@ from extproc import codec
 from extproc.messages import Forward, Respond
 
 
-def headers_message(pairs: list[tuple[str, bytes]], end_of_stream: bool = False) -> pb.ProcessingRequest:
+def headers_message(
+    pairs: list[tuple[str, bytes]], end_of_stream: bool = False
+) -> pb.ProcessingRequest:
     return pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(
             headers=base_pb2.HeaderMap(
@@ -19,14 +21,22 @@ def headers_message(pairs: list[tuple[str, bytes]], end_of_stream: bool = False)
 
 def test_decode_headers_builds_request_info_and_flags_non_utf8_values() -> None:
     message = headers_message(
-        [(":method", b"POST"), (":path", b"/v1/chat/completions"),
-         ("x-request-id", b"rid-1"), ("x-bad", b"\xff\xfe")]
+        [
+            (":method", b"POST"),
+            (":path", b"/v1/chat/completions"),
+            ("x-request-id", b"rid-1"),
+            ("x-bad", b"\xff\xfe"),
+        ]
     )
     assert codec.kind(message) == "request_headers"
     part = codec.decode_headers(message)
     info = part.request_info(b"{}")
     assert (info.method, info.path, info.request_id, info.body) == (
-        "POST", "/v1/chat/completions", "rid-1", b"{}")
+        "POST",
+        "/v1/chat/completions",
+        "rid-1",
+        b"{}",
+    )
     assert info.invalid_headers == ("x-bad",)
     assert "x-bad" not in info.headers
     assert not part.end_of_stream

@@ -27,10 +27,18 @@ def request(
     request_id: str = "rid-1",
     **headers: str,
 ) -> RequestInfo:
-    payload = body if body is not None else {
-        "model": "m", "messages": [{"role": "user", "content": "hello"}]}
-    all_headers = {":method": "POST", ":path": path, "x-request-id": request_id,
-                   "authorization": f"Bearer {key}", **headers}
+    payload = (
+        body
+        if body is not None
+        else {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+    )
+    all_headers = {
+        ":method": "POST",
+        ":path": path,
+        "x-request-id": request_id,
+        "authorization": f"Bearer {key}",
+        **headers,
+    }
     return RequestInfo("POST", path, all_headers, json.dumps(payload).encode(), request_id)
 
 
@@ -49,8 +57,12 @@ async def test_client_internal_headers_and_numeric_priority_never_pass() -> None
     info = request(
         key="sk-api-demo",
         body={"model": "m", "prompt": "x", "priority": -100},
-        **{"x-vllm-priority": "-100", "x-gateway-destination-endpoint": "6.6.6.6:1",
-           "x-fairlane-tier": "interactive", "x-target-cluster": "evil"},
+        **{
+            "x-vllm-priority": "-100",
+            "x-gateway-destination-endpoint": "6.6.6.6:1",
+            "x-fairlane-tier": "interactive",
+            "x-target-cluster": "evil",
+        },
     )
     decision = gateway.handle(info)
     assert isinstance(decision, Forward)

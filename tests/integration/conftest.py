@@ -67,8 +67,11 @@ def start_stack(tmp: Path, policy_text: str = TEST_POLICY) -> tuple[ProcessGroup
     group = ProcessGroup(tmp / "logs")
     try:
         config = StackConfig(
-            port=_free(), policy_path=policy, sim_regions=("region-a",),
-            sim_args=SIM_ARGS, sim_log_requests=True,
+            port=_free(),
+            policy_path=policy,
+            sim_regions=("region-a",),
+            sim_args=SIM_ARGS,
+            sim_log_requests=True,
         )
         stack = Stack(config, group).start()
     except BaseException:

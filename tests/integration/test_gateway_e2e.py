@@ -19,19 +19,23 @@ pytestmark = pytest.mark.integration
 CHAT = "/v1/chat/completions"
 
 
-async def post(stack: Stack, body: Any, headers: dict[str, str], path: str = CHAT,
-               timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
+async def post(
+    stack: Stack, body: Any, headers: dict[str, str], path: str = CHAT, timeout: float = 30
+) -> tuple[int, dict[str, str], bytes]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
-        async with session.post(stack.url + path, data=data,
-                                headers={"content-type": "application/json", **headers}) as r:
-            return r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read()
+    headers = {"content-type": "application/json", **headers}
+    client_timeout = aiohttp.ClientTimeout(total=timeout)
+    async with (
+        aiohttp.ClientSession(timeout=client_timeout) as session,
+        session.post(stack.url + path, data=data, headers=headers) as r,
+    ):
+        return r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read()
 
 
 async def metric(stack: Stack, name: str, **labels: str) -> float:
-    async with aiohttp.ClientSession() as session:
-        async with session.get(f"http://127.0.0.1:{stack.metrics_port}/metrics") as r:
-            text = await r.text()
+    url = f"http://127.0.0.1:{stack.metrics_port}/metrics"
+    async with aiohttp.ClientSession() as session, session.get(url) as r:
+        text = await r.text()
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())
     for line in text.splitlines():
         if line.startswith(f"{name}{{{want}}}") or (not labels and line.startswith(name + " ")):
@@ -44,8 +48,9 @@ async def wait_idle(stack: Stack, timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         backend = stack.backends[0]
-        busy = await metric(stack, "fairlane_backend_in_flight",
-                            backend=backend.address, region=backend.region)
+        busy = await metric(
+            stack, "fairlane_backend_in_flight", backend=backend.address, region=backend.region
+        )
         if busy == 0:
             return
         await asyncio.sleep(0.1)
@@ -59,8 +64,12 @@ async def fill_the_fleet(stack: Stack) -> asyncio.Task[tuple[int, dict[str, str]
     deadline = time.monotonic() + 10
     backend = stack.backends[0]
     while time.monotonic() < deadline:
-        if await metric(stack, "fairlane_backend_in_flight",
-                        backend=backend.address, region=backend.region) == 1:
+        if (
+            await metric(
+                stack, "fairlane_backend_in_flight", backend=backend.address, region=backend.region
+            )
+            == 1
+        ):
             return task
         await asyncio.sleep(0.05)
     raise AssertionError("the filler request was never admitted")
@@ -69,7 +78,7 @@ async def fill_the_fleet(stack: Stack) -> asyncio.Task[tuple[int, dict[str, str]
 def error_of(body: bytes) -> dict[str, Any]:
     payload = json.loads(body)
     assert set(payload["error"]) >= {"message", "type", "param", "code"}, payload
-    return payload["error"]  # type: ignore[no-any-return]
+    return payload["error"]
 
 
 async def test_non_streamed_chat_completion(stack: Stack) -> None:
@@ -86,7 +95,9 @@ async def test_streamed_chat_completion(stack: Stack) -> None:
     status, headers, body = await post(stack, chat(stream=True), auth("sk-chat-demo"))
     assert status == 200
     assert headers["content-type"].startswith("text/event-stream")
-    events = [line[len("data: "):] for line in body.decode().splitlines() if line.startswith("data: ")]
+    events = [
+        line[len("data: ") :] for line in body.decode().splitlines() if line.startswith("data: ")
+    ]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
@@ -118,8 +129,9 @@ async def test_backend_sees_injected_priority_and_no_spoofed_headers(stack: Stac
 
 async def test_batch_path_is_rewritten_for_the_backend(stack: Stack) -> None:
     before = len(backend_requests(stack))
-    status, headers, _ = await post(stack, chat(), auth("sk-batch-demo"),
-                                    path="/v1/batch/chat/completions")
+    status, headers, _ = await post(
+        stack, chat(), auth("sk-batch-demo"), path="/v1/batch/chat/completions"
+    )
     assert status == 200
     assert headers["x-fairlane-tier"] == "batch"
     (seen,) = backend_requests(stack)[before:]
@@ -172,18 +184,25 @@ async def raw_request(stack: Stack, head: bytes) -> bytes:
 
 async def test_non_utf8_header_is_a_clear_400(stack: Stack) -> None:
     body = json.dumps(chat()).encode()
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-            b"authorization: Bearer sk-chat-demo\r\ncontent-type: application/json\r\n"
-            b"x-note: caf\xe9\xff\r\n"
-            + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+        b"authorization: Bearer sk-chat-demo\r\ncontent-type: application/json\r\n"
+        b"x-note: caf\xe9\xff\r\n"
+        + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
+        + body
+    )
     response = await raw_request(stack, head)
     assert response.startswith(b"HTTP/1.1 400"), response[:200]
     assert b"x-note" in response
 
 
 async def test_huge_headers_are_refused_with_431(stack: Stack) -> None:
-    head = (b"GET /v1/models HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-chat-demo\r\n"
-            + b"x-big: " + b"a" * 200_000 + b"\r\nconnection: close\r\n\r\n")
+    head = (
+        b"GET /v1/models HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-chat-demo\r\n"
+        + b"x-big: "
+        + b"a" * 200_000
+        + b"\r\nconnection: close\r\n\r\n"
+    )
     response = await raw_request(stack, head)
     assert response.startswith(b"HTTP/1.1 431"), response[:200]
 
@@ -236,9 +255,7 @@ async def test_client_disconnect_while_held_leaves_the_queue(stack: Stack) -> No
     assert await metric(stack, "fairlane_queue_depth", tier="interactive") == 0
     await filler
     await asyncio.sleep(0.3)
-    assert all(
-        "I will leave" not in json.dumps(r) for r in backend_requests(stack)[before:]
-    )
+    assert all("I will leave" not in json.dumps(r) for r in backend_requests(stack)[before:])
 
 
 async def test_policy_hot_reload_applies_good_files_and_keeps_serving_on_bad_ones(
@@ -249,8 +266,9 @@ async def test_policy_hot_reload_applies_good_files_and_keeps_serving_on_bad_one
         policy = reloading.config.policy_path
         status, _, _ = await post(reloading, chat(), auth("sk-new-team"))
         assert status == 401
-        policy.write_text(TEST_POLICY.replace("api_keys: [sk-api-demo]",
-                                              "api_keys: [sk-api-demo, sk-new-team]"))
+        policy.write_text(
+            TEST_POLICY.replace("api_keys: [sk-api-demo]", "api_keys: [sk-api-demo, sk-new-team]")
+        )
         assert await eventually_status(reloading, "sk-new-team", 200)
 
         broken = TEST_POLICY.replace("tiers: [batch]", "tiers: [platinum]")

@@ -154,6 +154,10 @@ class EngineConfig:
             self.num_gpu_blocks = self.profile.num_gpu_blocks
         if not self.max_model_len:
             self.max_model_len = self.profile.max_model_len
+        # vLLM refuses to start when one request of max_model_len cannot fit in the KV
+        # cache; clamping instead keeps a small --num-gpu-blocks usable and no request can
+        # wait forever for more blocks than exist.
+        self.max_model_len = min(self.max_model_len, self.num_gpu_blocks * self.block_size)
 
 
 @dataclass

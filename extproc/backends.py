@@ -24,20 +24,39 @@ DEFAULT_REGION = "default"
 
 @dataclass(frozen=True, slots=True)
 class BackendSpec:
-    """A backend as configured: ``[REGION=]http://IP:PORT``."""
+    """A backend as configured: ``[REGION=]http://IP:PORT``.
+
+    ``host`` must be an IP address: Envoy's override_host matches the service's ``ip:port``
+    strings against the cluster's host addresses, so a DNS name would never match.
+    """
 
     host: str
     port: int
     region: str = DEFAULT_REGION
 
+    def __post_init__(self) -> None:
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            raise ValueError(
+                f"backend host {self.host!r} must be an IP address (override_host matches "
+                "'ip:port' strings against cluster hosts)"
+            ) from None
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"backend port must be in [1, 65535], got {self.port}")
+        if not self.region:
+            raise ValueError("backend region must not be empty")
+
     @property
     def address(self) -> str:
-        """``ip:port``, the form Envoy's override_host matches against cluster hosts."""
+        """``ip:port`` as Envoy prints it (IPv6 in brackets)."""
+        if ":" in self.host:
+            return f"[{self.host}]:{self.port}"
         return f"{self.host}:{self.port}"
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{self.address}"
 
 
 def parse_backend(text: str) -> BackendSpec:
@@ -51,12 +70,9 @@ def parse_backend(text: str) -> BackendSpec:
     if parts.scheme != "http" or not parts.hostname or parts.port is None:
         raise ValueError(f"backend {text!r}: expected [REGION=]http://IP:PORT")
     try:
-        ipaddress.ip_address(parts.hostname)
-    except ValueError:
-        raise ValueError(
-            f"backend {text!r}: host must be an IP address, got {parts.hostname!r}"
-        ) from None
-    return BackendSpec(parts.hostname, parts.port, region.strip() or DEFAULT_REGION)
+        return BackendSpec(parts.hostname, parts.port, region.strip() or DEFAULT_REGION)
+    except ValueError as exc:
+        raise ValueError(f"backend {text!r}: {exc}") from None
 
 
 class Backend:

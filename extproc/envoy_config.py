@@ -46,6 +46,8 @@ from typing import Any
 
 import yaml
 
+from extproc.backends import BackendSpec
+
 MiB = 1024 * 1024
 
 EXTPROC_CLUSTER = "fairlane_extproc"
@@ -92,41 +94,9 @@ def _check_port(name: str, port: int, allow_zero: bool) -> None:
         raise EnvoyConfigError(f"{name} must be in [{low}, 65535], got {port}")
 
 
-@dataclass(frozen=True)
-class Backend:
-    """One upstream (vLLM) endpoint.
-
-    ``host`` must be an IP address: override_host matches the service's ``ip:port`` strings
-    against the cluster's host addresses, so a DNS name would never match.
-    """
-
-    host: str
-    port: int
-    region: str
-
-    def __post_init__(self) -> None:
-        try:
-            ipaddress.ip_address(self.host)
-        except ValueError:
-            raise EnvoyConfigError(
-                f"backend host {self.host!r} must be an IP address (override_host matches "
-                f"'ip:port' strings against cluster hosts)"
-            ) from None
-        _check_port("backend port", self.port, allow_zero=False)
-        if not self.region:
-            raise EnvoyConfigError("backend region must not be empty")
-
-    @property
-    def address(self) -> str:
-        """The ``ip:port`` string the service puts in ``x-gateway-destination-endpoint``."""
-        if ":" in self.host:  # IPv6, as Envoy prints it
-            return f"[{self.host}]:{self.port}"
-        return f"{self.host}:{self.port}"
-
-
-DEFAULT_BACKENDS: tuple[Backend, ...] = (
-    Backend("127.0.0.1", 8101, "region-a"),
-    Backend("127.0.0.1", 8102, "region-b"),
+DEFAULT_BACKENDS: tuple[BackendSpec, ...] = (
+    BackendSpec("127.0.0.1", 8101, "region-a"),
+    BackendSpec("127.0.0.1", 8102, "region-b"),
 )
 
 
@@ -140,7 +110,7 @@ class EnvoyParams:
     admin_port: int = 9901
     extproc_host: str = "127.0.0.1"  # an IP (STATIC cluster) or a DNS name (STRICT_DNS)
     extproc_port: int = 50051
-    backends: tuple[Backend, ...] = field(default=DEFAULT_BACKENDS)
+    backends: tuple[BackendSpec, ...] = field(default=DEFAULT_BACKENDS)
     max_body_bytes: int = 8 * MiB
     # The longest a request may be held in fairlane's queues (the largest queue deadline).
     longest_hold_s: float = 600.0

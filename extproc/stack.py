@@ -92,7 +92,7 @@ class Stack:
             listen_port=config.port,
             admin_port=self.admin_port,
             extproc_port=self.service_port,
-            backends=tuple(envoy_config.Backend(b.host, b.port, b.region) for b in self.backends),
+            backends=self.backends,
             max_body_bytes=policy.max_body_bytes,
             longest_hold_s=min(envoy_config.MAX_MESSAGE_TIMEOUT_S, longest_hold + 10),
             max_held_requests=sum(t.queue_limit for t in policy.tiers),

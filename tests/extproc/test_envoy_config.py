@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import yaml
 
+from extproc.backends import BackendSpec
 from extproc.envoy_config import (
     BACKEND_CLUSTER,
     DESTINATION_HEADER,
     EXTPROC_CLUSTER,
     MAX_MESSAGE_TIMEOUT_S,
-    Backend,
     EnvoyConfigError,
     EnvoyParams,
     envoy_argv,
@@ -44,13 +44,13 @@ MESH_SNIPPET = ENVOY_DIR / "mesh-snippet.yaml"
 
 RENDERS: dict[str, EnvoyParams] = {
     "defaults": EnvoyParams(),
-    "one-backend": EnvoyParams(backends=(Backend("10.0.0.7", 8000, "eu-west"),)),
+    "one-backend": EnvoyParams(backends=(BackendSpec("10.0.0.7", 8000, "eu-west"),)),
     "three-regions": EnvoyParams(
         backends=(
-            Backend("10.0.0.1", 8000, "us-east"),
-            Backend("10.1.0.1", 8000, "us-west"),
-            Backend("10.0.0.2", 8000, "us-east"),
-            Backend("10.2.0.1", 8000, "eu-central"),
+            BackendSpec("10.0.0.1", 8000, "us-east"),
+            BackendSpec("10.1.0.1", 8000, "us-west"),
+            BackendSpec("10.0.0.2", 8000, "us-east"),
+            BackendSpec("10.2.0.1", 8000, "eu-central"),
         ),
         longest_hold_s=3600.0,
         max_held_requests=50_000,
@@ -326,7 +326,7 @@ def test_mesh_snippet_matches_bootstrap() -> None:
     "kwargs",
     [
         {"backends": ()},
-        {"backends": (Backend("127.0.0.1", 1, "a"), Backend("127.0.0.1", 1, "b"))},
+        {"backends": (BackendSpec("127.0.0.1", 1, "a"), BackendSpec("127.0.0.1", 1, "b"))},
         {"longest_hold_s": 0.0},
         {"longest_hold_s": 3601.0},
         {"max_held_requests": 0},
@@ -341,9 +341,9 @@ def test_bad_params_are_refused(kwargs: dict[str, Any]) -> None:
 
 
 def test_backend_needs_an_ip() -> None:
-    with pytest.raises(EnvoyConfigError, match="IP address"):
-        Backend("vllm.internal", 8000, "a")
-    assert Backend("::1", 8000, "a").address == "[::1]:8000"
+    with pytest.raises(ValueError, match="IP address"):
+        BackendSpec("vllm.internal", 8000, "a")
+    assert BackendSpec("::1", 8000, "a").address == "[::1]:8000"
 
 
 # --------------------------------------------------------------------------- real Envoy
@@ -506,7 +506,10 @@ async def test_real_envoy_routes_and_sets_headers(
     import aiohttp
 
     p = envoy_ports
-    backends = (Backend("127.0.0.1", p["a"], "region-a"), Backend("127.0.0.1", p["b"], "region-b"))
+    backends = (
+        BackendSpec("127.0.0.1", p["a"], "region-a"),
+        BackendSpec("127.0.0.1", p["b"], "region-b"),
+    )
     params = EnvoyParams(
         listen_port=p["listen"],
         admin_port=p["admin"],

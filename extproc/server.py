@@ -124,20 +124,34 @@ async def serve(config: ServiceConfig) -> None:
     await service.stop()
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
-    parser.add_argument("--port", type=int, default=50051, help="gRPC port (default %(default)s)")
+def add_policy_argument(parser: argparse.ArgumentParser) -> None:
+    """``--policy``, shared by ``serve`` and ``up``."""
     parser.add_argument(
         "--policy",
         type=Path,
         default=DEFAULT_POLICY_PATH,
         help="policy YAML, reloaded when it changes (default: the embedded default policy)",
     )
+
+
+def add_backend_argument(parser: argparse.ArgumentParser, required: bool, help: str) -> None:
+    """``--backend [REGION=]URL`` (repeatable), shared by ``serve`` and ``up``."""
     parser.add_argument(
         "--backend",
         action="append",
         default=[],
         metavar="[REGION=]URL",
+        required=required,
+        help=help,
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (default %(default)s)")
+    add_policy_argument(parser)
+    add_backend_argument(
+        parser,
         required=True,
         help="a vLLM server, e.g. region-a=http://10.0.0.5:8000 "
         "(repeatable; the first region named is the local one)",

@@ -20,7 +20,7 @@ from extproc import envoy_config
 from extproc.backends import BackendSpec
 from extproc.policy import DEFAULT_POLICY_PATH, load_policy
 from extproc.processes import ProcessGroup, free_port, wait_http_ready, wait_port_open
-from extproc.server import backends_from_args
+from extproc.server import add_backend_argument, add_policy_argument, backends_from_args
 
 DEFAULT_SIM_REGIONS = ("region-a", "region-b")
 
@@ -133,17 +133,10 @@ class Stack:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8080, help="client port (default %(default)s)")
-    parser.add_argument(
-        "--policy",
-        type=Path,
-        default=DEFAULT_POLICY_PATH,
-        help="policy YAML, reloaded when it changes (default: the embedded default policy)",
-    )
-    parser.add_argument(
-        "--backend",
-        action="append",
-        default=[],
-        metavar="[REGION=]URL",
+    add_policy_argument(parser)
+    add_backend_argument(
+        parser,
+        required=False,
         help="a real vLLM server (repeatable); without any, two simulated ones are started",
     )
     parser.add_argument("--admin-port", type=int, default=0, help="Envoy admin (default: free)")

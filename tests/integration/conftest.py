@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from extproc.processes import ProcessGroup
+from extproc.processes import ProcessGroup, free_port
 from extproc.stack import Stack, StackConfig
 
 # One backend that admits one request at a time: a single long request fills the fleet.
@@ -67,7 +67,7 @@ def start_stack(tmp: Path, policy_text: str = TEST_POLICY) -> tuple[ProcessGroup
     group = ProcessGroup(tmp / "logs")
     try:
         config = StackConfig(
-            port=_free(),
+            port=free_port(),
             policy_path=policy,
             sim_regions=("region-a",),
             sim_args=SIM_ARGS,
@@ -78,12 +78,6 @@ def start_stack(tmp: Path, policy_text: str = TEST_POLICY) -> tuple[ProcessGroup
         group.stop()
         raise
     return group, stack
-
-
-def _free() -> int:
-    from extproc.processes import free_port
-
-    return free_port()
 
 
 @pytest.fixture(scope="module")

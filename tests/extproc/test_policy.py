@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc import policy as policy_module
+import extproc
 from extproc.policy import (
     DEFAULT_POLICY_PATH,
     Policy,
@@ -19,6 +19,7 @@ from extproc.policy import (
     load_policy,
     parse_policy,
 )
+from extproc.policy import parse as parse_module
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "policies").glob("*.yaml"))
@@ -88,7 +89,7 @@ def test_default_policy_has_the_demo_tenants_and_tiers() -> None:
 
 def test_packaged_copy_is_the_default_policy() -> None:
     """The wheel ships extproc/default_policy.yaml; it must never drift from policies/."""
-    packaged = Path(policy_module.__file__).with_name("default_policy.yaml")
+    packaged = Path(extproc.__file__).with_name("default_policy.yaml")
     assert packaged.read_bytes() == (REPO / "policies" / "default.yaml").read_bytes()
 
 
@@ -436,13 +437,13 @@ def test_bad_change_keeps_the_old_policy_and_logs(
 def test_unchanged_file_is_not_reparsed(policy_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = PolicyStore(policy_file)
     calls: list[str] = []
-    real = policy_module.parse_policy
+    real = parse_module.parse_policy
 
     def counting(text: str, filename: str = "<policy>") -> Policy:
         calls.append(filename)
         return real(text, filename)
 
-    monkeypatch.setattr(policy_module, "parse_policy", counting)
+    monkeypatch.setattr(parse_module, "parse_policy", counting)
     assert store.reload() is False  # same stat: not even read
     rewrite(policy_file, MINIMAL)  # touched, same content: read but not parsed
     assert store.reload() is False

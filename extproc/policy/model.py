@@ -1,0 +1,236 @@
+"""The policy's objects: tiers, tenants, rules, and the validated ``Policy`` that holds them.
+
+Per-request code only reads these; every lookup it needs (API key -> tenant, word -> tier,
+tenant -> most urgent allowed tier) is a dict built once when the ``Policy`` is made.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+EscalationMode = Literal["downgrade", "reject"]
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True, slots=True)
+class Tier:
+    """A strict priority band; every request is served in exactly one."""
+
+    name: str
+    rank: int
+    """0 = most urgent; the tier's position in the file."""
+    priority: int
+    """Base vLLM priority (lower = earlier); the continuous priority adds to it."""
+    queue_limit: int
+    """How many requests of this tier the gateway may hold before shedding with 429."""
+    queue_deadline_s: float
+    """How long a request may wait in the gateway before it is shed with 503."""
+    slo_ttft_ms: int | None = None
+    slo_latency_s: float | None = None
+    aliases: tuple[str, ...] = ()
+    """Other words a client may ask for this tier with (``high``, ``low``, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """Who is calling, as identified by an API key, and which tiers that caller may use."""
+
+    name: str
+    api_keys: tuple[str, ...]
+    tiers: tuple[str, ...]
+    """Allowed tier names; asking for anything less urgent than the best of them is fine."""
+    default_tier: str
+    weight: float = 1.0
+    """Fair-share weight of this tenant's flows within a band."""
+
+
+ConditionOp = Literal["equals", "in", "present", "gt", "ge", "lt", "le", "regex"]
+
+
+@dataclass(frozen=True, slots=True)
+class Condition:
+    """One test on a request header or a body field; a rule matches when all of its hold."""
+
+    field: str
+    op: ConditionOp
+    operand: Any
+    """A scalar, a tuple for ``in``, a bool for ``present``, a compiled pattern for ``regex``."""
+
+    def test(self, found: bool, value: Any) -> bool:
+        if self.op == "present":
+            return found is bool(self.operand)
+        if not found:
+            return False
+        if self.op == "equals":
+            return _same(value, self.operand)
+        if self.op == "in":
+            return any(_same(value, option) for option in self.operand)
+        if self.op == "regex":
+            return isinstance(value, str) and self.operand.search(value) is not None
+        if not _is_number(value):
+            return False
+        if self.op == "gt":
+            return bool(value > self.operand)
+        if self.op == "ge":
+            return bool(value >= self.operand)
+        if self.op == "lt":
+            return bool(value < self.operand)
+        return bool(value <= self.operand)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _same(value: object, operand: object) -> bool:
+    """Equality where ``true`` never equals ``1`` (Python's ``True == 1`` would let it)."""
+    if isinstance(value, bool) or isinstance(operand, bool):
+        return type(value) is type(operand) and value == operand
+    return value == operand
+
+
+_MISSING = object()
+
+
+def _body_value(body: Mapping[str, Any], dotted: tuple[str, ...]) -> Any:
+    value: Any = body
+    for key in dotted:
+        if not isinstance(value, Mapping) or key not in value:
+            return _MISSING
+        value = value[key]
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """What a rule looks at: the path (query string excluded), headers, body fields."""
+
+    path_prefix: str | None = None
+    path_regex: re.Pattern[str] | None = None
+    headers: tuple[Condition, ...] = ()
+    """Header names are lower-case, as Envoy reports them."""
+    body: tuple[Condition, ...] = ()
+    """Field names may be dotted (``metadata.team``) to reach into nested objects."""
+
+    def matches(self, path: str, headers: Mapping[str, str], body: Mapping[str, Any]) -> bool:
+        path = path.partition("?")[0]
+        if self.path_prefix is not None and not path.startswith(self.path_prefix):
+            return False
+        if self.path_regex is not None and self.path_regex.search(path) is None:
+            return False
+        for cond in self.headers:
+            value = headers.get(cond.field)
+            if not cond.test(value is not None, value):
+                return False
+        for cond in self.body:
+            value = _body_value(body, tuple(cond.field.split(".")))
+            if not cond.test(value is not _MISSING, value):
+                return False
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """Classification by what a request looks like; the first matching rule decides."""
+
+    name: str
+    match: Match
+    tier: str | None = None
+    workload: str | None = None
+    strip_path_prefix: str | None = None
+    """Removed from the front of the path before it goes upstream."""
+    add_path_prefix: str | None = None
+    """Put in front of the (stripped) path: strip ``/v1/batch`` + add ``/v1`` turns
+    ``/v1/batch/chat/completions`` into ``/v1/chat/completions``."""
+
+    @property
+    def rewrites_path(self) -> bool:
+        return self.strip_path_prefix is not None or self.add_path_prefix is not None
+
+    def rewrite(self, path: str) -> str:
+        rest = path
+        if self.strip_path_prefix is not None and path.startswith(self.strip_path_prefix):
+            rest = path[len(self.strip_path_prefix) :]
+        if self.add_path_prefix is None:
+            return rest if rest.startswith("/") else "/" + rest
+        if rest and not rest.startswith(("/", "?")):
+            rest = "/" + rest
+        return (self.add_path_prefix.rstrip("/") + rest) or "/"
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """One validated policy file. Build it with ``parse_policy``/``load_policy``."""
+
+    tiers: tuple[Tier, ...]
+    tenants: tuple[Tenant, ...]
+    rules: tuple[Rule, ...] = ()
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    on_escalation: EscalationMode = "downgrade"
+    """What happens when a client asks for a tier more urgent than its key allows."""
+    max_in_flight_per_backend: int = 16
+    user_header: str = "x-user-id"
+    """Where the end-user id comes from when the body has no ``"user"`` string."""
+    source: str = "<policy>"
+
+    _tiers_by_name: dict[str, Tier] = field(init=False, repr=False, compare=False)
+    _tiers_by_word: dict[str, Tier] = field(init=False, repr=False, compare=False)
+    _tenants_by_key: dict[str, Tenant] = field(init=False, repr=False, compare=False)
+    _tenants_by_name: dict[str, Tenant] = field(init=False, repr=False, compare=False)
+    _top_tier: dict[str, Tier] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by_name = {tier.name: tier for tier in self.tiers}
+        by_word = dict(by_name)
+        for tier in self.tiers:
+            by_word.update(dict.fromkeys(tier.aliases, tier))
+        tenants_by_key = {key: tenant for tenant in self.tenants for key in tenant.api_keys}
+        top = {
+            tenant.name: min((by_name[t] for t in tenant.tiers), key=lambda t: t.rank)
+            for tenant in self.tenants
+        }
+        object.__setattr__(self, "_tiers_by_name", by_name)
+        object.__setattr__(self, "_tiers_by_word", by_word)
+        object.__setattr__(self, "_tenants_by_key", tenants_by_key)
+        object.__setattr__(self, "_tenants_by_name", {t.name: t for t in self.tenants})
+        object.__setattr__(self, "_top_tier", top)
+
+    def tier(self, name: str) -> Tier:
+        """The tier called ``name`` (``KeyError`` if there is none)."""
+        return self._tiers_by_name[name]
+
+    def tier_for_ask(self, word: str) -> Tier | None:
+        """The tier a client means by ``word`` (a tier name or alias, any case)."""
+        return self._tiers_by_word.get(word.strip().lower())
+
+    def tenant(self, name: str) -> Tenant:
+        return self._tenants_by_name[name]
+
+    def tenant_for_key(self, key: str) -> Tenant | None:
+        return self._tenants_by_key.get(key)
+
+    def top_tier(self, tenant: Tenant) -> Tier:
+        """The most urgent tier ``tenant`` may use: the ceiling for whatever it asks."""
+        return self._top_tier[tenant.name]
+
+    @property
+    def lowest_tier(self) -> Tier:
+        return self.tiers[-1]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class PolicyError(Exception):
+    """A policy file that cannot be used, with every problem found in it."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = list(errors)
+        count = f"{len(errors)} error{'s' if len(errors) != 1 else ''}"
+        super().__init__(f"invalid policy ({count}):\n" + "\n".join(self.errors))

@@ -1,0 +1,94 @@
+"""The policy in force while the service runs, re-read when its file changes."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from extproc.policy.model import (
+    Policy,
+    PolicyError,
+)
+from extproc.policy.parse import (
+    _parse_bytes,
+)
+
+log = logging.getLogger("fairlane.policy")
+
+# --------------------------------------------------------------------------- hot reload
+
+PolicyListener = Callable[[Policy], None]
+_UNREADABLE = (-1, -1, -1)
+
+
+class PolicyStore:
+    """The policy in force, re-read from its file while the service runs.
+
+    ``current`` is replaced by one attribute assignment, so a reader sees the old policy
+    or the new one, never a mix. A file that fails validation is logged and ignored: a typo
+    in an edit must not take the gateway down, nor leave it without a policy.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], poll_interval_s: float = 1.0) -> None:
+        self.path = Path(path)
+        self.poll_interval_s = poll_interval_s
+        self._listeners: list[PolicyListener] = []
+        data = self.path.read_bytes()
+        self._stamp = self._stat()
+        self._digest = hashlib.sha256(data).digest()
+        self.current: Policy = _parse_bytes(data, str(self.path))
+
+    def on_change(self, callback: PolicyListener) -> None:
+        """Call ``callback(new_policy)`` after each swap (queues resize their limits)."""
+        self._listeners.append(callback)
+
+    def _stat(self) -> tuple[int, int, int]:
+        st = self.path.stat()
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def reload(self) -> bool:
+        """Re-read the file if it changed; return whether a new policy was swapped in."""
+        try:
+            stamp = self._stat()
+            if stamp == self._stamp:
+                return False
+            data = self.path.read_bytes()
+        except OSError as exc:  # e.g. mid-way through an editor's delete-and-recreate
+            if self._stamp != _UNREADABLE:
+                log.warning("policy %s not readable, keeping the previous one: %s", self.path, exc)
+            self._stamp = _UNREADABLE
+            return False
+        self._stamp = stamp
+        digest = hashlib.sha256(data).digest()
+        if digest == self._digest:
+            return False
+        self._digest = digest  # a bad file is reported once, not on every poll
+        try:
+            policy = _parse_bytes(data, str(self.path))
+        except PolicyError as exc:
+            log.error("policy %s not reloaded, keeping the previous one: %s", self.path, exc)
+            return False
+        self.current = policy
+        log.info(
+            "policy %s reloaded: %d tiers, %d tenants, %d rules",
+            self.path,
+            len(policy.tiers),
+            len(policy.tenants),
+            len(policy.rules),
+        )
+        for listener in self._listeners:
+            try:
+                listener(policy)
+            except Exception:
+                log.exception("policy listener %r failed", listener)
+        return True
+
+    async def watch(self) -> None:
+        """Poll the file forever (cancel the task to stop); a stat per poll when unchanged."""
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            self.reload()

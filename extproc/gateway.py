@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from extproc.admission import Admission, Grant, Ticket
@@ -35,6 +35,7 @@ _STRIPPED_EXACT = frozenset(
         "authorization",  # tenant keys stay at the gateway
         "x-api-key",
         "x-target-cluster",
+        PRIORITY_HEADER,  # overwritten on generation requests, removed on the others
     }
 )
 _STRIPPED_PREFIXES = ("x-fairlane-",)
@@ -72,10 +73,19 @@ class Pending:
         return self._gateway.forward(self._info, self._body, self._request, grant, self._request_id)
 
 
-def client_headers_to_strip(headers: Mapping[str, str]) -> tuple[str, ...]:
-    """Names of client headers that must not reach a backend (the gateway's own)."""
+def client_headers_to_strip(
+    headers: Mapping[str, str], overwritten: Collection[str] = ()
+) -> tuple[str, ...]:
+    """Client headers that must not reach a backend: the gateway's own, its tenant key.
+
+    Headers the gateway overwrites anyway (``overwritten``, and the destination header the
+    codec always sets) are left out, so no mutation both removes and sets one name.
+    """
     return tuple(
-        name for name in headers if name in _STRIPPED_EXACT or name.startswith(_STRIPPED_PREFIXES)
+        name
+        for name in headers
+        if (name in _STRIPPED_EXACT or name.startswith(_STRIPPED_PREFIXES))
+        and name not in overwritten
     )
 
 
@@ -147,7 +157,7 @@ class Gateway:
             set_headers[":path"] = request.path
         if request_id != info.request_id:
             set_headers["x-request-id"] = request_id
-        strip = tuple(h for h in client_headers_to_strip(info.headers) if h not in set_headers)
+        strip = client_headers_to_strip(info.headers, overwritten=set_headers)
         self.outcomes.forward(request.tier.name)
         return Forward(
             body=json.dumps(body, separators=(",", ":")).encode(),

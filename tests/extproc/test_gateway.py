@@ -130,9 +130,12 @@ async def test_reused_request_id_gets_a_fresh_one() -> None:
 
 async def test_bodiless_get_is_authenticated_and_routed_without_queueing() -> None:
     gateway = make_gateway()
-    info = RequestInfo("GET", "/v1/models", {"authorization": "Bearer sk-chat-demo"})
+    info = RequestInfo(
+        "GET", "/v1/models", {"authorization": "Bearer sk-chat-demo", "x-vllm-priority": "-9"}
+    )
     decision = gateway.handle(info)
     assert isinstance(decision, Forward) and decision.endpoints
+    assert set(decision.remove_headers) == {"authorization", "x-vllm-priority"}
     assert gateway.admission.in_flight == 0
     anonymous = gateway.handle(RequestInfo("GET", "/v1/models", {}))
     assert isinstance(anonymous, Respond) and anonymous.status == 401

@@ -2,7 +2,14 @@
 
 The pool is the gateway's own view of the fleet. Health comes from polling each backend's
 ``/health``; load is the gateway's count of requests it released to each backend and has
-not yet seen finish (completion events from Envoy's access log release them).
+not yet seen finish (completion events from Envoy's access log release them), plus the
+engine's own numbers (waiting, running, KV-cache use, inter-token latency) scraped from its
+vLLM ``/metrics`` several times a second for the admission gates (``extproc.gates``).
+
+A backend is usable (``healthy``) only while both its ``/health`` answers and its last
+``/metrics`` scrape succeeded: an engine whose metrics cannot be read cannot be gated, so
+the picker must not send to it. The two loops keep separate flags so neither flips the
+other's verdict back and forth.
 """
 
 from __future__ import annotations
@@ -11,11 +18,14 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import aiohttp
+
+from extproc.scrape import EngineMetrics, MetricsError, interval_itl, parse_metrics
 
 log = logging.getLogger("fairlane.backends")
 
@@ -76,14 +86,45 @@ def parse_backend(text: str) -> BackendSpec:
 
 
 class Backend:
-    """One backend's live state, as the gateway sees it."""
+    """One backend's live state, as the gateway sees it.
 
-    __slots__ = ("healthy", "in_flight", "spec")
+    ``healthy`` is what the picker reads: ``/health`` answered (``health_ok``) and the last
+    ``/metrics`` scrape succeeded (``scrape_ok``). Assigning ``healthy`` sets ``health_ok``
+    (the health poller's and the tests' way to mark a backend down or up); both flags start
+    true so a pool that does not scrape behaves as before.
+
+    ``metrics`` is the last good scrape (None until one succeeds); a failed scrape keeps it,
+    so its ``scraped_at`` ages and the gates see it as stale. ``granted_since_scrape``
+    counts grants the engine cannot have counted yet: they are added to its waiting queue
+    (``effective_waiting``) so a burst between two scrapes cannot overfill it.
+    """
+
+    __slots__ = (
+        "granted_since_scrape",
+        "health_ok",
+        "in_flight",
+        "itl_s",
+        "metrics",
+        "scrape_ok",
+        "spec",
+    )
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
-        self.healthy = True
+        self.health_ok = True
+        self.scrape_ok = True
         self.in_flight = 0
+        self.metrics: EngineMetrics | None = None
+        self.itl_s: float | None = None
+        self.granted_since_scrape = 0
+
+    @property
+    def healthy(self) -> bool:
+        return self.health_ok and self.scrape_ok
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        self.health_ok = value
 
     @property
     def address(self) -> str:
@@ -93,6 +134,38 @@ class Backend:
     def region(self) -> str:
         return self.spec.region
 
+    def note_grant(self) -> None:
+        """Admission sent one request here: count it in flight and as not yet scraped."""
+        self.in_flight += 1
+        self.granted_since_scrape += 1
+
+    def effective_waiting(self) -> float:
+        """The engine's waiting queue as it will be once our unscraped grants arrive.
+
+        Conservative: a granted request that the engine schedules at once never waits, but
+        the gateway cannot know that until the next scrape.
+        """
+        waiting = self.metrics.waiting if self.metrics is not None else 0.0
+        return waiting + self.granted_since_scrape
+
+    def record_scrape(self, metrics: EngineMetrics, granted_before: int) -> None:
+        """A scrape sent when ``granted_since_scrape`` was ``granted_before`` succeeded.
+
+        Only the grants made before the scrape was sent can be in its numbers; the ones
+        made while it was in flight stay counted. ``itl_s`` becomes the mean inter-token
+        latency since the previous scrape; with no token in between it keeps its value while
+        requests run (a step longer than the scrape interval, or a stalled engine, must not
+        read as fast) and becomes None when the engine is idle (nothing to protect).
+        """
+        itl = interval_itl(self.metrics, metrics)
+        if itl is not None:
+            self.itl_s = itl
+        elif metrics.running == 0:
+            self.itl_s = None
+        self.metrics = metrics
+        self.granted_since_scrape = max(0, self.granted_since_scrape - granted_before)
+        self.scrape_ok = True
+
     def __repr__(self) -> str:
         state = "up" if self.healthy else "down"
         return f"<Backend {self.address} {self.region} {state} in_flight={self.in_flight}>"
@@ -101,13 +174,16 @@ class Backend:
 class BackendPool:
     """All backends, in configured order (the first region named is the local one)."""
 
-    def __init__(self, specs: Sequence[BackendSpec]) -> None:
+    def __init__(
+        self, specs: Sequence[BackendSpec], clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if not specs:
             raise ValueError("at least one backend is needed")
         self.backends = [Backend(spec) for spec in specs]
         self.by_address = {b.address: b for b in self.backends}
         self.regions = list(dict.fromkeys(b.region for b in self.backends))
         self._listeners: list[Callable[[], None]] = []
+        self.clock = clock  # stamps EngineMetrics.scraped_at; gates compare against it
 
     def on_capacity(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever a backend may have gained room (release, recovery)."""
@@ -128,10 +204,10 @@ class BackendPool:
                 results = await asyncio.gather(*(self._probe(session, b) for b in self.backends))
                 gained = False
                 for backend, ok in zip(self.backends, results, strict=True):
-                    if ok != backend.healthy:
+                    if ok != backend.health_ok:
                         log.warning("backend %s is now %s", backend.address, "up" if ok else "down")
                         gained = gained or ok
-                        backend.healthy = ok
+                        backend.health_ok = ok
                 if gained:
                     self.capacity_changed()
                 await asyncio.sleep(interval_s)
@@ -142,3 +218,80 @@ class BackendPool:
             async with session.get(f"{backend.spec.url}/health") as response:
                 return response.status == 200
         return False
+
+    async def watch_metrics(self, interval_s: float = 0.1, timeout_s: float = 0.5) -> None:
+        """Scrape every backend's vLLM ``/metrics`` every ``interval_s``, forever.
+
+        Scrapes run concurrently on one session. A round starts every ``interval_s``
+        whatever the backends do: a backend whose previous scrape is still in flight (a slow
+        or hung server, up to ``timeout_s``) is skipped that round instead of delaying the
+        others. After each round that finished a scrape the capacity listeners run, so
+        admission re-dispatches as engines drain. Errors never end the loop: a failed or
+        garbage scrape marks the backend not ``scrape_ok`` (logged once per change) and
+        leaves its last metrics to age into staleness.
+        """
+        loop = asyncio.get_running_loop()
+        client_timeout = aiohttp.ClientTimeout(total=timeout_s)
+        pending: dict[int, asyncio.Task[bool]] = {}
+        try:
+            async with aiohttp.ClientSession(timeout=client_timeout) as session:
+                next_round = loop.time()
+                while True:
+                    for index, backend in enumerate(self.backends):
+                        if index not in pending:
+                            pending[index] = loop.create_task(self._scrape(session, backend))
+                    next_round += interval_s
+                    delay = next_round - loop.time()
+                    if delay > 0:
+                        await asyncio.wait(pending.values(), timeout=delay)
+                    finished = [i for i, task in pending.items() if task.done()]
+                    for index in finished:
+                        del pending[index]
+                    if finished:
+                        self.capacity_changed()
+                    delay = next_round - loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    else:
+                        next_round = loop.time()  # fell behind (a blocked loop): no catch-up burst
+        finally:
+            for task in pending.values():
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending.values(), return_exceptions=True)
+
+    async def _scrape(self, session: aiohttp.ClientSession, backend: Backend) -> bool:
+        """Scrape one backend and record the outcome; True when it succeeded."""
+        granted_before = backend.granted_since_scrape
+        sent_at = self.clock()
+        try:
+            async with session.get(f"{backend.spec.url}/metrics") as response:
+                if response.status != 200:
+                    raise MetricsError(f"HTTP {response.status}")
+                text = await response.text(errors="replace")
+            metrics = parse_metrics(text, sent_at)
+        except asyncio.CancelledError:
+            raise
+        except (aiohttp.ClientError, TimeoutError, OSError, MetricsError) as exc:
+            self._scrape_failed(backend, exc)
+            return False
+        except Exception as exc:  # a bug must not end the loop or hide the backend's state
+            self._scrape_failed(backend, exc, unexpected=True)
+            return False
+        if not backend.scrape_ok:
+            log.warning("backend %s metrics are readable again", backend.address)
+        backend.record_scrape(metrics, granted_before)
+        return True
+
+    @staticmethod
+    def _scrape_failed(backend: Backend, exc: BaseException, unexpected: bool = False) -> None:
+        """Mark ``backend`` unscrapable; log only when that is news (not once per scrape)."""
+        if backend.scrape_ok:
+            reason = str(exc) or type(exc).__name__
+            log.warning(
+                "backend %s metrics unreadable (%s); treating it as saturated",
+                backend.address,
+                reason,
+                exc_info=exc if unexpected else None,
+            )
+        backend.scrape_ok = False

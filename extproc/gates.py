@@ -1,0 +1,100 @@
+"""Admission gates: may a request of this tier go to this backend now?
+
+Backpressure, after TNG's LLM-Server: a request leaves the gateway's queue only while the
+engine is not yet backed up, so the queueing (where fairness and priority are decided)
+happens here rather than in vLLM's FCFS-ish waiting queue. Each tier has a ``Gate``; a
+backend passes it when every bound the gate sets holds on the backend's last scrape plus
+the grants the gateway made since (:meth:`Backend.effective_waiting`).
+
+Semantics, precisely:
+
+- ``max_waiting = N`` admits while ``effective_waiting < N`` (strict), so TNG's "while the
+  queue is below 3" is ``max_waiting: 3``. ``0`` means "only when the queue is empty"
+  (``effective_waiting == 0``), the same as ``1``: a strict bound below zero would never
+  admit, and that is what ``max_in_flight: 0`` or a missing tier is for.
+- ``max_kv_cache_usage``: admits while usage ``<=`` the bound (a fraction, 0..1).
+- ``max_itl_s``: admits while the mean inter-token latency of the last scrape interval is
+  ``<=`` the bound; an unknown ITL (idle engine, first scrape) does not block.
+- ``max_in_flight``: the gateway's own count of requests it sent to the backend and has
+  not seen finish, ``<`` the bound (a per-backend cap for the tier).
+- ``None`` switches a bound off.
+
+A backend that is unhealthy (``/health`` fails or its scrapes fail), has never been
+scraped, or whose last good scrape is older than ``stale_after_s`` fails every gate: stale
+metrics count as saturated.
+
+Defaults (``DEFAULT_GATES``) step down by tier so that a lower tier always stops one step
+before a higher one: batch enters only an empty queue, api while at most one waits,
+interactive while at most two wait. After any lower-tier grant the queue is still short
+enough for the next tier up, so lower tiers can never lock a higher tier out of a backend
+(they can only fill its running batch, which vLLM with ``--scheduling-policy priority``
+preempts for the more urgent request).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from extproc.backends import Backend
+
+# Metrics older than this are not trusted: ten missed scrapes at the default 100 ms.
+DEFAULT_STALE_AFTER_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Gate:
+    """The bounds a backend must meet to take a request of one tier (``None``: no bound)."""
+
+    max_waiting: int | None = 3
+    max_kv_cache_usage: float | None = 0.95
+    max_itl_s: float | None = None
+    max_in_flight: int | None = None  # gateway-side per-backend cap for this tier
+
+    def __post_init__(self) -> None:
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        kv = self.max_kv_cache_usage
+        if kv is not None and not 0.0 <= kv <= 1.0:
+            raise ValueError(f"max_kv_cache_usage must be in [0, 1], got {kv}")
+        itl = self.max_itl_s
+        if itl is not None and not (itl > 0 and math.isfinite(itl)):
+            raise ValueError(f"max_itl_s must be a positive number of seconds, got {itl}")
+        if self.max_in_flight is not None and self.max_in_flight < 0:
+            raise ValueError(f"max_in_flight must be >= 0, got {self.max_in_flight}")
+
+
+DEFAULT_GATES: Mapping[str, Gate] = MappingProxyType(
+    {
+        # TNG: dispatch while the backend queue is below ~3. No ITL bound: an interactive
+        # request is better off inside vLLM, where its priority puts it first, than held here.
+        "interactive": Gate(max_waiting=3, max_kv_cache_usage=0.95),
+        # One step below interactive (see the module docstring), and a little more KV
+        # headroom; no ITL bound, as api clients stream too and vLLM priority protects them.
+        "api": Gate(max_waiting=2, max_kv_cache_usage=0.90),
+        # Only into an empty queue, with KV headroom left for the tiers above, and only while
+        # decoding is fast (TNG: time per output token below ~150 ms): batch is what makes
+        # decode batches large and slow, so it backs off first.
+        "batch": Gate(max_waiting=0, max_kv_cache_usage=0.85, max_itl_s=0.15),
+    }
+)
+
+
+def passes(gate: Gate, backend: Backend, now: float, stale_after_s: float) -> bool:
+    """Whether ``backend`` may take one more request of the tier ``gate`` belongs to now.
+
+    ``now`` is on the pool's clock (``BackendPool.clock``, monotonic by default), the clock
+    that stamped ``backend.metrics.scraped_at``.
+    """
+    metrics = backend.metrics
+    if not backend.healthy or metrics is None or now - metrics.scraped_at > stale_after_s:
+        return False
+    if gate.max_waiting is not None and backend.effective_waiting() >= max(gate.max_waiting, 1):
+        return False
+    if gate.max_kv_cache_usage is not None and metrics.kv_cache_usage > gate.max_kv_cache_usage:
+        return False
+    if gate.max_itl_s is not None and backend.itl_s is not None and backend.itl_s > gate.max_itl_s:
+        return False
+    return gate.max_in_flight is None or backend.in_flight < gate.max_in_flight

@@ -630,6 +630,106 @@ def _comment(text: str) -> str:
     return "".join(f"# {line}".rstrip() + "\n" for line in text.splitlines())
 
 
+# --------------------------------------------------------------------------- FIFO baseline
+
+FIFO_CLUSTER = "fifo_backends"
+
+
+def render_fifo_bootstrap(params: EnvoyParams) -> dict[str, Any]:
+    """A bootstrap **without** fairlane: the baseline arm of ``fairlane bench``.
+
+    The same listener limits and backend cluster settings as :func:`render_bootstrap`, but
+    no ext_proc filter, no completion access log and plain round-robin over every backend
+    (one locality: a FIFO fleet has no regional preference), so requests reach the engines
+    in arrival order and the engines' own FCFS queues decide. The client's headers
+    (``authorization`` included) pass through untouched; the simulator ignores them.
+    ``extproc_*``, ``max_held_requests`` and ``message_timeout_s`` are unused.
+    """
+    cluster = backend_cluster(params)
+    cluster["name"] = FIFO_CLUSTER
+    cluster["load_balancing_policy"] = {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.round_robin",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies."
+                        "round_robin.v3.RoundRobin",
+                    },
+                }
+            }
+        ]
+    }
+    cluster["load_assignment"] = {
+        "cluster_name": FIFO_CLUSTER,
+        "endpoints": [{"lb_endpoints": [_lb_endpoint(b.host, b.port) for b in params.backends]}],
+    }
+    access_logs = [] if params.access_log_path is None else [_access_log(params.access_log_path)]
+    hcm: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network."
+        "http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "fifo",
+        "codec_type": "AUTO",
+        "stream_idle_timeout": _duration(params.stream_idle_timeout_s),
+        "request_headers_timeout": "10s",
+        "max_request_headers_kb": 96,
+        "generate_request_id": True,
+        "access_log": access_logs,
+        "route_config": {
+            "name": "fifo",
+            "virtual_hosts": [
+                {
+                    "name": "fifo",
+                    "domains": ["*"],
+                    "routes": [
+                        {
+                            "name": "fifo_llm",
+                            "match": {"prefix": "/"},
+                            "route": {
+                                "cluster": FIFO_CLUSTER,
+                                "timeout": "0s",  # long generations
+                                "idle_timeout": _duration(params.stream_idle_timeout_s),
+                            },
+                        }
+                    ],
+                }
+            ],
+        },
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                },
+            }
+        ],
+    }
+    return {
+        "admin": {"address": _socket_address(params.admin_host, params.admin_port)},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "fifo_http",
+                    "address": _socket_address(params.listen_host, params.listen_port),
+                    "per_connection_buffer_limit_bytes": params.buffer_limit_bytes,
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": hcm,
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": [cluster],
+        },
+        "overload_manager": render_bootstrap(params)["overload_manager"],
+    }
+
+
 # --------------------------------------------------------------------------- I/O
 
 

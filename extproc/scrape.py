@@ -71,7 +71,7 @@ def parse_metrics(text: str, scraped_at: float) -> EngineMetrics:
     values: dict[str, list[float]] = {}
     for match in _SAMPLE.finditer("\n" + text):  # the leading newline lets line 1 match too
         values.setdefault(match[1], []).append(_number(match[1], match[2]))
-    itl = ITL if ITL + "_count" in values else LEGACY_ITL
+    itl = LEGACY_ITL if LEGACY_ITL + "_count" in values and ITL + "_count" not in values else ITL
     kv_values = _required(values, KV_CACHE_USAGE)
     kv = sum(kv_values) / len(kv_values)
     if kv > 1.0 + 1e-9:

@@ -135,7 +135,9 @@ class _Flow:
     queue: OrderedDict[str, int] = field(default_factory=OrderedDict)
     """Request id -> arrival sequence number, oldest first; empty when the flow is idle."""
     version: int = 0
-    """Bumped on every key change; heap items carrying another version are stale."""
+    """Re-stamped on every key change; heap items carrying another stamp are stale. Stamps
+    come from the band, never restart per flow: a flow forgotten and re-created must not
+    revive the heap items of its former self."""
 
 
 class _Band:
@@ -150,6 +152,7 @@ class _Band:
         "idle",
         "meter",
         "ready",
+        "stamp",
         "vtime",
     )
 
@@ -164,16 +167,21 @@ class _Band:
         self.idle: list[tuple[float, int, str]] = []
         """Idle flows still in debt (counter > vtime): (counter, version, flow); lazy."""
         self.backlogged = 0
+        self.stamp = 0
         self.vtime = 0.0
         self.meter = DrainMeter(clock=clock)
 
+    def restamp(self, flow: _Flow) -> None:
+        self.stamp += 1
+        flow.version = self.stamp
+
     def mark_ready(self, name: str, flow: _Flow) -> None:
-        flow.version += 1
+        self.restamp(flow)
         head_seq = next(iter(flow.queue.values()))
         heapq.heappush(self.ready, (flow.counter, head_seq, flow.version, name))
 
     def mark_idle(self, name: str, flow: _Flow) -> None:
-        flow.version += 1
+        self.restamp(flow)
         heapq.heappush(self.idle, (flow.counter, flow.version, name))
 
     def peek(self) -> tuple[str, _Flow] | None:

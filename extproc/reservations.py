@@ -20,8 +20,8 @@ from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-# ``0.3 * 10`` is ``3.0000000000000004``: without the tolerance a 30% share of 10 slots
-# would reserve 4.
+# ``0.07 * 100`` is ``7.000000000000001``: without the tolerance a 7% share of 100 slots
+# would reserve 8.
 _EPSILON = 1e-9
 
 

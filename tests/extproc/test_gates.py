@@ -1,0 +1,122 @@
+import pytest
+
+from extproc.backends import Backend, BackendSpec
+from extproc.gates import DEFAULT_GATES, DEFAULT_STALE_AFTER_S, Gate, passes
+from extproc.scrape import EngineMetrics
+
+NOW = 100.0
+STALE = 1.0
+
+
+def backend(
+    waiting: float = 0,
+    running: float = 4,
+    kv: float = 0.2,
+    itl_s: float | None = 0.03,
+    age_s: float = 0.05,
+    granted: int = 0,
+    in_flight: int = 0,
+) -> Backend:
+    b = Backend(BackendSpec("127.0.0.1", 9000))
+    b.metrics = EngineMetrics(waiting, running, kv, 10.0, 100.0, scraped_at=NOW - age_s)
+    b.itl_s = itl_s
+    b.granted_since_scrape = granted
+    b.in_flight = in_flight
+    return b
+
+
+def test_a_quiet_fresh_backend_passes_every_default_gate() -> None:
+    for gate in DEFAULT_GATES.values():
+        assert passes(gate, backend(), NOW, STALE)
+
+
+def test_max_waiting_is_a_strict_bound_tng_below_three() -> None:
+    gate = Gate(max_waiting=3, max_kv_cache_usage=None)
+    assert passes(gate, backend(waiting=2), NOW, STALE)
+    assert not passes(gate, backend(waiting=3), NOW, STALE)
+
+
+def test_max_waiting_zero_means_only_an_empty_queue() -> None:
+    gate = Gate(max_waiting=0)
+    assert passes(gate, backend(waiting=0), NOW, STALE)
+    assert not passes(gate, backend(waiting=1), NOW, STALE)
+    assert passes(Gate(max_waiting=None), backend(waiting=50), NOW, STALE)
+
+
+def test_grants_since_the_scrape_count_as_waiting() -> None:
+    gate = Gate(max_waiting=3)
+    b = backend(waiting=1)
+    assert b.effective_waiting() == 1 and passes(gate, b, NOW, STALE)
+    b.note_grant()
+    assert (b.in_flight, b.granted_since_scrape, b.effective_waiting()) == (1, 1, 2)
+    assert passes(gate, b, NOW, STALE)
+    b.note_grant()
+    assert not passes(gate, b, NOW, STALE)  # 1 scraped + 2 unscraped grants = 3
+    assert not passes(DEFAULT_GATES["batch"], backend(granted=1), NOW, STALE)
+
+
+def test_kv_cache_usage_bound_is_inclusive() -> None:
+    gate = Gate(max_waiting=None, max_kv_cache_usage=0.85)
+    assert passes(gate, backend(kv=0.85), NOW, STALE)
+    assert not passes(gate, backend(kv=0.86), NOW, STALE)
+
+
+def test_itl_bound_applies_only_when_itl_is_known() -> None:
+    gate = Gate(max_itl_s=0.15)
+    assert passes(gate, backend(itl_s=0.15), NOW, STALE)
+    assert not passes(gate, backend(itl_s=0.2), NOW, STALE)
+    assert passes(gate, backend(itl_s=None), NOW, STALE)
+    assert passes(Gate(max_itl_s=None), backend(itl_s=5.0), NOW, STALE)
+
+
+def test_max_in_flight_caps_the_gateways_own_count() -> None:
+    gate = Gate(max_in_flight=2)
+    assert passes(gate, backend(in_flight=1), NOW, STALE)
+    assert not passes(gate, backend(in_flight=2), NOW, STALE)
+    assert not passes(Gate(max_in_flight=0), backend(), NOW, STALE)
+
+
+def test_stale_unscraped_and_unhealthy_backends_count_as_saturated() -> None:
+    gate = Gate(max_waiting=None, max_kv_cache_usage=None)
+    assert passes(gate, backend(age_s=STALE), NOW, STALE)
+    assert not passes(gate, backend(age_s=STALE + 0.01), NOW, STALE)
+    never = Backend(BackendSpec("127.0.0.1", 9001))
+    assert never.metrics is None and not passes(gate, never, NOW, STALE)
+    down = backend()
+    down.healthy = False
+    assert not passes(gate, down, NOW, STALE)
+    unreadable = backend()
+    unreadable.scrape_ok = False  # /health fine, /metrics failing
+    assert unreadable.health_ok and not unreadable.healthy
+    assert not passes(gate, unreadable, NOW, STALE)
+    assert DEFAULT_STALE_AFTER_S >= 0.5  # several missed 100 ms scrapes before saturation
+
+
+def test_default_tiers_step_down_so_a_lower_tier_never_locks_out_a_higher_one() -> None:
+    interactive, api, batch = (DEFAULT_GATES[t] for t in ("interactive", "api", "batch"))
+    for lower, higher in ((batch, api), (api, interactive), (batch, interactive)):
+        b = backend()
+        while passes(lower, b, NOW, STALE):  # the lower tier takes all it may
+            b.note_grant()
+        assert passes(higher, b, NOW, STALE)
+    assert not passes(batch, backend(itl_s=0.2), NOW, STALE)
+    assert passes(interactive, backend(itl_s=0.2), NOW, STALE)
+    assert not passes(batch, backend(kv=0.9), NOW, STALE)
+    assert passes(api, backend(kv=0.9), NOW, STALE)
+    assert not passes(interactive, backend(kv=0.96), NOW, STALE)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_waiting": -1},
+        {"max_kv_cache_usage": 1.5},
+        {"max_kv_cache_usage": -0.1},
+        {"max_itl_s": 0.0},
+        {"max_itl_s": float("nan")},
+        {"max_in_flight": -2},
+    ],
+)
+def test_nonsense_bounds_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        Gate(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,97 @@
+from extproc.reservations import Reservation, may_admit, reserved_slots, validate_shares
+
+INTERACTIVE, API, BATCH = 0, 1, 2
+SHARES = [Reservation("interactive", INTERACTIVE, 0.3), Reservation("api", API, 0.2)]
+
+
+def admit(rank: int, in_flight: dict[int, int], active: set[int], capacity: int = 10) -> bool:
+    return may_admit(rank, in_flight, capacity, SHARES, active)
+
+
+def fill(rank: int, in_flight: dict[int, int], active: set[int], capacity: int = 10) -> int:
+    """Admit ``rank`` until refused; how many it got."""
+    taken = 0
+    while admit(rank, in_flight, active | {rank}, capacity):
+        in_flight[rank] = in_flight.get(rank, 0) + 1
+        taken += 1
+        assert taken <= capacity
+    return taken
+
+
+def test_the_worked_example_of_the_docstring() -> None:
+    in_flight = {INTERACTIVE: 1, API: 0, BATCH: 5}
+    everyone = {INTERACTIVE, API, BATCH}
+    assert not admit(BATCH, in_flight, everyone)  # owed (3-1) + (2-0) = 4 > 3 free after
+    assert admit(BATCH, in_flight, {INTERACTIVE, BATCH})  # api idle: owed 2 <= 3
+    assert admit(API, in_flight, everyone)  # owed interactive's 2 <= 3
+    assert admit(INTERACTIVE, in_flight, everyone)
+
+
+def test_work_conserving_batch_fills_the_fleet_when_higher_tiers_are_idle() -> None:
+    assert fill(BATCH, {}, set()) == 10
+    assert fill(API, {}, set()) == 10
+
+
+def test_reservations_of_active_tiers_are_honoured() -> None:
+    # interactive has one request in flight (active): batch may use all but its 3 - 1 = 2
+    # still-owed slots and api's 2 (api queued: active).
+    in_flight = {INTERACTIVE: 1}
+    assert fill(BATCH, in_flight, {INTERACTIVE, API}) == 10 - 1 - 2 - 2
+    assert fill(API, in_flight, {INTERACTIVE, API}) == 2  # its own reserved slots
+    assert fill(INTERACTIVE, in_flight, {INTERACTIVE, API}) == 2  # the rest of the fleet
+    assert sum(in_flight.values()) == 10
+
+
+def test_higher_tiers_borrow_lower_tiers_unused_capacity_never_the_reverse() -> None:
+    shares = [Reservation("interactive", INTERACTIVE, 0.2), Reservation("batch", BATCH, 0.5)]
+    active = {INTERACTIVE, BATCH}
+    in_flight = {BATCH: 1}  # batch is active but far below its 5 reserved slots
+    taken = 0
+    while may_admit(INTERACTIVE, in_flight, 10, shares, active):
+        in_flight[INTERACTIVE] = in_flight.get(INTERACTIVE, 0) + 1
+        taken += 1
+    assert taken == 9  # every free slot, batch's reservation included
+    in_flight = {INTERACTIVE: 0, BATCH: 0}
+    assert [may_admit(BATCH, {BATCH: n}, 10, shares, active) for n in (7, 8)] == [True, False]
+    assert not may_admit(BATCH, in_flight | {BATCH: 8}, 10, shares, active)
+
+
+def test_a_full_fleet_admits_nobody() -> None:
+    assert not admit(INTERACTIVE, {BATCH: 10}, {BATCH})
+    assert not may_admit(INTERACTIVE, {}, 0, SHARES, set())
+
+
+def test_an_urgent_tier_using_more_than_its_share_is_owed_nothing_more() -> None:
+    in_flight = {INTERACTIVE: 6}
+    assert fill(BATCH, in_flight, {INTERACTIVE}) == 4
+
+
+def test_shares_round_up_without_floating_point_dust() -> None:
+    assert 0.07 * 100 > 7  # the dust the rounding must ignore
+    assert reserved_slots(0.07, 100) == 7
+    assert reserved_slots(0.3, 10) == 3
+    assert reserved_slots(0.25, 10) == 3
+    assert reserved_slots(0.0, 10) == 0
+    assert reserved_slots(1.0, 7) == 7
+
+
+def test_validate_shares_names_each_problem() -> None:
+    assert validate_shares(SHARES) == []
+    assert validate_shares([]) == []
+    problems = validate_shares(
+        [
+            Reservation("interactive", 0, -0.1),
+            Reservation("api", 1, 1.5),
+            Reservation("batch", 2, float("nan")),
+        ]
+    )
+    assert len(problems) == 4, problems
+    assert "'interactive'" in problems[0] and "negative" in problems[0]
+    assert "'api'" in problems[1] and "at most 1" in problems[1]
+    assert "'batch'" in problems[2] and "number" in problems[2]
+    assert "add up to 1.4" in problems[3]
+    over = validate_shares([Reservation("a", 0, 0.6), Reservation("b", 1, 0.5)])
+    assert len(over) == 1 and "add up to 1.1" in over[0]
+    assert validate_shares([Reservation("a", 0, 0.7), Reservation("b", 1, 0.3)]) == []
+    twice = validate_shares([Reservation("a", 0, 0.1), Reservation("a", 0, 0.1)])
+    assert len(twice) == 1 and "more than once" in twice[0]

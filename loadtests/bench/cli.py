@@ -1,0 +1,196 @@
+"""``fairlane bench SCENARIO``: run every arm of a scenario, one after the other, and report.
+
+Arms run sequentially on the same machine (never side by side: they would steal each
+other's CPU), each in its own :class:`ProcessGroup`, so its processes are stopped before the
+next arm starts, also when a run fails or is interrupted. The exit code says whether the
+benchmark *ran* (0) or could not (1); targets that fail are reported, not an error, because
+the harness is used to measure schedulers that do not meet them yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from extproc.envoy_config import EnvoyConfigError
+from extproc.policy import load_policy
+from extproc.processes import NotReady, ProcessGroup
+from loadtests.bench import cpu, report
+from loadtests.bench.arms import start_arm
+from loadtests.bench.client import RequestRecord, run_load
+from loadtests.bench.scenario import Scenario, ScenarioError, load_scenario
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", help="a name under loadtests/scenarios/ or a path")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default: bench-results/NAME-TIMESTAMP)",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="simulated seconds (overrides the scenario's duration_s)",
+    )
+    parser.add_argument(
+        "--speedup",
+        type=float,
+        default=None,
+        help="simulated seconds per wall second (overrides the scenario)",
+    )
+    parser.add_argument(
+        "--arms", default=None, help="comma-separated subset of the scenario's arms (default: all)"
+    )
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _log(message: str) -> None:
+    print(f"fairlane bench: {message}", file=sys.stderr, flush=True)
+
+
+def run_arm(
+    scenario: Scenario, arm_name: str, log_dir: Path
+) -> tuple[list[RequestRecord], dict[str, Any]]:
+    """Start the arm, play the workload, stop everything; records and the arm's summary."""
+    arm = scenario.arm(arm_name)
+    started = time.monotonic()
+    with ProcessGroup(log_dir) as group:
+        running = start_arm(scenario, arm, group)
+        _log(
+            f"{arm.name}: up at {running.url} ({len(running.pids)} processes); "
+            f"{scenario.wall_duration_s:.1f} s of load"
+        )
+        before = cpu.sample(running.pids)
+        records, capped = run_load(scenario, arm.name, scenario.groups_of(arm), running.url)
+        after = cpu.sample(running.pids)
+        dead = [c.name for c in group.children if not c.alive()]
+    usage = cpu.usage(before, after)
+    if dead:
+        usage.warnings.append(f"WARNING: {', '.join(dead)} exited during the run")
+    summary = report.arm_summary(scenario, records)
+    _log(
+        f"{arm.name}: {summary['total']['ok']} ok of {summary['total']['sent']} sent, "
+        f"{summary['total']['unfinished']} unfinished, {time.monotonic() - started:.1f} s wall"
+    )
+    for warning in usage.warnings:
+        _log(f"{arm.name}: {warning}")
+    return records, {
+        "kind": arm.kind,
+        "groups": [g.name for g in scenario.groups_of(arm)],
+        "pids": running.pids,
+        "capped": capped,
+        "wall_s": time.monotonic() - started,
+        "cpu": usage.to_json(),
+        "summary": summary,
+    }
+
+
+def scenario_json(scenario: Scenario) -> dict[str, Any]:
+    return {
+        "name": scenario.name,
+        "description": scenario.description,
+        "path": str(scenario.path),
+        "seed": scenario.seed,
+        "duration_s": scenario.duration_s,
+        "warmup_s": scenario.warmup_s,
+        "drain_s": scenario.drain_s,
+        "speedup": scenario.speedup,
+        "max_requests": scenario.max_requests,
+        "model": scenario.model,
+        "backends": {
+            "count": scenario.backends.count,
+            "profile": scenario.backends.profile,
+            "flags": list(scenario.backends.flags),
+        },
+        "policy": str(scenario.policy),
+        "time_unit": "simulated seconds (wall seconds x speedup)",
+    }
+
+
+def bench(scenario: Scenario, out: Path) -> dict[str, Any]:
+    """Run every arm and write the report; the results (also written to ``out``)."""
+    records: dict[str, list[RequestRecord]] = {}
+    arms: dict[str, Any] = {}
+    for arm in scenario.arms:
+        records[arm.name], arms[arm.name] = run_arm(scenario, arm.name, out / "logs" / arm.name)
+    weights = {t.name: t.weight for t in load_policy(scenario.policy).tenants}
+    summaries = {name: data["summary"] for name, data in arms.items()}
+    targets = report.evaluate(scenario.targets, summaries, weights)
+    results = {
+        "scenario": scenario_json(scenario),
+        "arms": arms,
+        "targets": [t.to_json() for t in targets],
+    }
+    report.write(out, results, records)
+    return results
+
+
+def print_summary(results: dict[str, Any], out: Path) -> None:
+    arms = results["arms"]
+    for name, data in arms.items():
+        print(f"{name}:")
+        for tier, s in data["summary"]["by_tier"].items():
+            print(
+                f"  {tier:>12}: TTFT p50/p99 {report.fmt(s['ttft_p50'])}/"
+                f"{report.fmt(s['ttft_p99'])} s, e2e p95 {report.fmt(s['e2e_p95'])} s, "
+                f"goodput {report.fmt(s['goodput'])} tok/s, wait max "
+                f"{report.fmt(s['wait_max'])} s, ok {s['ok']}, unfinished {s['unfinished']}"
+            )
+        cores = ", ".join(f"{p} {c:.2f}" for p, c in data["cpu"]["cores"].items())
+        print(f"  CPU cores: {cores}; machine {data['cpu']['machine_cores']:.2f}")
+        for warning in data["cpu"]["warnings"]:
+            print(f"  {warning}")
+    print("targets:")
+    for t in results["targets"]:
+        verdict = {True: "PASS", False: "FAIL", None: "N/A"}[t["passed"]]
+        measured = report.fmt(t["measured"])
+        sign = "<=" if t["op"] == "max" else ">="
+        note = f" ({t['note']})" if t["note"] else ""
+        print(f"  {verdict} {t['name']}: {measured} {sign} {t['bound']:g}{note}")
+    print(f"report: {out / 'report.md'}\nresults: {out / 'results.json'}")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        arms = args.arms.split(",") if args.arms else None
+        scenario = load_scenario(args.scenario).with_overrides(
+            duration_s=args.duration, speedup=args.speedup, arms=arms
+        )
+    except ScenarioError as exc:
+        print(f"fairlane bench: {exc}", file=sys.stderr)
+        return 1
+    out = args.out or Path("bench-results") / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        results = bench(scenario, out)
+    except KeyboardInterrupt:
+        _log("interrupted; every process was stopped")
+        return 1
+    except (NotReady, EnvoyConfigError, OSError, RuntimeError) as exc:
+        _log(f"failed: {exc}")
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print_summary(results, out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fairlane bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

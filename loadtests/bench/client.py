@@ -1,0 +1,262 @@
+"""The load generator: one asyncio process that plays a scenario's groups against a URL.
+
+It is deliberately simple (aiohttp, one event loop): at the rates the scenarios use it
+needs a fraction of a core, and ``cli`` measures its CPU so a run where the client was the
+bottleneck is flagged rather than trusted. Every request is recorded with its times in
+**simulated seconds** (wall seconds x speedup) relative to the start of the run.
+
+Bounded by construction: no new request after ``duration_s`` or once ``max_requests`` have
+been sent; requests still running ``drain_s`` later are cancelled and recorded as
+unfinished (the time they had waited is kept: a starved request must not vanish from the
+statistics just because it never finished).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import aiohttp
+
+from loadtests.bench.scenario import Group, Scenario
+from loadtests.bench.workload import RequestShape, chat_body, open_loop_schedule, shape
+
+CHAT_PATH = "/v1/chat/completions"
+QUEUE_HEADER = "x-fairlane-queue-ms"
+TIER_HEADER = "x-fairlane-tier"
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it; times are simulated seconds from the run's start."""
+
+    arm: str
+    group: str
+    tenant: str
+    tier: str
+    index: int
+    client: int
+    start_s: float
+    prompt_tokens_sent: int
+    max_tokens: int
+    stream: bool
+    ttft_s: float | None = None
+    """Start to the first SSE chunk with content; for non-streamed requests, = e2e."""
+    e2e_s: float | None = None
+    end_s: float | None = None
+    status: int = 0
+    """HTTP status; 0 = no response (connection error or cancelled before headers)."""
+    ok: bool = False
+    unfinished: bool = False
+    """Still running when the drain ended, and cancelled."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    queue_ms: float | None = None
+    """``x-fairlane-queue-ms`` as sent by the gateway (wall milliseconds)."""
+    served_tier: str | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class LoadRun:
+    """Plays ``groups`` against ``base_url`` for ``scenario.duration_s`` simulated seconds."""
+
+    def __init__(
+        self, scenario: Scenario, arm: str, groups: tuple[Group, ...], base_url: str
+    ) -> None:
+        self.scenario = scenario
+        self.arm = arm
+        self.groups = groups
+        self.url = base_url.rstrip("/") + CHAT_PATH
+        self.speedup = scenario.speedup
+        self.records: list[RequestRecord] = []
+        self.capped = False
+        self._sent = 0
+        self._stopping = False
+        self._t0 = 0.0
+        self._requests: set[asyncio.Task[None]] = set()
+
+    def now_s(self) -> float:
+        """Simulated seconds since the run started."""
+        return (time.monotonic() - self._t0) * self.speedup
+
+    async def _sleep_until(self, at_s: float) -> None:
+        delay = (at_s - self.now_s()) / self.speedup
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    def _may_send(self) -> bool:
+        if self._stopping:
+            return False
+        if self._sent >= self.scenario.max_requests:
+            self.capped = True
+            return False
+        self._sent += 1
+        return True
+
+    async def run(self) -> list[RequestRecord]:
+        scenario = self.scenario
+        connector = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            self._t0 = time.monotonic()
+            drivers: list[asyncio.Task[None]] = []
+            for group in self.groups:
+                if group.closed_loop:
+                    assert group.concurrency is not None
+                    drivers += [
+                        asyncio.create_task(self._closed_client(session, group, k))
+                        for k in range(group.concurrency)
+                    ]
+                else:
+                    drivers.append(asyncio.create_task(self._open_loop(session, group)))
+            await self._sleep_until(scenario.duration_s)
+            self._stopping = True
+            pending = [t for t in (*drivers, *self._requests) if not t.done()]
+            if pending:
+                await asyncio.wait(pending, timeout=scenario.drain_s / self.speedup)
+            leftovers = [t for t in (*drivers, *self._requests) if not t.done()]
+            for task in leftovers:
+                task.cancel()
+            for task in leftovers:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            for task in drivers:
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+        return self.records
+
+    async def _open_loop(self, session: aiohttp.ClientSession, group: Group) -> None:
+        scenario = self.scenario
+        schedule = open_loop_schedule(
+            group, scenario.seed, scenario.duration_s, scenario.max_requests
+        )
+        for item in schedule:
+            assert item.at_s is not None
+            await self._sleep_until(item.at_s)
+            if not self._may_send():
+                return
+            task = asyncio.create_task(self._request(session, group, item))
+            self._requests.add(task)
+            task.add_done_callback(self._requests.discard)
+
+    async def _closed_client(
+        self, session: aiohttp.ClientSession, group: Group, client: int
+    ) -> None:
+        scenario = self.scenario
+        await self._sleep_until(group.start_s)
+        stop = min(group.stop_s or scenario.duration_s, scenario.duration_s)
+        index = 0
+        while self.now_s() < stop and self._may_send():
+            await self._request(session, group, shape(group, scenario.seed, index, client))
+            index += 1
+            if group.think_s:
+                await self._sleep_until(self.now_s() + group.think_s)
+
+    async def _request(
+        self, session: aiohttp.ClientSession, group: Group, item: RequestShape
+    ) -> None:
+        body = chat_body(item, group, self.scenario.seed, self.scenario.model)
+        headers = {"authorization": f"Bearer {group.api_key}"}
+        if group.user:
+            headers[group.user_header] = group.user
+        record = RequestRecord(
+            arm=self.arm,
+            group=group.name,
+            tenant=group.tenant,
+            tier=group.tier,
+            index=item.index,
+            client=item.client,
+            start_s=self.now_s(),
+            prompt_tokens_sent=item.prompt_tokens,
+            max_tokens=item.max_tokens,
+            stream=group.stream,
+        )
+        self.records.append(record)
+        try:
+            async with session.post(self.url, json=body, headers=headers) as resp:
+                record.status = resp.status
+                queue_ms = resp.headers.get(QUEUE_HEADER)
+                if queue_ms:
+                    with contextlib.suppress(ValueError):
+                        record.queue_ms = float(queue_ms)
+                record.served_tier = resp.headers.get(TIER_HEADER)
+                if resp.status != 200:
+                    text = await resp.text()
+                    record.error = text[:200]
+                elif group.stream:
+                    await self._read_stream(resp, record)
+                else:
+                    await self._read_whole(resp, record)
+        except asyncio.CancelledError:
+            record.unfinished = True
+            record.end_s = self.now_s()
+            raise
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            record.error = f"{type(exc).__name__}: {exc}"[:200]
+        record.end_s = self.now_s()
+        record.e2e_s = record.end_s - record.start_s
+        if record.ok and record.ttft_s is None:
+            record.ttft_s = record.e2e_s
+
+    async def _read_whole(self, resp: aiohttp.ClientResponse, record: RequestRecord) -> None:
+        data = await resp.json()
+        usage = data.get("usage") or {}
+        record.prompt_tokens = int(usage.get("prompt_tokens", 0))
+        record.completion_tokens = int(usage.get("completion_tokens", 0))
+        record.ok = True
+
+    async def _read_stream(self, resp: aiohttp.ClientResponse, record: RequestRecord) -> None:
+        """SSE: TTFT at the first chunk with content; usage from the include_usage chunk.
+
+        Only the lines that matter are parsed as JSON (until the first token, and the usage
+        chunk): one parse per token would cost the client more CPU than the gateway."""
+        content_chunks = 0
+        done = False
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                done = True
+                break
+            if record.ttft_s is None:
+                chunk = json.loads(payload)
+                choices = chunk.get("choices") or []
+                if choices and (choices[0].get("delta") or {}).get("content"):
+                    record.ttft_s = self.now_s() - record.start_s
+                    content_chunks += 1
+                self._usage(chunk, record)
+                continue
+            if b'"usage"' in payload and b'"usage":null' not in payload.replace(b" ", b""):
+                self._usage(json.loads(payload), record)
+            else:
+                content_chunks += 1
+        if not record.completion_tokens:
+            record.completion_tokens = content_chunks
+        record.ok = done
+        if not done:
+            record.error = "stream ended without [DONE]"
+
+    @staticmethod
+    def _usage(chunk: dict[str, Any], record: RequestRecord) -> None:
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            record.prompt_tokens = int(usage.get("prompt_tokens", 0))
+            record.completion_tokens = int(usage.get("completion_tokens", 0))
+
+
+def run_load(
+    scenario: Scenario, arm: str, groups: tuple[Group, ...], base_url: str
+) -> tuple[list[RequestRecord], bool]:
+    """Run the workload to completion (bounded); the records and whether the cap was hit."""
+    load = LoadRun(scenario, arm, groups, base_url)
+    records = asyncio.run(load.run())
+    return records, load.capped

@@ -1,0 +1,701 @@
+"""The scenario file: what load to send, to which fleet, which arms to compare, what to check.
+
+A scenario is data, not code, so the A/B comparison is reproducible and reviewable: the same
+file (and seed) gives the same workload to every arm. Validation reads the whole file and
+reports every mistake as ``FILE: field.path: message`` so a typo never silently changes a
+benchmark (unknown fields are errors too).
+
+Times in a scenario are **simulated seconds** (the simulators run ``speedup`` times faster
+than the wall clock); the policy file it names is read by the gateway in wall-clock seconds
+(see ``loadtests/bench/README.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
+
+ArmKind = Literal["fifo", "fairlane"]
+DistKind = Literal["fixed", "uniform", "lognormal"]
+# Metrics a target may check; see report.metric_value for their definitions.
+LATENCY_METRICS = (
+    "ttft_p50",
+    "ttft_p95",
+    "ttft_p99",
+    "e2e_p50",
+    "e2e_p95",
+    "e2e_p99",
+    "wait_max",
+    "queue_wait_max",
+    "queue_wait_p99",
+)
+METRICS = (*LATENCY_METRICS, "goodput", "share", "jain")
+# Flags the harness sets itself, per arm; a scenario setting them would break the A/B.
+RESERVED_SIM_FLAGS = (
+    "--port",
+    "--host",
+    "--speedup",
+    "--profile",
+    "--scheduling-policy",
+    "--model",
+    "--served-model-name",
+)
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot be used; the message names the file and every bad field."""
+
+
+@dataclass(frozen=True)
+class Dist:
+    """A token-count distribution, sampled with the scenario's seeded generator."""
+
+    kind: DistKind = "fixed"
+    value: int = 0
+    low: int = 1
+    high: int = 1
+    median: float = 0.0
+    sigma: float = 0.0
+
+    @property
+    def upper_bound(self) -> int:
+        return self.value if self.kind == "fixed" else self.high
+
+
+@dataclass(frozen=True)
+class Group:
+    """One population of clients sharing a key, a tier and a request shape."""
+
+    name: str
+    api_key: str
+    tenant: str
+    tier: str
+    prompt_tokens: Dist
+    max_tokens: Dist
+    rate: float | None = None
+    """Open loop: Poisson arrivals per simulated second."""
+    concurrency: int | None = None
+    """Closed loop: this many clients, each sending its next request when the last ends."""
+    think_s: float = 0.0
+    """Closed loop: simulated pause between a client's requests."""
+    stream: bool = True
+    start_s: float = 0.0
+    stop_s: float | None = None
+    user: str | None = None
+    """Sent in ``user_header`` (fairness and priority per end user in the gateway)."""
+    user_header: str = "x-user-id"
+
+    @property
+    def closed_loop(self) -> bool:
+        return self.concurrency is not None
+
+
+@dataclass(frozen=True)
+class Backends:
+    count: int = 1
+    profile: str = "llama-8b-h100"
+    flags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    kind: ArmKind
+    drop_groups: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Target:
+    """One check on the results: ``metric`` of ``arm`` (over a tier, tenant or group; or the
+    Jain index over ``tenants``), optionally divided by the same metric of ``baseline_arm``,
+    compared with ``max`` (≤) or ``min`` (≥)."""
+
+    name: str
+    metric: str
+    arm: str
+    bound: float
+    op: Literal["max", "min"]
+    tier: str | None = None
+    tenant: str | None = None
+    group: str | None = None
+    tenants: tuple[str, ...] = ()
+    baseline_arm: str | None = None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    duration_s: float
+    speedup: float
+    backends: Backends
+    policy: Path
+    groups: tuple[Group, ...]
+    arms: tuple[Arm, ...]
+    targets: tuple[Target, ...] = ()
+    seed: int = 0
+    warmup_s: float = 0.0
+    """Simulated seconds at the start whose requests are left out of the statistics."""
+    drain_s: float = 30.0
+    """Simulated seconds to let running requests finish after ``duration_s``; then cancel."""
+    max_requests: int = 20_000
+    """Cap on requests per arm, whatever the rates say (a bounded run)."""
+    model: str = "sim-llama-8b"
+    path: Path | None = None
+
+    @property
+    def wall_duration_s(self) -> float:
+        return self.duration_s / self.speedup
+
+    def group(self, name: str) -> Group:
+        return next(g for g in self.groups if g.name == name)
+
+    def arm(self, name: str) -> Arm:
+        return next(a for a in self.arms if a.name == name)
+
+    def groups_of(self, arm: Arm) -> tuple[Group, ...]:
+        return tuple(g for g in self.groups if g.name not in arm.drop_groups)
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(g.tier for g in self.groups))
+
+    @property
+    def tenants(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(g.tenant for g in self.groups))
+
+    def with_overrides(
+        self,
+        duration_s: float | None = None,
+        speedup: float | None = None,
+        arms: Sequence[str] | None = None,
+    ) -> Scenario:
+        """A copy with command-line overrides applied (and checked)."""
+        where = str(self.path or self.name)
+        changes: dict[str, Any] = {}
+        if duration_s is not None:
+            if not duration_s > 0:
+                raise ScenarioError(f"{where}: --duration must be > 0, got {duration_s}")
+            changes["duration_s"] = duration_s
+            changes["warmup_s"] = min(self.warmup_s, duration_s / 4)
+        if speedup is not None:
+            if not speedup > 0:
+                raise ScenarioError(f"{where}: --speedup must be > 0, got {speedup}")
+            changes["speedup"] = speedup
+        if arms is not None:
+            known = {a.name for a in self.arms}
+            unknown = [a for a in arms if a not in known]
+            if unknown or not arms:
+                raise ScenarioError(
+                    f"{where}: --arms: unknown arm(s) {', '.join(unknown) or '(none given)'}; "
+                    f"the scenario has {', '.join(sorted(known))}"
+                )
+            changes["arms"] = tuple(a for a in self.arms if a.name in arms)
+        return dataclasses.replace(self, **changes)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def resolve(name_or_path: str) -> Path:
+    """A path as given, else ``loadtests/scenarios/NAME[.yaml]``."""
+    given = Path(name_or_path)
+    if given.is_file():
+        return given
+    for candidate in (SCENARIO_DIR / name_or_path, SCENARIO_DIR / f"{name_or_path}.yaml"):
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in SCENARIO_DIR.glob("*.yaml"))
+    raise ScenarioError(
+        f"{name_or_path}: no such scenario file (names under {SCENARIO_DIR}: {', '.join(known)})"
+    )
+
+
+def load_scenario(name_or_path: str | Path) -> Scenario:
+    path = resolve(str(name_or_path))
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ScenarioError(f"{path}: not valid YAML: {exc}") from exc
+    except OSError as exc:
+        raise ScenarioError(f"{path}: cannot read: {exc}") from exc
+    return parse_scenario(data, path)
+
+
+def parse_scenario(data: Any, path: Path) -> Scenario:
+    """Validate the whole document; raise one :class:`ScenarioError` listing every problem."""
+    reader = _Reader(path)
+    scenario = reader.scenario(data)
+    if reader.errors or scenario is None:
+        raise ScenarioError("\n".join(f"{path}: {e}" for e in reader.errors))
+    return scenario
+
+
+T = TypeVar("T")
+
+
+class _Reader:
+    """Reads fields out of plain YAML data, recording ``field: message`` errors."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.errors: list[str] = []
+
+    def error(self, where: str, message: str) -> None:
+        self.errors.append(f"{where}: {message}")
+
+    def mapping(self, data: Any, where: str, allowed: Sequence[str]) -> Mapping[str, Any] | None:
+        if not isinstance(data, Mapping):
+            self.error(where or "(top level)", f"must be a mapping, got {type(data).__name__}")
+            return None
+        for key in data:
+            if key not in allowed:
+                self.error(_join(where, str(key)), f"unknown field (allowed: {', '.join(allowed)})")
+        return data
+
+    def get(
+        self,
+        data: Mapping[str, Any],
+        where: str,
+        key: str,
+        check: Callable[[Any], T | None],
+        what: str,
+        default: Any = dataclasses.MISSING,
+    ) -> Any:
+        loc = _join(where, key)
+        if key not in data or data[key] is None:
+            if default is dataclasses.MISSING:
+                self.error(loc, f"required ({what})")
+                return None
+            return default
+        value = check(data[key])
+        if value is None:
+            self.error(loc, f"must be {what}, got {data[key]!r}")
+        return value
+
+    # ----------------------------------------------------------------- the document
+
+    def scenario(self, data: Any) -> Scenario | None:
+        top = self.mapping(
+            data,
+            "",
+            (
+                "name",
+                "description",
+                "seed",
+                "duration_s",
+                "warmup_s",
+                "drain_s",
+                "speedup",
+                "max_requests",
+                "model",
+                "backends",
+                "policy",
+                "groups",
+                "arms",
+                "targets",
+            ),
+        )
+        if top is None:
+            return None
+        name = self.get(top, "", "name", _text, "a non-empty string")
+        description = self.get(top, "", "description", _str, "a string", "")
+        seed = self.get(top, "", "seed", _int(0), "an integer >= 0", 0)
+        duration = self.get(top, "", "duration_s", _pos, "simulated seconds > 0")
+        warmup = self.get(top, "", "warmup_s", _nonneg, "simulated seconds >= 0", 0.0)
+        drain = self.get(top, "", "drain_s", _nonneg, "simulated seconds >= 0", 30.0)
+        speedup = self.get(top, "", "speedup", _pos, "a number > 0")
+        max_requests = self.get(top, "", "max_requests", _int(1), "an integer >= 1", 20_000)
+        model = self.get(top, "", "model", _text, "a non-empty string", "sim-llama-8b")
+        backends = self.backends(top.get("backends", {}))
+        policy = self.policy(top)
+        groups = self.groups(top.get("groups"))
+        self.keys_in_policy(policy, groups)
+        arms = self.arms(top.get("arms"), {g.name for g in groups})
+        targets = self.targets(top.get("targets", []), groups, arms)
+        if duration is not None and warmup is not None and warmup >= duration:
+            self.error("warmup_s", f"must be below duration_s ({duration:g})")
+        if self.errors:
+            return None
+        return Scenario(
+            name=name,
+            description=description,
+            duration_s=duration,
+            speedup=speedup,
+            backends=backends,
+            policy=policy,
+            groups=groups,
+            arms=arms,
+            targets=targets,
+            seed=seed,
+            warmup_s=warmup,
+            drain_s=drain,
+            max_requests=max_requests,
+            model=model,
+            path=self.path,
+        )
+
+    def backends(self, data: Any) -> Backends:
+        where = "backends"
+        raw = self.mapping(data, where, ("count", "profile", "flags"))
+        if raw is None:
+            return Backends()
+        count = self.get(raw, where, "count", _int(1), "an integer >= 1", 1)
+        profile = self.get(raw, where, "profile", _text, "a simulator profile", "llama-8b-h100")
+        flags = self.get(raw, where, "flags", _str_list, "a list of strings", [])
+        if profile is not None:
+            from loadtests.sim.profiles import PROFILES
+
+            if profile not in PROFILES:
+                self.error(f"{where}.profile", f"unknown profile {profile!r} ({sorted(PROFILES)})")
+        for flag in flags or []:
+            if flag.split("=", 1)[0] in RESERVED_SIM_FLAGS:
+                self.error(
+                    f"{where}.flags",
+                    f"{flag} is set by the harness per arm; use the scenario field",
+                )
+        return Backends(count or 1, profile or "", tuple(flags or ()))
+
+    def policy(self, top: Mapping[str, Any]) -> Path:
+        raw = self.get(top, "", "policy", _text, "the path of a policy YAML")
+        if raw is None:
+            return Path()
+        path = Path(raw)
+        if not path.is_absolute():
+            path = self.path.parent / path
+        if not path.is_file():
+            self.error("policy", f"no such file {path}")
+            return path
+        from extproc.policy import PolicyError, load_policy
+
+        try:
+            load_policy(path)
+        except PolicyError as exc:
+            self.error("policy", f"{path} is not a valid policy:\n{exc}")
+        return path
+
+    def keys_in_policy(self, path: Path, groups: Sequence[Group]) -> None:
+        """Each group's key must name its tenant in the policy, or the fairlane arm would
+        answer 401 (or bill another tenant) and the A/B would compare different workloads."""
+        if self.errors or not path.is_file():
+            return
+        from extproc.policy import load_policy
+
+        policy = load_policy(path)
+        for i, group in enumerate(groups):
+            tenant = policy.tenant_for_key(group.api_key)
+            if tenant is None:
+                self.error(f"groups[{i}].api_key", f"{group.api_key!r} is not a key in {path}")
+            elif tenant.name != group.tenant:
+                self.error(
+                    f"groups[{i}].tenant",
+                    f"{group.tenant!r}, but {path} maps its key to tenant {tenant.name!r}",
+                )
+
+    def dist(self, data: Any, where: str) -> Dist | None:
+        if isinstance(data, int) and not isinstance(data, bool):
+            if data < 1:
+                self.error(where, f"must be >= 1, got {data}")
+                return None
+            return Dist("fixed", value=data)
+        raw = self.mapping(data, where, ("dist", "value", "min", "max", "median", "sigma"))
+        if raw is None:
+            return None
+        kind = self.get(
+            raw,
+            where,
+            "dist",
+            _choice("fixed", "uniform", "lognormal"),
+            "fixed, uniform or lognormal",
+        )
+        if kind == "fixed":
+            value = self.get(raw, where, "value", _int(1), "an integer >= 1")
+            return Dist("fixed", value=value) if value else None
+        low = self.get(raw, where, "min", _int(1), "an integer >= 1", 1)
+        high = self.get(raw, where, "max", _int(1), "an integer >= 1")
+        if low is not None and high is not None and high < low:
+            self.error(f"{where}.max", f"must be >= min ({low})")
+        if kind == "uniform":
+            return Dist("uniform", low=low or 1, high=high or 1)
+        if kind == "lognormal":
+            median = self.get(raw, where, "median", _pos, "a number > 0")
+            sigma = self.get(raw, where, "sigma", _nonneg, "a number >= 0", 0.5)
+            return Dist(
+                "lognormal", low=low or 1, high=high or 1, median=median or 1.0, sigma=sigma or 0.0
+            )
+        return None
+
+    def groups(self, data: Any) -> tuple[Group, ...]:
+        if not isinstance(data, list) or not data:
+            self.error("groups", "required: a non-empty list of client groups")
+            return ()
+        groups: list[Group] = []
+        names: set[str] = set()
+        for i, item in enumerate(data):
+            group = self.group(item, f"groups[{i}]")
+            if group is None:
+                continue
+            if group.name in names:
+                self.error(f"groups[{i}].name", f"duplicate group name {group.name!r}")
+            names.add(group.name)
+            groups.append(group)
+        return tuple(groups)
+
+    def group(self, data: Any, where: str) -> Group | None:
+        raw = self.mapping(
+            data,
+            where,
+            (
+                "name",
+                "api_key",
+                "tenant",
+                "tier",
+                "rate",
+                "concurrency",
+                "think_s",
+                "prompt_tokens",
+                "max_tokens",
+                "stream",
+                "start_s",
+                "stop_s",
+                "user",
+                "user_header",
+            ),
+        )
+        if raw is None:
+            return None
+        errors_before = len(self.errors)
+        name = self.get(raw, where, "name", _text, "a non-empty string")
+        api_key = self.get(raw, where, "api_key", _text, "the API key to send")
+        tenant = self.get(raw, where, "tenant", _text, "the tenant name (for the report)")
+        tier = self.get(raw, where, "tier", _text, "the tier label (for the report)")
+        rate = self.get(raw, where, "rate", _pos, "requests per simulated second > 0", None)
+        concurrency = self.get(raw, where, "concurrency", _int(1), "an integer >= 1", None)
+        has_rate, has_concurrency = raw.get("rate") is not None, raw.get("concurrency") is not None
+        if has_rate == has_concurrency:
+            self.error(where, "needs exactly one of rate (open loop) or concurrency (closed loop)")
+        think = self.get(raw, where, "think_s", _nonneg, "simulated seconds >= 0", 0.0)
+        prompt = (
+            self.dist(raw["prompt_tokens"], f"{where}.prompt_tokens")
+            if "prompt_tokens" in raw
+            else self._missing(f"{where}.prompt_tokens", "a token count or a distribution")
+        )
+        max_tokens = (
+            self.dist(raw["max_tokens"], f"{where}.max_tokens")
+            if "max_tokens" in raw
+            else self._missing(f"{where}.max_tokens", "a token count or a distribution")
+        )
+        stream = self.get(raw, where, "stream", _bool, "true or false", True)
+        start = self.get(raw, where, "start_s", _nonneg, "simulated seconds >= 0", 0.0)
+        stop = self.get(raw, where, "stop_s", _pos, "simulated seconds > 0", None)
+        if start is not None and stop is not None and stop <= start:
+            self.error(f"{where}.stop_s", f"must be after start_s ({start:g})")
+        user = self.get(raw, where, "user", _text, "a non-empty string", None)
+        user_header = self.get(raw, where, "user_header", _text, "a header name", "x-user-id")
+        if len(self.errors) > errors_before:
+            return None
+        assert prompt is not None and max_tokens is not None
+        return Group(
+            name=name,
+            api_key=api_key,
+            tenant=tenant,
+            tier=tier,
+            prompt_tokens=prompt,
+            max_tokens=max_tokens,
+            rate=rate,
+            concurrency=concurrency,
+            think_s=think,
+            stream=stream,
+            start_s=start,
+            stop_s=stop,
+            user=user,
+            user_header=user_header.lower(),
+        )
+
+    def _missing(self, where: str, what: str) -> Dist | None:
+        self.error(where, f"required ({what})")
+        return None
+
+    def arms(self, data: Any, group_names: set[str]) -> tuple[Arm, ...]:
+        if not isinstance(data, list) or not data:
+            self.error("arms", "required: a list of arms (at least fifo and fairlane)")
+            return ()
+        arms: list[Arm] = []
+        for i, item in enumerate(data):
+            where = f"arms[{i}]"
+            raw = self.mapping(item, where, ("name", "kind", "drop_groups"))
+            if raw is None:
+                continue
+            name = self.get(raw, where, "name", _text, "a non-empty string")
+            kind = self.get(raw, where, "kind", _choice("fifo", "fairlane"), "fifo or fairlane")
+            drop = self.get(raw, where, "drop_groups", _str_list, "a list of group names", [])
+            for g in drop or []:
+                if g not in group_names:
+                    self.error(f"{where}.drop_groups", f"unknown group {g!r}")
+            if drop is not None and group_names and set(drop) >= group_names:
+                self.error(f"{where}.drop_groups", "drops every group")
+            if name in {a.name for a in arms}:
+                self.error(f"{where}.name", f"duplicate arm name {name!r}")
+            if name and kind:
+                arms.append(Arm(name, kind, tuple(drop or ())))
+        kinds = {a.kind for a in arms}
+        if arms and not {"fifo", "fairlane"} <= kinds:
+            self.error("arms", "needs at least one fifo and one fairlane arm (the A/B)")
+        return tuple(arms)
+
+    def targets(
+        self, data: Any, groups: Sequence[Group], arms: Sequence[Arm]
+    ) -> tuple[Target, ...]:
+        if not isinstance(data, list):
+            self.error("targets", "must be a list")
+            return ()
+        arm_names = {a.name for a in arms}
+        tiers = {g.tier for g in groups}
+        tenants = {g.tenant for g in groups}
+        group_names = {g.name for g in groups}
+        targets: list[Target] = []
+        for i, item in enumerate(data):
+            where = f"targets[{i}]"
+            raw = self.mapping(
+                item,
+                where,
+                (
+                    "name",
+                    "metric",
+                    "arm",
+                    "baseline_arm",
+                    "tier",
+                    "tenant",
+                    "group",
+                    "tenants",
+                    "max",
+                    "min",
+                ),
+            )
+            if raw is None:
+                continue
+            before = len(self.errors)
+            name = self.get(raw, where, "name", _text, "a non-empty string")
+            metric = self.get(raw, where, "metric", _choice(*METRICS), f"one of {METRICS}")
+            arm = self.get(raw, where, "arm", _text, "an arm name")
+            baseline = self.get(raw, where, "baseline_arm", _text, "an arm name", None)
+            for key, value in (("arm", arm), ("baseline_arm", baseline)):
+                if value is not None and arm_names and value not in arm_names:
+                    self.error(f"{where}.{key}", f"unknown arm {value!r}")
+            selectors = {k: raw[k] for k in ("tier", "tenant", "group") if raw.get(k) is not None}
+            tenant_list = self.get(raw, where, "tenants", _str_list, "a list of tenants", [])
+            if metric == "jain":
+                if selectors or len(tenant_list or []) < 2:
+                    self.error(
+                        where, "jain takes `tenants: [two or more]` and no tier/tenant/group"
+                    )
+            elif metric is not None and len(selectors) != 1:
+                self.error(where, "needs exactly one of tier, tenant, group")
+            for key, known in (("tier", tiers), ("tenant", tenants), ("group", group_names)):
+                if key in selectors and selectors[key] not in known:
+                    self.error(f"{where}.{key}", f"unknown {key} {selectors[key]!r}")
+            for t in tenant_list or []:
+                if t not in tenants:
+                    self.error(f"{where}.tenants", f"unknown tenant {t!r}")
+            has_max, has_min = "max" in raw, "min" in raw
+            if has_max == has_min:
+                self.error(where, "needs exactly one bound: max (<=) or min (>=)")
+                continue
+            op: Literal["max", "min"] = "max" if has_max else "min"
+            bound = self.get(raw, where, op, _number, "a number")
+            if len(self.errors) > before:
+                continue
+            targets.append(
+                Target(
+                    name=name,
+                    metric=metric,
+                    arm=arm,
+                    bound=float(bound),
+                    op=op,
+                    tier=selectors.get("tier"),
+                    tenant=selectors.get("tenant"),
+                    group=selectors.get("group"),
+                    tenants=tuple(tenant_list or ()),
+                    baseline_arm=baseline,
+                )
+            )
+        return tuple(targets)
+
+
+# --------------------------------------------------------------------------- field checks
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value.strip() else None
+
+
+def _bool(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _pos(value: Any) -> float | None:
+    number = _number(value)
+    return number if number is not None and number > 0 else None
+
+
+def _nonneg(value: Any) -> float | None:
+    number = _number(value)
+    return number if number is not None and number >= 0 else None
+
+
+def _int(low: int) -> Callable[[Any], int | None]:
+    def check(value: Any) -> int | None:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+        return value if ok else None
+
+    return check
+
+
+def _choice(*options: str) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        return value if value in options else None
+
+    return check
+
+
+def _str_list(value: Any) -> list[str] | None:
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    return None
+
+
+__all__ = [
+    "METRICS",
+    "Arm",
+    "Backends",
+    "Dist",
+    "Group",
+    "Scenario",
+    "ScenarioError",
+    "Target",
+    "load_scenario",
+    "parse_scenario",
+    "resolve",
+]

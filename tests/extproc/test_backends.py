@@ -1,10 +1,16 @@
 import asyncio
+import logging
 
+import aiohttp
 import pytest
 from aiohttp import web
 
-from extproc.backends import BackendPool, BackendSpec, parse_backend
+from extproc.backends import Backend, BackendPool, BackendSpec, parse_backend
+from extproc.gates import Gate, passes
 from extproc.processes import free_port
+from extproc.scrape import EngineMetrics
+from loadtests.sim.server import SimConfig
+from loadtests.sim.server import start as start_sim
 
 
 def test_parse_backend_with_and_without_region() -> None:
@@ -52,3 +58,177 @@ async def test_health_polling_marks_a_dead_backend_down_and_a_live_one_up() -> N
         await runner.cleanup()
     assert live.healthy and not dead.healthy
     assert recovered
+
+
+# --- vLLM /metrics scraping (watch_metrics) ---
+
+METRICS_PAGE = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="m"}} {running}
+vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}
+vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} 0.5
+vllm:inter_token_latency_seconds_count{{engine="0",model_name="m"}} {count}
+vllm:inter_token_latency_seconds_sum{{engine="0",model_name="m"}} {itl_sum}
+"""
+
+
+def _metrics(running: float, itl_sum: float, itl_count: float) -> EngineMetrics:
+    return EngineMetrics(0.0, running, 0.5, itl_sum, itl_count, 0.0)
+
+
+def test_a_scrape_forgets_only_the_grants_it_can_have_seen() -> None:
+    backend = Backend(BackendSpec("127.0.0.1", 1))
+    for _ in range(3):
+        backend.note_grant()
+    assert (backend.in_flight, backend.granted_since_scrape) == (3, 3)
+    backend.record_scrape(_metrics(2, 1.0, 10), granted_before=2)  # 1 granted while in flight
+    assert (backend.in_flight, backend.granted_since_scrape) == (3, 1)
+    assert backend.effective_waiting() == 1
+
+
+def test_itl_is_the_interval_mean_kept_through_tokenless_intervals_while_busy() -> None:
+    backend = Backend(BackendSpec("127.0.0.1", 1))
+    backend.record_scrape(_metrics(4, 1.0, 10), 0)
+    assert backend.itl_s is None  # one scrape: no interval yet
+    backend.record_scrape(_metrics(4, 1.8, 14), 0)
+    assert backend.itl_s == pytest.approx(0.2)
+    backend.record_scrape(_metrics(4, 1.8, 14), 0)  # a step longer than the interval
+    assert backend.itl_s == pytest.approx(0.2)
+    backend.record_scrape(_metrics(0, 1.8, 14), 0)  # idle: nothing to protect
+    assert backend.itl_s is None
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port
+
+
+async def _until(condition: object, timeout_s: float = 5.0) -> None:
+    assert callable(condition)
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+async def test_scraping_a_simulated_vllm_tracks_waiting_running_kv_and_itl() -> None:
+    port = free_port()
+    sim = await start_sim(SimConfig(model="tiny", max_num_seqs=2), "127.0.0.1", port)
+    pool = BackendPool([BackendSpec("127.0.0.1", port)])
+    (backend,) = pool.backends
+    rounds: list[None] = []
+    pool.on_capacity(lambda: rounds.append(None))
+    backend.note_grant()
+    watch = asyncio.create_task(pool.watch_metrics(interval_s=0.02, timeout_s=1.0))
+    body = {"model": "tiny", "prompt": "hello " * 200, "max_tokens": 4000, "ignore_eos": True}
+    try:
+        await _until(lambda: backend.metrics is not None)
+        assert backend.metrics is not None
+        assert (backend.metrics.waiting, backend.metrics.running) == (0, 0)
+        assert backend.granted_since_scrape == 0 and backend.in_flight == 1
+        async with aiohttp.ClientSession() as session:
+            requests = [
+                asyncio.create_task(
+                    session.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
+                )
+                for _ in range(5)
+            ]
+            await _until(
+                lambda: (
+                    backend.metrics is not None
+                    and (backend.metrics.running, backend.metrics.waiting) == (2, 3)
+                    and backend.itl_s is not None
+                )
+            )
+            assert backend.metrics.kv_cache_usage > 0
+            assert backend.itl_s is not None and 0 < backend.itl_s < 1
+            assert not passes(Gate(max_waiting=3), backend, pool.clock(), 1.0)
+            assert passes(Gate(max_waiting=4), backend, pool.clock(), 1.0)
+            for request in requests:
+                request.cancel()
+            await asyncio.gather(*requests, return_exceptions=True)
+        await _until(lambda: backend.metrics is not None and backend.metrics.running == 0)
+        assert len(rounds) >= 3  # admission hears about every round
+        assert not watch.done()
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        await sim.cleanup()
+
+
+async def test_garbage_down_and_hung_backends_are_saturated_while_a_good_one_keeps_updating(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class State:
+        good_scrapes = 0
+        flaky_garbage = True
+
+    state = State()
+
+    async def good(_: web.Request) -> web.Response:
+        state.good_scrapes += 1
+        return web.Response(
+            text=METRICS_PAGE.format(waiting=state.good_scrapes, running=1, count=0, itl_sum=0)
+        )
+
+    async def flaky(_: web.Request) -> web.Response:
+        if state.flaky_garbage:
+            return web.Response(text="<html>upstream connect error</html>")
+        return web.Response(text=METRICS_PAGE.format(waiting=0, running=0, count=0, itl_sum=0))
+
+    unhang = asyncio.Event()
+
+    async def hung(_: web.Request) -> web.Response:
+        await unhang.wait()  # far longer than the scrape timeout, until the test ends
+        return web.Response(text="")
+
+    apps = []
+    for handler in (good, flaky, hung):
+        app = web.Application()
+        app.router.add_get("/metrics", handler)
+        apps.append(await _serve(app))
+    good_port, flaky_port, hung_port = (port for _, port in apps)
+    down_port = free_port()  # nothing listens here
+    pool = BackendPool(
+        [BackendSpec("127.0.0.1", p) for p in (good_port, flaky_port, hung_port, down_port)]
+    )
+    good_b, flaky_b, hung_b, down_b = pool.backends
+    gate = Gate(max_waiting=None, max_kv_cache_usage=None)
+    caplog.set_level(logging.WARNING, logger="fairlane.backends")
+    watch = asyncio.create_task(pool.watch_metrics(interval_s=0.02, timeout_s=0.3))
+    try:
+        # Within one hung scrape's timeout (0.3 s) the good backend is scraped many times
+        # over: a slow backend must not hold up everyone's round.
+        await _until(lambda: not hung_b.scrape_ok)
+        assert state.good_scrapes >= 4
+        assert good_b.healthy and passes(gate, good_b, pool.clock(), 1.0)
+        for bad in (flaky_b, hung_b, down_b):
+            assert bad.health_ok and not bad.healthy  # /health fine, metrics not: not picked
+            assert bad.metrics is None and not passes(gate, bad, pool.clock(), 1.0)
+        flaky_logs = [r for r in caplog.records if str(flaky_port) in r.getMessage()]
+        assert len(flaky_logs) == 1, "one line per state change, not per scrape"
+
+        state.flaky_garbage = False
+        await _until(lambda: flaky_b.scrape_ok and flaky_b.metrics is not None)
+        assert passes(gate, flaky_b, pool.clock(), 1.0)
+        last = flaky_b.metrics
+        state.flaky_garbage = True
+        await _until(lambda: not flaky_b.scrape_ok)
+        assert flaky_b.metrics is last  # kept, ageing into staleness
+        assert last is not None and not passes(gate, flaky_b, last.scraped_at + 0.5, 1.0)
+        flaky_b.scrape_ok = True  # even if it were readable, old numbers count as saturated
+        assert not passes(gate, flaky_b, last.scraped_at + 1.5, 1.0)
+
+        seen = state.good_scrapes
+        await _until(lambda: state.good_scrapes > seen + 3)
+        assert good_b.metrics is not None and good_b.metrics.waiting > seen
+        assert not watch.done()
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        unhang.set()
+        for runner, _ in apps:
+            await runner.cleanup()

@@ -1,17 +1,30 @@
 """When may a held request go, and where: the gate between the queues and the backends.
 
-``submit`` queues a request and immediately dispatches whatever fits; a request granted on
-the spot never needs a hold message. When a backend gains room (a completion released a
-slot, a backend recovered, the policy changed) ``dispatch`` hands slots to the most urgent
-waiters. Each grant records the request as in flight until its completion arrives (or, if
-that event is lost, until ``expire`` reclaims it), and carries the continuous vLLM priority.
+``submit`` queues a request in the fair scheduler (one band per tier, aging between bands,
+VTC between flows inside a band) and immediately dispatches whatever may go, so a request
+granted on the spot never needs a hold message. ``dispatch`` runs again whenever a backend
+may have gained room: a completion released a slot, a scrape showed an engine draining, a
+backend recovered, the policy changed.
+
+A request may leave its queue for a backend only when, together:
+
+- the backend passes the tier's **gate** (``extproc.gates``): fresh scraped vLLM metrics
+  show a short enough waiting queue (plus our grants it has not yet counted), KV cache and
+  inter-token latency within bounds, the gateway's own in-flight count under the cap;
+- the tier's **reservation** check passes (``extproc.reservations``): less urgent tiers
+  never take the slots an active more urgent tier has reserved;
+- the backend is under ``max_in_flight_per_backend``, the fleet's slot count.
+
+Each grant records the request as in flight until its completion arrives (or, if that event
+is lost, until ``expire`` reclaims it), carries the continuous vLLM priority, and charges the
+flow's virtual counter; the completion corrects the output-token estimate.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import random
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -20,12 +33,15 @@ from typing import TYPE_CHECKING
 
 from extproc.backends import Backend, BackendPool
 from extproc.errors import Rejection
+from extproc.gates import passes
 from extproc.picker import pick
 from extproc.priority import vllm_priority
-from extproc.queues import QueueFull, TierQueues, Waiter
+from extproc.reservations import Reservation, may_admit
+from extproc.scheduler import BandConfig, Entry, FairnessConfig, FairScheduler, QueueFull
 
 if TYPE_CHECKING:
     from extproc.classify import RequestClass
+    from extproc.policy import Policy, Tier
 
 log = logging.getLogger("fairlane.admission")
 
@@ -41,84 +57,142 @@ class Grant:
 
 @dataclass(slots=True)
 class InFlight:
+    """A granted request until its completion: what to release and what to settle."""
+
     backend: Backend
-    flow: tuple[str, str]
+    user: tuple[str, str]
+    entry: Entry
+    rank: int
     admitted_at: float
 
 
-class Ticket:
-    """A submitted request: already granted, or waiting in its tier's queue."""
+class Waiting:
+    """An entry's payload: the request's class and the future its ticket awaits."""
 
-    def __init__(self, admission: Admission, waiter: Waiter, deadline_s: float) -> None:
+    __slots__ = ("future", "request")
+
+    def __init__(self, request: RequestClass, future: asyncio.Future[Grant]) -> None:
+        self.request = request
+        self.future = future
+
+
+class Ticket:
+    """A submitted request: already granted, or waiting in its tier's band."""
+
+    def __init__(self, admission: Admission, entry: Entry, deadline_s: float) -> None:
         self._admission = admission
-        self._waiter = waiter
+        self.entry = entry
         self.deadline_s = deadline_s
 
     @property
+    def _future(self) -> asyncio.Future[Grant]:
+        waiting: Waiting = self.entry.payload
+        return waiting.future
+
+    @property
     def granted(self) -> bool:
-        return self._waiter.future.done()
+        return self._future.done()
 
     def granted_now(self) -> Grant:
         """The grant of a ticket that was granted on submission."""
-        grant: Grant = self._waiter.future.result()
-        return grant
+        return self._future.result()
 
     async def wait(self) -> Grant:
-        """The grant, once a backend has room; 503 when the tier's queue deadline passes.
+        """The grant, once a backend may take it; 503 when the tier's queue deadline passes.
 
         Cancellation (the client went away) takes the request out of its queue at once.
         """
-        waiter = self._waiter
         try:
-            grant: Grant = await asyncio.wait_for(asyncio.shield(waiter.future), self.deadline_s)
-            return grant
+            return await asyncio.wait_for(asyncio.shield(self._future), self.deadline_s)
         except TimeoutError:
-            self._admission.abandon(waiter)
+            self._admission.abandon(self.entry)
             raise Rejection(
                 503,
-                f"request waited {self.deadline_s:g}s in the {waiter.tier!r} queue "
+                f"request waited {self.deadline_s:g}s in the {self.entry.band!r} queue "
                 "without a backend becoming free",
                 code="queue_deadline_exceeded",
             ) from None
         except asyncio.CancelledError:
-            self._admission.abandon(waiter)
+            self._admission.abandon(self.entry)
             raise
 
 
 class Admission:
-    """Tier queues in front of a per-backend in-flight limit."""
+    """The fair scheduler in front of gated, reserved backend slots."""
 
     def __init__(
         self,
         pool: BackendPool,
-        limit_per_backend: Callable[[], int],
+        policy: Policy,
         clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
     ) -> None:
         self.pool = pool
-        self.queues = TierQueues(clock)
-        self._limit = limit_per_backend
+        self.scheduler = FairScheduler(clock=clock)
         self._clock = clock
+        self._rng = rng or random.Random()
         self._in_flight: dict[str, InFlight] = {}
         self._pending: Counter[tuple[str, str]] = Counter()
+        self._in_flight_by_rank: Counter[int] = Counter()
+        self.configure(policy)
         pool.on_capacity(self.dispatch)
+
+    def configure(self, policy: Policy) -> None:
+        """Apply a (re)loaded policy; queued and in-flight requests are kept."""
+        self.policy = policy
+        self.scheduler.configure(
+            (
+                BandConfig(t.name, t.rank, t.queue_limit, t.aging_rate, t.aging_cap)
+                for t in policy.tiers
+            ),
+            FairnessConfig(policy.fairness.input_weight, policy.fairness.output_weight),
+        )
+        self._tiers = {t.name: t for t in policy.tiers}
+        self._reservations = [
+            Reservation(t.name, t.rank, t.reserved_share) for t in policy.tiers if t.reserved_share
+        ]
+        self.dispatch()
 
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    @property
+    def capacity(self) -> int:
+        """The fleet's slots: what reservations are shares of."""
+        return len(self.pool.backends) * self.policy.max_in_flight_per_backend
+
+    def in_flight_by_tier(self) -> dict[str, int]:
+        counts: Counter[str] = Counter(f.entry.band for f in self._in_flight.values())
+        return dict(counts)
+
     def knows(self, request_id: str) -> bool:
         """Whether ``request_id`` is queued or in flight (ids must be unique to release)."""
-        return request_id in self._in_flight or self.queues.contains(request_id)
+        return request_id in self._in_flight or self.scheduler.contains(request_id)
+
+    # ----------------------------------------------------------------- submit
 
     def submit(self, request_id: str, request: RequestClass) -> Ticket:
-        """Queue ``request``; 429 (with ``retry-after``) when its tier's queue is full."""
+        """Queue ``request``; 429 (with ``retry-after``) when its tier sheds it."""
         tier = request.tier
+        self._maybe_shed_early(tier)
+        fairness = self.policy.fairness
+        flow = request.tenant.name
+        if fairness.flow == "user":
+            flow = f"{request.tenant.name}/{request.user}"
         loop = asyncio.get_running_loop()
-        waiter = Waiter(
-            request_id, tier.name, tier.rank, self._clock(), loop.create_future(), request
+        entry = Entry(
+            request_id=request_id,
+            band=tier.name,
+            flow=flow,
+            weight=request.tenant.weight,
+            input_tokens=request.prompt_tokens,
+            output_tokens_estimate=request.max_tokens or fairness.default_output_tokens,
+            enqueued_at=self._clock(),
+            payload=Waiting(request, loop.create_future()),
         )
         try:
-            self.queues.push(waiter, tier.queue_limit)
+            self.scheduler.push(entry)
         except QueueFull as full:
             raise Rejection(
                 429,
@@ -126,60 +200,136 @@ class Admission:
                 code="queue_full",
                 headers={"retry-after": str(full.retry_after_s)},
             ) from None
+        except KeyError:  # classified under a policy that a reload just replaced
+            raise Rejection(
+                503,
+                f"tier {tier.name!r} was just removed from the policy; retry",
+                code="tier_removed",
+                headers={"retry-after": "1"},
+            ) from None
         self.dispatch()
-        return Ticket(self, waiter, tier.queue_deadline_s)
+        return Ticket(self, entry, tier.queue_deadline_s)
+
+    def _maybe_shed_early(self, tier: Tier) -> None:
+        """RED-style: past ``early_shed_from`` of a full queue, shed with rising probability."""
+        start = tier.early_shed_from
+        if start is None or tier.queue_limit == 0:
+            return
+        fill = self.scheduler.depth(tier.name) / tier.queue_limit
+        if fill < start:
+            return
+        chance = 1.0 if start >= 1.0 else (fill - start) / (1.0 - start)
+        if self._rng.random() < chance:
+            raise Rejection(
+                429,
+                f"the {tier.name!r} queue is {fill:.0%} full; shedding early, retry later",
+                code="early_shed",
+                headers={"retry-after": str(self.scheduler.retry_after_s(tier.name))},
+            )
+
+    # ----------------------------------------------------------------- dispatch
 
     def dispatch(self) -> None:
-        """Grant queued requests, most urgent first, while some backend has room."""
-        while len(self.queues):
-            chosen = pick(self.pool.backends, self._limit())
-            if chosen is None:
+        """Grant queued requests, in the scheduler's order, while some backend may take them."""
+        placements: dict[str, list[Backend] | None] = {}
+
+        def placement(band: str) -> list[Backend] | None:
+            if band not in placements:
+                placements[band] = self._place(band)
+            return placements[band]
+
+        while len(self.scheduler):
+            entry = self.scheduler.pop(eligible=lambda band: placement(band) is not None)
+            if entry is None:
                 return
-            waiter = self.queues.pop()
-            if waiter is None:
-                return
-            if waiter.future.done():  # cancelled while queued; already gone
+            waiting: Waiting = entry.payload
+            if waiting.future.done():  # cancelled while queued; already gone
                 continue
-            waiter.future.set_result(self._grant(waiter, chosen))
+            chosen = placement(entry.band)
+            assert chosen is not None  # pop only offers eligible bands
+            waiting.future.set_result(self._grant(entry, chosen))
+            placements.clear()  # the grant changed loads and gates
 
-    def _grant(self, waiter: Waiter, chosen: list[Backend]) -> Grant:
-        request: RequestClass = waiter.payload
-        flow = (request.tenant.name, request.user)
-        priority = vllm_priority(request.tier.priority, self._pending[flow])
+    def _place(self, band: str) -> list[Backend] | None:
+        """Where a request of ``band`` could go now (best first), or None."""
+        tier = self._tiers.get(band)
+        rank = tier.rank if tier is not None else len(self._tiers)  # a band removed by reload
+        active = {r for r, n in self._in_flight_by_rank.items() if n} | {
+            t.rank for t in self._tiers.values() if self.scheduler.depth(t.name)
+        }
+        if not may_admit(rank, self._in_flight_by_rank, self.capacity, self._reservations, active):
+            return None
+        gate = tier.gate if tier is not None else None
+        limit = self.policy.max_in_flight_per_backend
+        stale = self.policy.backpressure.stale_after_s
+        now = self.pool.clock()
+        candidates = [
+            b
+            for b in self.pool.backends
+            if b.in_flight < limit and (gate is None or passes(gate, b, now, stale))
+        ]
+        return pick(candidates, self.pool.backends)
+
+    def _grant(self, entry: Entry, chosen: list[Backend]) -> Grant:
+        waiting: Waiting = entry.payload
+        request = waiting.request
+        user = (request.tenant.name, request.user)
+        priority = vllm_priority(request.tier.priority, self._pending[user])
         backend = chosen[0]
-        backend.in_flight += 1
-        self._pending[flow] += 1
+        backend.note_grant()
+        self._pending[user] += 1
+        rank = self._tiers[entry.band].rank if entry.band in self._tiers else len(self._tiers)
+        self._in_flight_by_rank[rank] += 1
         now = self._clock()
-        self._in_flight[waiter.request_id] = InFlight(backend, flow, now)
-        return Grant(tuple(b.address for b in chosen), priority, now - waiter.enqueued_at)
+        self._in_flight[entry.request_id] = InFlight(backend, user, entry, rank, now)
+        return Grant(tuple(b.address for b in chosen), priority, now - entry.enqueued_at)
 
-    def abandon(self, waiter: Waiter) -> None:
-        """The waiter's client is gone or its deadline passed: drop it, or undo its grant."""
-        if self.queues.remove(waiter):
-            waiter.future.cancel()
-        elif waiter.future.done() and not waiter.future.cancelled():
-            self.release(waiter.request_id)  # granted in the same instant it gave up
+    # ----------------------------------------------------------------- the end of a request
 
-    def release(self, request_id: str) -> bool:
-        """The request finished (or will never reach a backend): free its slot."""
-        entry = self._in_flight.pop(request_id, None)
-        if entry is None:
+    def abandon(self, entry: Entry) -> None:
+        """The entry's client is gone or its deadline passed: drop it, or undo its grant."""
+        waiting: Waiting = entry.payload
+        if self.scheduler.remove(entry):
+            waiting.future.cancel()
+        elif waiting.future.done() and not waiting.future.cancelled():
+            self.release(entry.request_id)  # granted in the same instant it gave up
+
+    def release(self, request_id: str, output_tokens: int | None = None) -> bool:
+        """The request finished (or will never reach a backend): free its slot.
+
+        ``output_tokens``, when known, settles the flow's charge for the estimate.
+        """
+        record = self._in_flight.pop(request_id, None)
+        if record is None:
             return False
-        entry.backend.in_flight -= 1
-        self._pending[entry.flow] -= 1
-        if self._pending[entry.flow] <= 0:
-            del self._pending[entry.flow]
+        record.backend.in_flight -= 1
+        self._pending[record.user] -= 1
+        if self._pending[record.user] <= 0:
+            del self._pending[record.user]
+        self._in_flight_by_rank[record.rank] -= 1
+        if output_tokens is not None:
+            entry = record.entry
+            self.scheduler.correct(
+                entry.flow, entry.band, entry.output_tokens_estimate, output_tokens, entry.weight
+            )
         self.dispatch()
         return True
+
+    def request_of(self, request_id: str) -> RequestClass | None:
+        """The class of an in-flight request (None when it is not in flight)."""
+        record = self._in_flight.get(request_id)
+        if record is None:
+            return None
+        waiting: Waiting = record.entry.payload
+        return waiting.request
 
     def expire(self, max_age_s: float) -> int:
         """Reclaim slots whose completion never arrived (a lost access-log event)."""
         cutoff = self._clock() - max_age_s
-        stale = [rid for rid, entry in self._in_flight.items() if entry.admitted_at < cutoff]
+        stale = [rid for rid, f in self._in_flight.items() if f.admitted_at < cutoff]
         for request_id in stale:
             log.warning(
                 "no completion seen for %s after %.0fs; releasing its slot", request_id, max_age_s
             )
-            with contextlib.suppress(KeyError):
-                self.release(request_id)
+            self.release(request_id)
         return len(stale)

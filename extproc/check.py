@@ -66,8 +66,17 @@ def describe(policy: Policy, out: TextIO) -> None:
         f"on_escalation {policy.on_escalation}, user_header {policy.user_header}",
         file=out,
     )
+    fairness, backpressure = policy.fairness, policy.backpressure
+    print(
+        f"fairness per {fairness.flow}: cost {fairness.input_weight:g} x input + "
+        f"{fairness.output_weight:g} x output tokens (default output "
+        f"{fairness.default_output_tokens}); metrics scraped every "
+        f"{backpressure.scrape_interval_s:g}s, stale after {backpressure.stale_after_s:g}s",
+        file=out,
+    )
     sections: list[tuple[Sequence[str], list[Sequence[str]]]] = [
         (_TIER_HEADINGS, [_tier_row(tier) for tier in policy.tiers]),
+        (_SCHEDULING_HEADINGS, [_scheduling_row(tier) for tier in policy.tiers]),
         (_TENANT_HEADINGS, [_tenant_row(tenant) for tenant in policy.tenants]),
     ]
     if policy.rules:
@@ -79,6 +88,7 @@ def describe(policy: Policy, out: TextIO) -> None:
 
 
 _TIER_HEADINGS = ("TIER", "RANK", "VLLM PRIORITY", "QUEUE LIMIT", "DEADLINE", "SLO", "ALIASES")
+_SCHEDULING_HEADINGS = ("TIER", "GATE", "RESERVED", "AGING", "EARLY SHED")
 _TENANT_HEADINGS = ("TENANT", "TIERS", "DEFAULT", "WEIGHT", "KEYS")
 _RULE_HEADINGS = ("RULE", "MATCH", "TIER", "WORKLOAD", "PATH")
 
@@ -97,6 +107,29 @@ def _tier_row(tier: Tier) -> Sequence[str]:
         f"{tier.queue_deadline_s:g}s",
         ", ".join(slo) or "-",
         ", ".join(tier.aliases) or "-",
+    )
+
+
+def _scheduling_row(tier: Tier) -> Sequence[str]:
+    gate = tier.gate
+    bounds = []
+    if gate.max_waiting is not None:
+        bounds.append("empty queue" if gate.max_waiting <= 1 else f"waiting < {gate.max_waiting}")
+    if gate.max_kv_cache_usage is not None:
+        bounds.append(f"kv <= {gate.max_kv_cache_usage:.0%}")
+    if gate.max_itl_s is not None:
+        bounds.append(f"itl <= {gate.max_itl_s * 1000:g}ms")
+    if gate.max_in_flight is not None:
+        bounds.append(f"in flight < {gate.max_in_flight}")
+    aging = "-"
+    if tier.aging_rate and tier.aging_cap:
+        aging = f"1 rank / {1 / tier.aging_rate:g}s, <= {tier.aging_cap:g}"
+    return (
+        tier.name,
+        ", ".join(bounds) or "fresh metrics",
+        f"{tier.reserved_share:.0%}" if tier.reserved_share else "-",
+        aging,
+        f"from {tier.early_shed_from:.0%} full" if tier.early_shed_from is not None else "-",
     )
 
 

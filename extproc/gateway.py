@@ -18,6 +18,7 @@ from typing import Any
 from extproc.admission import Admission, Grant, Ticket
 from extproc.classify import RequestClass, authenticate, classify, parse_body
 from extproc.errors import Rejection, error_body
+from extproc.feedback import settle
 from extproc.messages import Completion, Forward, RequestInfo, Respond
 from extproc.metrics import Outcomes
 from extproc.picker import pick
@@ -129,7 +130,8 @@ class Gateway:
     def _forward_bodiless(self, info: RequestInfo) -> Forward:
         """``GET /v1/models`` and friends: authenticated, not queued (they cost no GPU)."""
         authenticate(self.policies.current, info)
-        chosen = pick(self.admission.pool.backends, limit=1 << 30)
+        pool = self.admission.pool
+        chosen = pick(pool.healthy(), pool.backends)
         if chosen is None:
             raise Rejection(503, "no healthy backend", code="no_backend")
         return Forward(
@@ -168,5 +170,5 @@ class Gateway:
         )
 
     def completed(self, completion: Completion) -> None:
-        """Envoy finished a request: free its backend slot."""
-        self.admission.release(completion.request_id)
+        """Envoy finished a request: free its backend slot, settle its fairness charge."""
+        settle(self.admission, completion)

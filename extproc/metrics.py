@@ -39,14 +39,30 @@ class GatewayCollector(Collector):
         self.outcomes = outcomes
 
     def collect(self) -> Iterator[Metric]:
+        scheduler = self.admission.scheduler
         depth = GaugeMetricFamily(
             "fairlane_queue_depth",
             "Requests held in the gateway's queue, per tier.",
             labels=["tier"],
         )
-        for tier, count in self.admission.queues.depths().items():
+        oldest = GaugeMetricFamily(
+            "fairlane_queue_oldest_wait_seconds",
+            "How long the oldest request held in a tier's queue has waited (starvation).",
+            labels=["tier"],
+        )
+        for tier, count in scheduler.depths().items():
             depth.add_metric([tier], count)
+            oldest.add_metric([tier], scheduler.oldest_wait_s(tier))
         yield depth
+        yield oldest
+        by_tier = GaugeMetricFamily(
+            "fairlane_tier_in_flight",
+            "Requests released upstream and not yet seen to finish, per tier.",
+            labels=["tier"],
+        )
+        for tier, count in self.admission.in_flight_by_tier().items():
+            by_tier.add_metric([tier], count)
+        yield by_tier
         in_flight = GaugeMetricFamily(
             "fairlane_backend_in_flight",
             "Requests released to a backend and not yet seen to finish.",

@@ -54,17 +54,53 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.queues import DrainMeter, QueueFull
-
-__all__ = ["BandConfig", "Entry", "FairScheduler", "FairnessConfig", "QueueFull"]
+__all__ = [
+    "BandConfig",
+    "DrainMeter",
+    "Entry",
+    "FairScheduler",
+    "FairnessConfig",
+    "QueueFull",
+]
 
 _COMPACT_SLACK = 64
 """Stale heap items tolerated beyond the live ones before a heap is rebuilt."""
+
+
+class QueueFull(Exception):
+    def __init__(self, tier: str, limit: int, retry_after_s: int) -> None:
+        super().__init__(f"queue for tier {tier!r} is full ({limit} waiting)")
+        self.tier = tier
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class DrainMeter:
+    """How fast a queue empties: dequeues over a sliding window, for ``retry-after``."""
+
+    window_s: float = 30.0
+    clock: Callable[[], float] = time.monotonic
+    _times: deque[float] = field(default_factory=deque)
+
+    def record(self) -> None:
+        now = self.clock()
+        self._times.append(now)
+        self._trim(now)
+
+    def rate(self) -> float:
+        """Dequeues per second over the window (0 when nothing left lately)."""
+        self._trim(self.clock())
+        return len(self._times) / self.window_s
+
+    def _trim(self, now: float) -> None:
+        while self._times and self._times[0] < now - self.window_s:
+            self._times.popleft()
 
 
 def _check_non_negative(what: str, value: float) -> None:

@@ -26,7 +26,7 @@ from extproc.admission import Admission
 from extproc.backends import BackendPool, BackendSpec, parse_backend
 from extproc.gateway import Gateway
 from extproc.metrics import GatewayCollector, start_metrics_server
-from extproc.policy import DEFAULT_POLICY_PATH, PolicyStore
+from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyStore
 from extproc.service import AccessLog, ExternalProcessor
 
 log = logging.getLogger("fairlane.server")
@@ -64,10 +64,8 @@ class Service:
         self.config = config
         self.policies = PolicyStore(config.policy_path)
         self.pool = BackendPool(config.backends)
-        self.admission = Admission(
-            self.pool, lambda: self.policies.current.max_in_flight_per_backend
-        )
-        self.policies.on_change(lambda _policy: self.admission.dispatch())
+        self.admission = Admission(self.pool, self.policies.current)
+        self.policies.on_change(self._policy_changed)
         self.gateway = Gateway(self.policies, self.admission)
         self.server = grpc.aio.server(options=grpc_options())
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
@@ -76,6 +74,8 @@ class Service:
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(self.gateway), self.server)
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         self._tasks: list[asyncio.Task[None]] = []
+        self._scrape: asyncio.Task[None] | None = None
+        self._scrape_interval_s = 0.0
         self._metrics: web.AppRunner | None = None
         self.metrics_port: int | None = None
 
@@ -93,9 +93,25 @@ class Service:
             ),
             asyncio.create_task(self._expire_lost_completions(), name="expire"),
         ]
+        self._scrape = self._start_scraping()
         log.info("fairlane ext_proc service on %s:%d", self.config.host, self.port)
 
+    def _start_scraping(self) -> asyncio.Task[None]:
+        interval = self.policies.current.backpressure.scrape_interval_s
+        self._scrape_interval_s = interval
+        return asyncio.create_task(self.pool.watch_metrics(interval), name="scrape")
+
+    def _policy_changed(self, policy: Policy) -> None:
+        self.admission.configure(policy)
+        if self._scrape is not None and (
+            policy.backpressure.scrape_interval_s != self._scrape_interval_s
+        ):
+            self._scrape.cancel()
+            self._scrape = self._start_scraping()
+
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self._scrape is not None:
+            self._tasks.append(self._scrape)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -14,8 +14,10 @@ from pathlib import Path
 
 from extproc.policy.model import (
     DEFAULT_MAX_BODY_BYTES,
+    Backpressure,
     Condition,
     EscalationMode,
+    Fairness,
     Match,
     Policy,
     PolicyError,
@@ -37,8 +39,10 @@ running from a source tree (editable install), else the copy shipped inside the 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_POLICY_PATH",
+    "Backpressure",
     "Condition",
     "EscalationMode",
+    "Fairness",
     "Match",
     "Policy",
     "PolicyError",

@@ -11,6 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from extproc.gates import Gate
+
+DEFAULT_GATE = Gate()
+"""The gate of a tier that names none: vLLM's queue below 3, KV cache below 95%."""
+
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 EscalationMode = Literal["downgrade", "reject"]
 
@@ -35,6 +40,18 @@ class Tier:
     slo_latency_s: float | None = None
     aliases: tuple[str, ...] = ()
     """Other words a client may ask for this tier with (``high``, ``low``, ...)."""
+    aging_rate: float = 0.0
+    """Ranks a waiting request climbs per second of waiting (0: no aging)."""
+    aging_cap: float = 0.0
+    """The most ranks aging can lift a request (bounds how far batch can climb)."""
+    reserved_share: float = 0.0
+    """Share (0..1) of the fleet's slots that less urgent tiers may not take while this
+    tier is active."""
+    gate: Gate = DEFAULT_GATE
+    """What a backend's scraped metrics must show for a request of this tier to go there."""
+    early_shed_from: float | None = None
+    """Queue fill (0..1) from which new arrivals are shed with a probability rising
+    linearly to 1 at a full queue (RED-style); None: shed only when full."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +181,30 @@ class Rule:
         return (self.add_path_prefix.rstrip("/") + rest) or "/"
 
 
+FlowKey = Literal["tenant", "user"]
+
+
+@dataclass(frozen=True, slots=True)
+class Fairness:
+    """How service is counted between flows of one tier (the Virtual Token Counter)."""
+
+    flow: FlowKey = "tenant"
+    """A flow is a tenant, or each end user of a tenant (``user``)."""
+    input_weight: float = 1.0
+    output_weight: float = 2.0
+    default_output_tokens: int = 256
+    """Charged up front for a request without ``max_tokens``, corrected when it finishes."""
+
+
+@dataclass(frozen=True, slots=True)
+class Backpressure:
+    """How fresh the backends' scraped metrics must be for their gates to open."""
+
+    scrape_interval_s: float = 0.1
+    stale_after_s: float = 1.0
+    """Metrics older than this count as saturated: no request goes to that backend."""
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     """One validated policy file. Build it with ``parse_policy``/``load_policy``."""
@@ -177,6 +218,8 @@ class Policy:
     max_in_flight_per_backend: int = 16
     user_header: str = "x-user-id"
     """Where the end-user id comes from when the body has no ``"user"`` string."""
+    fairness: Fairness = Fairness()
+    backpressure: Backpressure = Backpressure()
     source: str = "<policy>"
 
     _tiers_by_name: dict[str, Tier] = field(init=False, repr=False, compare=False)

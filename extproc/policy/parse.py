@@ -15,8 +15,11 @@ import yaml
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from extproc.gates import Gate
 from extproc.policy.model import (
+    Backpressure,
     Condition,
+    Fairness,
     Match,
     Policy,
     PolicyError,
@@ -38,7 +41,13 @@ _TOP_KEYS = (
     "on_escalation",
     "max_in_flight_per_backend",
     "user_header",
+    "fairness",
+    "backpressure",
 )
+_FAIRNESS_KEYS = ("flow", "input_weight", "output_weight", "default_output_tokens")
+_BACKPRESSURE_KEYS = ("scrape_interval_s", "stale_after_s")
+_AGING_KEYS = ("seconds_per_rank", "max_ranks")
+_GATE_KEYS = ("max_waiting", "max_kv_cache_usage", "max_itl_ms", "max_in_flight")
 _TIER_KEYS = (
     "name",
     "priority",
@@ -47,6 +56,10 @@ _TIER_KEYS = (
     "slo_ttft_ms",
     "slo_latency_s",
     "aliases",
+    "aging",
+    "reserved_share",
+    "gate",
+    "early_shed_from",
 )
 _TENANT_KEYS = ("name", "api_keys", "tiers", "default_tier", "weight")
 _RULE_KEYS = ("name", "match", "tier", "workload", "strip_path_prefix", "add_path_prefix")
@@ -142,6 +155,19 @@ class _Reader:
             self.error(node, path, f"must be > 0, not {value}")
             return None
         return None if value is None else float(value)
+
+    def number(
+        self, node: Node, path: str, minimum: float = 0.0, maximum: float | None = None
+    ) -> float | None:
+        """A number in ``[minimum, maximum]``."""
+        value = self.typed(node, path, (int, float), "a number")
+        if value is None:
+            return None
+        if not minimum <= value or (maximum is not None and value > maximum):
+            bound = f"in [{minimum:g}, {maximum:g}]" if maximum is not None else f">= {minimum:g}"
+            self.error(node, path, f"must be {bound}, not {value}")
+            return None
+        return float(value)
 
     def strings(self, node: Node, path: str, pattern: re.Pattern[str] | None = None) -> list[str]:
         """A list of distinct strings, each element checked (and located) on its own."""
@@ -250,8 +276,9 @@ def _read_policy(reader: _Reader, root: Node) -> Policy | None:
     for required in ("tiers", "tenants"):
         if required not in top:
             reader.error(root, required, "is required")
-    tiers = _read_tiers(reader, top["tiers"]) if "tiers" in top else []
-    tier_ranks = {tier.name: tier.rank for tier in tiers}
+    tiers, broken = _read_tiers(reader, top["tiers"]) if "tiers" in top else ([], {})
+    _check_reserved_shares(reader, top.get("tiers"), tiers)
+    tier_ranks = broken | {tier.name: tier.rank for tier in tiers}
     tenants = _read_tenants(reader, top["tenants"], tier_ranks) if "tenants" in top else []
     rules = _read_rules(reader, top["rules"], tier_ranks) if "rules" in top else []
     settings = _read_settings(reader, top)
@@ -264,6 +291,14 @@ def _read_policy(reader: _Reader, root: Node) -> Policy | None:
         source=reader.filename,
         **settings,
     )
+
+
+def _check_reserved_shares(reader: _Reader, node: Node | None, tiers: list[Tier]) -> None:
+    """Reservations are shares of one fleet: together they cannot exceed all of it."""
+    total = sum(tier.reserved_share for tier in tiers)
+    if total > 1.0 + 1e-9:
+        shares = ", ".join(f"{t.name} {t.reserved_share:g}" for t in tiers if t.reserved_share)
+        reader.error(node, "tiers", f"reserved_share adds up to {total:g} (> 1): {shares}")
 
 
 def _read_settings(reader: _Reader, top: dict[str, Node]) -> dict[str, Any]:
@@ -284,7 +319,51 @@ def _read_settings(reader: _Reader, top: dict[str, Node]) -> dict[str, Any]:
         if name is not None and not _HEADER_NAME.fullmatch(name):
             reader.error(top["user_header"], "user_header", "must be a lower-case header name")
         settings["user_header"] = name
+    if "fairness" in top:
+        settings["fairness"] = _read_fairness(reader, top["fairness"])
+    if "backpressure" in top:
+        settings["backpressure"] = _read_backpressure(reader, top["backpressure"])
     return settings
+
+
+def _read_fairness(reader: _Reader, node: Node) -> Fairness:
+    items = reader.mapping(node, "fairness", _FAIRNESS_KEYS)
+    values: dict[str, Any] = {}
+    if "flow" in items:
+        flow = reader.string(items["flow"], "fairness.flow")
+        if flow is not None and flow not in ("tenant", "user"):
+            reader.error(
+                items["flow"], "fairness.flow", f"must be 'tenant' or 'user', not {flow!r}"
+            )
+        values["flow"] = flow
+    for key in ("input_weight", "output_weight"):
+        if key in items:
+            values[key] = reader.number(items[key], f"fairness.{key}", 0.0)
+    if "default_output_tokens" in items:
+        node_ = items["default_output_tokens"]
+        values["default_output_tokens"] = reader.integer(node_, "fairness.default_output_tokens", 1)
+    return Fairness(**{k: v for k, v in values.items() if v is not None})
+
+
+def _read_backpressure(reader: _Reader, node: Node) -> Backpressure:
+    items = reader.mapping(node, "backpressure", _BACKPRESSURE_KEYS)
+    values: dict[str, float] = {}
+    for key in _BACKPRESSURE_KEYS:
+        if key in items:
+            value = reader.positive(items[key], f"backpressure.{key}")
+            if value is not None:
+                values[key] = value
+    defaults = Backpressure()
+    interval = values.get("scrape_interval_s", defaults.scrape_interval_s)
+    stale = values.get("stale_after_s", defaults.stale_after_s)
+    if stale <= interval:
+        where = items.get("stale_after_s", node)
+        reader.error(
+            where,
+            "backpressure.stale_after_s",
+            f"must be above scrape_interval_s ({interval:g}), not {stale:g}",
+        )
+    return Backpressure(**values)
 
 
 def _required(reader: _Reader, node: Node, items: dict[str, Node], path: str, *keys: str) -> bool:
@@ -294,8 +373,11 @@ def _required(reader: _Reader, node: Node, items: dict[str, Node], path: str, *k
     return not missing
 
 
-def _read_tiers(reader: _Reader, node: Node) -> list[Tier]:
+def _read_tiers(reader: _Reader, node: Node) -> tuple[list[Tier], dict[str, int]]:
+    """The valid tiers, and the names of invalid ones (so that tenants and rules naming
+    them are not also reported as naming an unknown tier)."""
     tiers: list[Tier] = []
+    broken: dict[str, int] = {}
     words: dict[str, str] = {}  # name or alias -> path where first used
     items = reader.sequence(node, "tiers")
     if isinstance(node, SequenceNode) and not items:
@@ -303,6 +385,9 @@ def _read_tiers(reader: _Reader, node: Node) -> list[Tier]:
     for i, tier_node in enumerate(items):
         tier = _read_tier(reader, tier_node, f"tiers[{i}]", rank=len(tiers))
         if tier is None:
+            name = _scalar_field(tier_node, "name")
+            if isinstance(name, str):
+                broken[name] = i
             continue
         ok = True
         for word, word_path in [(tier.name, f"tiers[{i}].name")] + [
@@ -315,7 +400,16 @@ def _read_tiers(reader: _Reader, node: Node) -> list[Tier]:
                 words[word] = word_path
         if ok:
             tiers.append(tier)
-    return tiers
+    return tiers, broken
+
+
+def _scalar_field(node: Node, key: str) -> object:
+    """The plain value of ``key`` in a mapping node, if it has one."""
+    if isinstance(node, MappingNode):
+        for key_node, value_node in node.value:
+            if key_node.value == key and isinstance(value_node, ScalarNode):
+                return value_node.value
+    return None
 
 
 def _read_tier(reader: _Reader, node: Node, path: str, rank: int) -> Tier | None:
@@ -324,15 +418,57 @@ def _read_tier(reader: _Reader, node: Node, path: str, rank: int) -> Tier | None
     _required(reader, node, items, path, "name", "priority", "queue_limit", "queue_deadline_s")
     fields: dict[str, Any] = {}
     for key, read in _TIER_FIELDS.items():
-        if key in items and not (key.startswith("slo_") and _is_null(items[key])):
+        if key in items and not (key in _NULLABLE_TIER_FIELDS and _is_null(items[key])):
             fields[key] = read(reader, items[key], f"{path}.{key}")
+    if "aging" in items:
+        fields.update(_read_aging(reader, items["aging"], f"{path}.aging"))
+    if "gate" in items:
+        fields["gate"] = _read_gate(reader, items["gate"], f"{path}.gate")
     if len(reader.errors) != errors_before:
         return None
     fields["aliases"] = tuple(fields.get("aliases", ()))
     return Tier(rank=rank, **fields)
 
 
+def _read_aging(reader: _Reader, node: Node, path: str) -> dict[str, float]:
+    """``aging: {seconds_per_rank: S, max_ranks: N}``: climb one rank per S s, at most N."""
+    items = reader.mapping(node, path, _AGING_KEYS)
+    if not _required(reader, node, items, path, "seconds_per_rank", "max_ranks"):
+        return {}
+    per_rank = reader.positive(items["seconds_per_rank"], f"{path}.seconds_per_rank")
+    cap = reader.number(items["max_ranks"], f"{path}.max_ranks", 0.0)
+    if per_rank is None or cap is None:
+        return {}
+    return {"aging_rate": 1.0 / per_rank, "aging_cap": cap}
+
+
+def _read_gate(reader: _Reader, node: Node, path: str) -> Gate | None:
+    """The tier's backpressure bounds; a key left out keeps ``Gate``'s default, ``null``
+    removes that bound."""
+    items = reader.mapping(node, path, _GATE_KEYS)
+    values: dict[str, Any] = {}
+    for key, item in items.items():
+        where = f"{path}.{key}"
+        if _is_null(item):
+            values["max_itl_s" if key == "max_itl_ms" else key] = None
+        elif key in ("max_waiting", "max_in_flight"):
+            values[key] = reader.integer(item, where, 0)
+        elif key == "max_kv_cache_usage":
+            values[key] = reader.number(item, where, 0.0, 1.0)
+        else:
+            ms = reader.positive(item, where)
+            values["max_itl_s"] = None if ms is None else ms / 1000
+    try:
+        return Gate(**values)
+    except (TypeError, ValueError) as exc:
+        reader.error(node, path, str(exc))
+        return None
+
+
+_NULLABLE_TIER_FIELDS = ("slo_ttft_ms", "slo_latency_s", "early_shed_from")
 _TIER_FIELDS: dict[str, Callable[[_Reader, Node, str], Any]] = {
+    "reserved_share": lambda r, n, p: r.number(n, p, 0.0, 1.0),
+    "early_shed_from": lambda r, n, p: r.number(n, p, 0.0, 1.0),
     "name": lambda r, n, p: r.string(n, p, _TIER_NAME),
     "priority": lambda r, n, p: r.integer(n, p),
     "queue_limit": lambda r, n, p: r.integer(n, p, 0),

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from extproc.policy import Tenant, Tier
+from extproc.admission import Admission
+from extproc.backends import Backend, BackendPool, BackendSpec
+from extproc.gates import Gate
+from extproc.policy import Policy, Tenant, Tier
+from extproc.scrape import EngineMetrics
 
-INTERACTIVE = Tier("interactive", rank=0, priority=0, queue_limit=4, queue_deadline_s=5.0)
-API = Tier("api", rank=1, priority=10, queue_limit=4, queue_deadline_s=30.0)
-BATCH = Tier("batch", rank=2, priority=20, queue_limit=4, queue_deadline_s=600.0)
+OPEN = Gate(max_waiting=None, max_kv_cache_usage=None)
+"""A gate that only asks for fresh metrics: admission limited by slots alone."""
+INTERACTIVE = Tier(
+    "interactive", rank=0, priority=0, queue_limit=4, queue_deadline_s=5.0, gate=OPEN
+)
+API = Tier("api", rank=1, priority=10, queue_limit=4, queue_deadline_s=30.0, gate=OPEN)
+BATCH = Tier("batch", rank=2, priority=20, queue_limit=4, queue_deadline_s=600.0, gate=OPEN)
 TENANT = Tenant(
     "acme", api_keys=("sk-acme",), tiers=("interactive", "api", "batch"), default_tier="api"
 )
@@ -21,3 +31,57 @@ class Request:
     tier: Tier
     user: str = "alice"
     tenant: Tenant = TENANT
+    prompt_tokens: int = 100
+    max_tokens: int | None = 50
+    stream: bool = False
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def policy(
+    limit: int = 1, tiers: Sequence[Tier] = (INTERACTIVE, API, BATCH), **kw: object
+) -> Policy:
+    return Policy(tiers=tuple(tiers), tenants=(TENANT,), max_in_flight_per_backend=limit, **kw)  # type: ignore[arg-type]
+
+
+def scraped(
+    backend: Backend, clock: Callable[[], float], waiting: float = 0, kv: float = 0.1
+) -> None:
+    """Give ``backend`` a fresh scrape of an engine with ``waiting`` queued requests."""
+    backend.record_scrape(
+        EngineMetrics(
+            waiting=waiting,
+            running=0,
+            kv_cache_usage=kv,
+            itl_sum_s=0.0,
+            itl_count=0.0,
+            scraped_at=clock(),
+        ),
+        granted_before=backend.granted_since_scrape,
+    )
+
+
+def make_admission(
+    limit: int = 1,
+    backends: int = 1,
+    tiers: Sequence[Tier] = (INTERACTIVE, API, BATCH),
+    **policy_fields: object,
+) -> tuple[Admission, BackendPool, FakeClock]:
+    clock = FakeClock()
+    pool = BackendPool(
+        [BackendSpec("127.0.0.1", 9000 + i, "r") for i in range(backends)], clock=clock
+    )
+    for backend in pool.backends:
+        scraped(backend, clock)
+    admission = Admission(pool, policy(limit, tiers, **policy_fields), clock=clock)
+    return admission, pool, clock
+
+
+def with_gate(tier: Tier, gate: Gate) -> Tier:
+    return dataclasses.replace(tier, gate=gate)

@@ -1,29 +1,33 @@
+"""Admission without sockets: the fair scheduler, gates, reservations and releases together."""
+
 import asyncio
+import random
 
 import pytest
 
 from extproc.admission import Admission
-from extproc.backends import BackendPool, BackendSpec
 from extproc.errors import Rejection
-from tests.extproc.factories import API, BATCH, INTERACTIVE, Request
+from extproc.gates import Gate
+from extproc.policy import Tier
+from tests.extproc.factories import (
+    API,
+    BATCH,
+    INTERACTIVE,
+    TENANT,
+    Request,
+    make_admission,
+    scraped,
+    with_gate,
+)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make(limit: int = 1, backends: int = 1) -> tuple[Admission, BackendPool]:
-    pool = BackendPool([BackendSpec("127.0.0.1", 9000 + i, "r") for i in range(backends)])
-    return Admission(pool, lambda: limit, clock=FakeClock()), pool
+def submit(admission: Admission, request_id: str, request: Request):  # type: ignore[no-untyped-def]
+    return admission.submit(request_id, request)  # type: ignore[arg-type]
 
 
 async def test_granted_at_once_when_a_backend_has_room() -> None:
-    admission, pool = make(limit=2)
-    ticket = admission.submit("r1", Request(API))  # type: ignore[arg-type]
+    admission, pool, _ = make_admission(limit=2)
+    ticket = submit(admission, "r1", Request(API))
     assert ticket.granted
     grant = ticket.granted_now()
     assert grant.endpoints == ("127.0.0.1:9000",)
@@ -32,10 +36,10 @@ async def test_granted_at_once_when_a_backend_has_room() -> None:
 
 
 async def test_held_requests_are_released_most_urgent_tier_first() -> None:
-    admission, _ = make(limit=1)
-    admission.submit("running", Request(BATCH))  # type: ignore[arg-type]
-    batch = admission.submit("batch", Request(BATCH))  # type: ignore[arg-type]
-    interactive = admission.submit("chat", Request(INTERACTIVE))  # type: ignore[arg-type]
+    admission, _, _ = make_admission(limit=1)
+    submit(admission, "running", Request(BATCH))
+    batch = submit(admission, "batch", Request(BATCH))
+    interactive = submit(admission, "chat", Request(INTERACTIVE))
     assert not batch.granted and not interactive.granted
     admission.release("running")
     assert interactive.granted and not batch.granted
@@ -43,69 +47,214 @@ async def test_held_requests_are_released_most_urgent_tier_first() -> None:
     assert batch.granted
 
 
+async def test_aging_lets_a_long_waiting_batch_request_overtake() -> None:
+    aging_batch = Tier(
+        "batch",
+        rank=2,
+        priority=20,
+        queue_limit=4,
+        queue_deadline_s=600,
+        aging_rate=0.1,
+        aging_cap=2,
+        gate=BATCH.gate,
+    )
+    admission, pool, clock = make_admission(limit=1, tiers=(INTERACTIVE, API, aging_batch))
+    submit(admission, "running", Request(API))
+    old_batch = submit(admission, "old-batch", Request(aging_batch))
+    clock.now += 30  # 3 ranks of aging, capped at 2: batch now ranks with interactive
+    scraped(pool.backends[0], clock)
+    fresh_api = submit(admission, "fresh-api", Request(API))
+    admission.release("running")
+    assert old_batch.granted and not fresh_api.granted
+
+
+async def test_vtc_alternates_backlogged_tenants_by_tokens_not_arrival() -> None:
+    admission, _, _ = make_admission(limit=1)
+    other = type(TENANT)("other", api_keys=("sk-o",), tiers=("api",), default_tier="api")
+    submit(admission, "running", Request(API))
+    hog = [submit(admission, f"hog{i}", Request(API)) for i in range(3)]
+    small = submit(admission, "small", Request(API, tenant=other))
+    admission.release("running")
+    assert hog[0].granted  # first come
+    admission.release("hog0")
+    assert small.granted and not hog[1].granted  # the other tenant is served next
+
+
 async def test_continuous_priority_counts_the_users_pending_requests() -> None:
-    admission, _ = make(limit=10)
+    admission, _, _ = make_admission(limit=10)
     priorities = [
-        admission.submit(f"a{i}", Request(API, user="power")).granted_now().priority  # type: ignore[arg-type]
+        submit(admission, f"a{i}", Request(API, user="power")).granted_now().priority
         for i in range(4)
     ]
-    other = admission.submit("b", Request(API, user="casual")).granted_now().priority  # type: ignore[arg-type]
+    other = submit(admission, "b", Request(API, user="casual")).granted_now().priority
     assert priorities == [10, 11, 12, 13]
     assert other == 10
     admission.release("a0")
-    assert admission.submit("a4", Request(API, user="power")).granted_now().priority == 13  # type: ignore[arg-type]
+    assert submit(admission, "a4", Request(API, user="power")).granted_now().priority == 13
 
 
 async def test_full_queue_is_a_429_with_retry_after() -> None:
-    admission, _ = make(limit=1)
-    admission.submit("running", Request(API))  # type: ignore[arg-type]
+    admission, _, _ = make_admission(limit=1)
+    submit(admission, "running", Request(API))
     for i in range(API.queue_limit):
-        admission.submit(f"q{i}", Request(API))  # type: ignore[arg-type]
+        submit(admission, f"q{i}", Request(API))
     with pytest.raises(Rejection) as info:
-        admission.submit("one-too-many", Request(API))  # type: ignore[arg-type]
-    assert info.value.status == 429
+        submit(admission, "one-too-many", Request(API))
+    assert info.value.status == 429 and info.value.code == "queue_full"
     assert int(info.value.headers["retry-after"]) >= 1
 
 
+async def test_early_shedding_rises_with_queue_fill() -> None:
+    shedding = Tier(
+        "batch",
+        rank=2,
+        priority=20,
+        queue_limit=10,
+        queue_deadline_s=600,
+        early_shed_from=0.5,
+        gate=BATCH.gate,
+    )
+    admission, _, _ = make_admission(limit=1, tiers=(INTERACTIVE, API, shedding))
+    admission._rng = random.Random(7)
+    submit(admission, "running", Request(shedding))
+    for i in range(5):  # up to half full: never shed
+        submit(admission, f"q{i}", Request(shedding))
+    shed_at_depth = []
+    queued = 0
+    for i in range(5, 40):
+        depth = admission.scheduler.depth("batch")
+        try:
+            submit(admission, f"q{i}", Request(shedding))
+            queued += 1
+        except Rejection as rejection:
+            assert rejection.status == 429
+            if rejection.code == "early_shed":
+                shed_at_depth.append(depth)
+    assert queued >= 1  # past half full some still get in...
+    assert shed_at_depth and min(shed_at_depth) >= 5  # ...and shedding starts at half full
+    assert any(depth < 10 for depth in shed_at_depth)  # before the queue is full
+
+
 async def test_deadline_passed_is_a_503_and_leaves_the_queue() -> None:
-    admission, _ = make(limit=1)
-    admission.submit("running", Request(API))  # type: ignore[arg-type]
-    ticket = admission.submit("late", Request(API))  # type: ignore[arg-type]
+    admission, _, _ = make_admission(limit=1)
+    submit(admission, "running", Request(API))
+    ticket = submit(admission, "late", Request(API))
     ticket.deadline_s = 0.01
     with pytest.raises(Rejection) as info:
         await ticket.wait()
     assert info.value.status == 503
-    assert len(admission.queues) == 0
+    assert len(admission.scheduler) == 0
 
 
 async def test_cancelled_waiter_leaves_the_queue_at_once() -> None:
-    admission, _ = make(limit=1)
-    admission.submit("running", Request(API))  # type: ignore[arg-type]
-    ticket = admission.submit("gone", Request(API))  # type: ignore[arg-type]
+    admission, _, _ = make_admission(limit=1)
+    submit(admission, "running", Request(API))
+    ticket = submit(admission, "gone", Request(API))
     task = asyncio.create_task(ticket.wait())
     await asyncio.sleep(0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert len(admission.queues) == 0
+    assert len(admission.scheduler) == 0
     admission.release("running")  # the slot goes to nobody; nothing leaks
     assert admission.in_flight == 0
 
 
+async def test_thousands_of_cancelled_waiters_leave_nothing_behind() -> None:
+    admission, pool, _ = make_admission(
+        limit=1, tiers=(INTERACTIVE, API, Tier("batch", 2, 20, 5000, 600.0, gate=BATCH.gate))
+    )
+    submit(admission, "running", Request(API))
+    tickets = [submit(admission, f"b{i}", Request(BATCH, user=f"u{i}")) for i in range(3000)]
+    tasks = [asyncio.create_task(t.wait()) for t in tickets]
+    await asyncio.sleep(0)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert len(admission.scheduler) == 0
+    admission.release("running")
+    assert admission.in_flight == 0 and pool.backends[0].in_flight == 0
+    assert admission.scheduler.tracked_flows() == 0
+
+
 async def test_abandoning_a_granted_waiter_gives_its_slot_back() -> None:
-    admission, pool = make(limit=1)
-    admission.submit("running", Request(API))  # type: ignore[arg-type]
-    ticket = admission.submit("racy", Request(API))  # type: ignore[arg-type]
+    admission, pool, _ = make_admission(limit=1)
+    submit(admission, "running", Request(API))
+    ticket = submit(admission, "racy", Request(API))
     admission.release("running")  # grants "racy"...
     assert ticket.granted
-    admission.abandon(ticket._waiter)  # ...but its client left before it was forwarded
+    admission.abandon(ticket.entry)  # ...but its client left before it was forwarded
     assert admission.in_flight == 0 and pool.backends[0].in_flight == 0
 
 
+async def test_gate_holds_requests_while_the_engine_queue_is_long() -> None:
+    short_queue = with_gate(INTERACTIVE, Gate(max_waiting=3))
+    admission, pool, clock = make_admission(limit=100, tiers=(short_queue, API, BATCH))
+    backend = pool.backends[0]
+    scraped(backend, clock, waiting=3)
+    ticket = submit(admission, "chat", Request(short_queue))
+    assert not ticket.granted
+    scraped(backend, clock, waiting=1)
+    pool.capacity_changed()
+    assert ticket.granted
+
+
+async def test_batch_waits_for_an_empty_engine_queue_while_interactive_goes() -> None:
+    interactive = with_gate(INTERACTIVE, Gate(max_waiting=3))
+    batch = with_gate(BATCH, Gate(max_waiting=0))
+    admission, pool, clock = make_admission(limit=100, tiers=(interactive, API, batch))
+    scraped(pool.backends[0], clock, waiting=1)
+    batch_ticket = submit(admission, "batch", Request(batch))
+    chat_ticket = submit(admission, "chat", Request(interactive))
+    assert chat_ticket.granted and not batch_ticket.granted
+
+
+async def test_stale_metrics_count_as_saturated() -> None:
+    admission, pool, clock = make_admission(limit=4)
+    clock.now += admission.policy.backpressure.stale_after_s + 0.1
+    ticket = submit(admission, "r", Request(API))
+    assert not ticket.granted
+    scraped(pool.backends[0], clock)
+    pool.capacity_changed()
+    assert ticket.granted
+
+
+async def test_reserved_share_keeps_slots_from_lower_tiers_only_while_active() -> None:
+    reserving = Tier("interactive", 0, 0, 10, 5.0, reserved_share=0.5, gate=INTERACTIVE.gate)
+    admission, _, _ = make_admission(limit=2, backends=2, tiers=(reserving, API, BATCH))
+    # interactive idle: batch may fill all 4 slots (work-conserving)
+    granted = [submit(admission, f"b{i}", Request(BATCH)).granted for i in range(4)]
+    assert granted == [True, True, True, True]
+    for i in range(4):
+        admission.release(f"b{i}")
+    # interactive active (one in flight): batch may not take its 2 reserved slots
+    submit(admission, "chat", Request(reserving))
+    batch = [submit(admission, f"c{i}", Request(BATCH)) for i in range(3)]
+    assert [t.granted for t in batch] == [True, True, False]  # 1 of its 2 slots in use
+    # and interactive may borrow what batch would otherwise take
+    assert submit(admission, "chat2", Request(reserving)).granted
+
+
+async def test_completion_refunds_an_overestimated_output_charge() -> None:
+    """acme asks max_tokens 1000 but gets 10: the refund lets its next request go before
+    the other tenant's second one (without it, acme would owe 2000 tokens)."""
+    admission, _, _ = make_admission(limit=1)
+    other = type(TENANT)("other", api_keys=("sk-o",), tiers=("api",), default_tier="api")
+    submit(admission, "x", Request(API, tenant=other))
+    submit(admission, "a0", Request(API, max_tokens=1000))
+    submit(admission, "b0", Request(API, tenant=other))
+    a1 = submit(admission, "a1", Request(API))
+    b1 = submit(admission, "b1", Request(API, tenant=other))
+    admission.release("x", output_tokens=50)  # a0 goes (earliest head on a tie)
+    admission.release("a0", output_tokens=10)  # b0 goes; acme is refunded 2 x 990
+    admission.release("b0", output_tokens=50)
+    assert a1.granted and not b1.granted
+
+
 async def test_unhealthy_backend_holds_requests_until_it_recovers() -> None:
-    admission, pool = make(limit=4)
+    admission, pool, _ = make_admission(limit=4)
     pool.backends[0].healthy = False
-    ticket = admission.submit("r", Request(API))  # type: ignore[arg-type]
+    ticket = submit(admission, "r", Request(API))
     assert not ticket.granted
     pool.backends[0].healthy = True
     pool.capacity_changed()
@@ -113,20 +262,30 @@ async def test_unhealthy_backend_holds_requests_until_it_recovers() -> None:
 
 
 async def test_lost_completion_is_reclaimed_after_the_timeout() -> None:
-    admission, _pool = make(limit=1)
-    clock: FakeClock = admission._clock  # type: ignore[assignment]
-    admission.submit("lost", Request(API))  # type: ignore[arg-type]
-    waiting = admission.submit("next", Request(API))  # type: ignore[arg-type]
+    admission, _, clock = make_admission(limit=1)
+    submit(admission, "lost", Request(API))
+    waiting = submit(admission, "next", Request(API))
     clock.now += 100
     assert admission.expire(max_age_s=300) == 0
     clock.now += 300
+    scraped(admission.pool.backends[0], clock)
     assert admission.expire(max_age_s=300) == 1
     assert waiting.granted
     assert not admission.release("lost")
 
 
+async def test_reload_keeps_queued_requests_and_applies_new_limits() -> None:
+    admission, _, _ = make_admission(limit=1)
+    submit(admission, "running", Request(API))
+    queued = submit(admission, "queued", Request(API))
+    from tests.extproc.factories import policy
+
+    admission.configure(policy(limit=2))
+    assert queued.granted  # the new per-backend limit let it go
+
+
 async def test_knows_queued_and_in_flight_ids() -> None:
-    admission, _ = make(limit=1)
-    admission.submit("a", Request(API))  # type: ignore[arg-type]
-    admission.submit("b", Request(API))  # type: ignore[arg-type]
+    admission, _, _ = make_admission(limit=1)
+    submit(admission, "a", Request(API))
+    submit(admission, "b", Request(API))
     assert admission.knows("a") and admission.knows("b") and not admission.knows("c")

@@ -68,7 +68,7 @@ def test_errors_go_to_stderr_with_exit_1(
     assert out == ""
     assert err.splitlines() == [
         f"{bad}:2: tiers[0].queue_limit: must be >= 0, not -1",
-        f"{bad}:4: tenants[0].tiers[0]: unknown tier 'b' (tiers are: none)",
+        f"{bad}:4: tenants[0].tiers[0]: unknown tier 'b' (tiers are: a)",
         f"{bad}: 2 errors",
     ]
 

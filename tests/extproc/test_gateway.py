@@ -1,5 +1,6 @@
 """The per-request pipeline without sockets: real policy, real admission, plain objects."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,14 +11,22 @@ from extproc.backends import BackendPool, BackendSpec
 from extproc.gateway import Gateway, Pending
 from extproc.messages import Completion, Forward, RequestInfo, Respond
 from extproc.policy import DEFAULT_POLICY_PATH, PolicyStore
+from tests.extproc.factories import FakeClock, scraped
 
 CHAT = "/v1/chat/completions"
 
 
 def make_gateway(limit: int = 4, policy_path: Path = DEFAULT_POLICY_PATH) -> Gateway:
-    pool = BackendPool([BackendSpec("127.0.0.1", 8101, "a"), BackendSpec("127.0.0.1", 8102, "b")])
-    admission = Admission(pool, lambda: limit)
-    return Gateway(PolicyStore(policy_path), admission)
+    """The default policy over two idle backends with ``limit`` slots each."""
+    clock = FakeClock()
+    specs = [BackendSpec("127.0.0.1", 8101, "a"), BackendSpec("127.0.0.1", 8102, "b")]
+    pool = BackendPool(specs, clock=clock)
+    for backend in pool.backends:
+        scraped(backend, clock)
+    store = PolicyStore(policy_path)
+    policy = dataclasses.replace(store.current, max_in_flight_per_backend=limit)
+    store.current = policy
+    return Gateway(store, Admission(pool, policy, clock=clock))
 
 
 def request(

@@ -497,3 +497,83 @@ async def test_watch_picks_up_a_change(policy_file: Path) -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+# --------------------------------------------------------------------------- scheduling knobs
+
+SCHEDULED = """\
+fairness: {flow: user, input_weight: 1, output_weight: 3, default_output_tokens: 128}
+backpressure: {scrape_interval_s: 0.05, stale_after_s: 0.5}
+tiers:
+  - name: fast
+    priority: 0
+    queue_limit: 10
+    queue_deadline_s: 5
+    reserved_share: 0.3
+    gate: {max_waiting: 3, max_kv_cache_usage: 0.9, max_itl_ms: null}
+  - name: slow
+    priority: 20
+    queue_limit: 100
+    queue_deadline_s: 600
+    gate: {max_waiting: 0, max_itl_ms: 150, max_in_flight: 4}
+    aging: {seconds_per_rank: 300, max_ranks: 1}
+    early_shed_from: 0.8
+tenants:
+  - name: alice
+    api_keys: [sk-alice-0001]
+    tiers: [fast]
+"""
+
+
+def test_scheduling_knobs_are_read() -> None:
+    policy = parse_policy(SCHEDULED, "s.yaml")
+    fast, slow = policy.tiers
+    assert fast.reserved_share == 0.3
+    assert (fast.gate.max_waiting, fast.gate.max_kv_cache_usage, fast.gate.max_itl_s) == (
+        3,
+        0.9,
+        None,
+    )
+    assert slow.gate.max_waiting == 0 and slow.gate.max_itl_s == pytest.approx(0.15)
+    assert slow.gate.max_in_flight == 4
+    assert slow.gate.max_kv_cache_usage == 0.95  # left out: the default bound
+    assert slow.aging_rate == pytest.approx(1 / 300) and slow.aging_cap == 1
+    assert slow.early_shed_from == 0.8
+    assert policy.fairness.flow == "user" and policy.fairness.output_weight == 3
+    assert policy.fairness.default_output_tokens == 128
+    assert policy.backpressure.scrape_interval_s == 0.05
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "line", "field"),
+    [
+        ("reserved_share: 0.3", "reserved_share: -0.1", 8, "tiers[0].reserved_share"),
+        ("reserved_share: 0.3", "reserved_share: 1.5", 8, "tiers[0].reserved_share"),
+        ("max_kv_cache_usage: 0.9", "max_kv_cache_usage: 2", 9, "tiers[0].gate.max_kv_cache_usage"),
+        ("max_waiting: 0,", "max_waiting: -1,", 14, "tiers[1].gate.max_waiting"),
+        ("max_itl_ms: 150", "max_itl_ms: 0", 14, "tiers[1].gate.max_itl_ms"),
+        ("max_in_flight: 4}", "max_in_flight: 4, max_queue: 1}", 14, "tiers[1].gate.max_queue"),
+        (
+            "{seconds_per_rank: 300, max_ranks: 1}",
+            "{max_ranks: 1}",
+            15,
+            "tiers[1].aging.seconds_per_rank",
+        ),
+        ("max_ranks: 1}", "max_ranks: -2}", 15, "tiers[1].aging.max_ranks"),
+        ("early_shed_from: 0.8", "early_shed_from: 1.2", 16, "tiers[1].early_shed_from"),
+        ("flow: user", "flow: team", 1, "fairness.flow"),
+        ("stale_after_s: 0.5", "stale_after_s: 0.01", 2, "backpressure.stale_after_s"),
+    ],
+)
+def test_impossible_scheduling_values_name_file_line_and_field(
+    old: str, new: str, line: int, field: str
+) -> None:
+    assert old in SCHEDULED
+    errors = errors_of(SCHEDULED.replace(old, new), "s.yaml")
+    assert any(e.startswith(f"s.yaml:{line}: {field}") for e in errors), errors
+
+
+def test_reservations_over_the_whole_fleet_are_rejected() -> None:
+    text = SCHEDULED.replace("    aging:", "    reserved_share: 0.8\n    aging:")
+    errors = errors_of(text, "s.yaml")
+    assert any("reserved_share adds up to 1.1" in e and e.startswith("s.yaml:") for e in errors)

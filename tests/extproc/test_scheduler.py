@@ -10,8 +10,14 @@ from dataclasses import dataclass, field
 import pytest
 
 from extproc import scheduler as scheduler_module
-from extproc.queues import QueueFull
-from extproc.scheduler import BandConfig, Entry, FairnessConfig, FairScheduler
+from extproc.scheduler import (
+    BandConfig,
+    DrainMeter,
+    Entry,
+    FairnessConfig,
+    FairScheduler,
+    QueueFull,
+)
 
 
 class FakeClock:
@@ -609,3 +615,14 @@ def test_matches_a_naive_reference_under_random_operations(
                 assert counters[flow] == pytest.approx(ref_band.counters[flow])
             for flow, value in counters.items():  # what is tracked is what matters
                 assert value > ref_band.vtime or flow in ref_band.backlogged()
+
+
+def test_drain_meter_rate_follows_dequeues_in_its_window() -> None:
+    clock = FakeClock()
+    meter = DrainMeter(window_s=10.0, clock=clock)
+    assert meter.rate() == 0
+    for _ in range(20):
+        meter.record()
+    assert meter.rate() == pytest.approx(2.0)
+    clock.now += 11
+    assert meter.rate() == 0

@@ -1,0 +1,50 @@
+"""Completion feedback: what a finished request tells the scheduler.
+
+Envoy's gRPC access log reports every finished request (status, duration, upstream, response
+bytes) without its body passing through Python. That frees the request's backend slot and
+settles its fairness charge: output tokens were charged up front as an estimate
+(``max_tokens``, or the policy's default), and the real count is estimated here from the
+response size.
+
+The byte-to-token rates are vLLM's response shapes as the simulator reproduces them: a
+streamed chat or completion sends one SSE event of about 220-230 bytes per token (ids,
+model name and JSON framing dominate the token's own text); a non-streamed response is
+about 500 bytes of envelope plus about 5 bytes per token of text. They are estimates
+within some tens of percent, good enough to stop a flow that asked for ``max_tokens: 4096``
+and got 50 from paying for 4096; they are not a bill.
+"""
+
+from __future__ import annotations
+
+from extproc.admission import Admission
+from extproc.messages import Completion
+
+STREAM_BYTES_PER_TOKEN = 224.0
+BODY_ENVELOPE_BYTES = 500
+BODY_BYTES_PER_TOKEN = 5.0
+
+
+def estimate_output_tokens(response_bytes: int, stream: bool, max_tokens: int | None) -> int:
+    """Output tokens a response of ``response_bytes`` most likely carried."""
+    if stream:
+        tokens = round(response_bytes / STREAM_BYTES_PER_TOKEN)
+    else:
+        tokens = round(max(0, response_bytes - BODY_ENVELOPE_BYTES) / BODY_BYTES_PER_TOKEN)
+    return tokens if max_tokens is None else min(tokens, max_tokens)
+
+
+def settle(admission: Admission, completion: Completion) -> bool:
+    """Release ``completion``'s slot and correct its flow's output charge.
+
+    A request that failed (no status, or an error status) produced nothing billable.
+    """
+    request = admission.request_of(completion.request_id)
+    if request is None:
+        return False
+    if 200 <= completion.status < 300:
+        output = estimate_output_tokens(
+            completion.response_bytes, request.stream, request.max_tokens
+        )
+    else:
+        output = 0
+    return admission.release(completion.request_id, output_tokens=output)

@@ -10,6 +10,7 @@ the harness is used to measure schedulers that do not meet them yet.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -113,7 +114,7 @@ def scenario_json(scenario: Scenario) -> dict[str, Any]:
             "profile": scenario.backends.profile,
             "flags": list(scenario.backends.flags),
         },
-        "policy": str(scenario.policy),
+        "policy": os.path.relpath(scenario.policy),
         "time_unit": "simulated seconds (wall seconds x speedup)",
     }
 
@@ -122,14 +123,22 @@ def bench(scenario: Scenario, out: Path) -> dict[str, Any]:
     """Run every arm and write the report; the results (also written to ``out``)."""
     records: dict[str, list[RequestRecord]] = {}
     arms: dict[str, Any] = {}
+    failed: dict[str, str] = {}
     for arm in scenario.arms:
-        records[arm.name], arms[arm.name] = run_arm(scenario, arm.name, out / "logs" / arm.name)
+        try:
+            records[arm.name], arms[arm.name] = run_arm(scenario, arm.name, out / "logs" / arm.name)
+        except (NotReady, EnvoyConfigError, OSError, RuntimeError) as exc:
+            # The arm's processes are already stopped (ProcessGroup); the other arms still
+            # tell something, so carry on and report the failure instead of losing them all.
+            failed[arm.name] = f"{type(exc).__name__}: {exc}"
+            _log(f"{arm.name}: FAILED: {failed[arm.name]}")
     weights = {t.name: t.weight for t in load_policy(scenario.policy).tenants}
     summaries = {name: data["summary"] for name, data in arms.items()}
     targets = report.evaluate(scenario.targets, summaries, weights)
     results = {
         "scenario": scenario_json(scenario),
         "arms": arms,
+        "failed_arms": failed,
         "targets": [t.to_json() for t in targets],
     }
     report.write(out, results, records)
@@ -151,6 +160,8 @@ def print_summary(results: dict[str, Any], out: Path) -> None:
         print(f"  CPU cores: {cores}; machine {data['cpu']['machine_cores']:.2f}")
         for warning in data["cpu"]["warnings"]:
             print(f"  {warning}")
+    for name, error in results["failed_arms"].items():
+        print(f"{name}: FAILED: {error.splitlines()[0]} (logs under {out / 'logs' / name})")
     print("targets:")
     for t in results["targets"]:
         verdict = {True: "PASS", False: "FAIL", None: "N/A"}[t["passed"]]
@@ -177,13 +188,13 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         _log("interrupted; every process was stopped")
         return 1
-    except (NotReady, EnvoyConfigError, OSError, RuntimeError) as exc:
+    except (OSError, ValueError) as exc:
         _log(f"failed: {exc}")
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
     print_summary(results, out)
-    return 0
+    return 1 if results["failed_arms"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:

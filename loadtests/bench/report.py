@@ -394,6 +394,17 @@ def render_markdown(results: Mapping[str, Any]) -> str:
             )
         rows.append(row)
     lines += _table(["tenant", *names], rows)
+    failed = results.get("failed_arms") or {}
+    if failed:
+        lines += ["", "## Failed arms", ""]
+        for name, error in failed.items():
+            lines += [
+                f"- **{name}**: could not run (its processes were stopped):",
+                "",
+                "```",
+                error.strip()[-3000:],
+                "```",
+            ]
     lines += ["", "## CPU (cores used during the workload: CPU seconds / wall seconds)", ""]
     procs = list(dict.fromkeys(p for a in arms.values() for p in a["cpu"]["cores"]))
     rows = [[p, *(fmt(arms[n]["cpu"]["cores"].get(p)) for n in names)] for p in procs]

@@ -19,8 +19,9 @@ from loadtests.bench.scenario import Dist, Group
 
 # Five-letter-or-shorter words are exactly one token each for extproc.prompt (" word").
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz"
-# Tokens the chat template adds around an empty user message.
-TEMPLATE_TOKENS = count_tokens(render_chat([{"role": "user", "content": ""}]))
+# Tokens the chat template adds around a user message (measured with a one-token message:
+# an empty one would merge the template's two newlines into one piece).
+TEMPLATE_TOKENS = count_tokens(render_chat([{"role": "user", "content": "abc"}])) - 1
 
 
 @dataclass(frozen=True)

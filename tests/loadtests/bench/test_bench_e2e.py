@@ -1,0 +1,74 @@
+"""One real ``fairlane bench`` run on the smoke scenario: both arms, real Envoy, service and
+simulators on loopback, a few wall seconds each; the report exists and nothing is left
+running afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from extproc.cli import main
+
+pytestmark = pytest.mark.integration
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purpose (ProcessGroup reaps its children, so none expected)
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_bench_smoke_runs_both_arms_and_stops_everything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    assert main(["bench", "smoke", "--out", str(out), "--duration", "40"]) == 0
+    printed = capsys.readouterr().out
+    assert "targets:" in printed and "report:" in printed
+
+    report_md = (out / "report.md").read_text()
+    assert "| fifo | fairlane |" in report_md
+    data = json.loads((out / "results.json").read_text())
+    assert data["failed_arms"] == {}
+    assert set(data["arms"]) == {"fifo", "fairlane"}
+    for name, arm in data["arms"].items():
+        for tier in ("interactive", "batch"):
+            assert arm["summary"]["by_tier"][tier]["ok"] > 0, (name, tier)
+        assert arm["cpu"]["cores"]["load-generator"] >= 0
+        assert {"envoy", "sim-0"} <= set(arm["cpu"]["cores"])
+        records = data["records"][name]
+        assert records and all(r["arm"] == name for r in records)
+        # usage came back: exact output lengths (ignore_eos) and prompt sizes
+        ok = [r for r in records if r["ok"]]
+        assert all(r["completion_tokens"] == r["max_tokens"] for r in ok)
+        assert all(r["prompt_tokens"] == r["prompt_tokens_sent"] for r in ok)
+        for pid in arm["pids"].values():
+            assert not _alive(pid), f"{name}: process {pid} still running"
+    assert "service" in data["arms"]["fairlane"]["pids"]
+    assert "service" not in data["arms"]["fifo"]["pids"]
+    # the same open-loop chat arrivals in both arms (seeded workload)
+    chat = {
+        name: sorted(r["index"] for r in data["records"][name] if r["group"] == "chat")
+        for name in data["arms"]
+    }
+    assert chat["fifo"] == chat["fairlane"]
+    fairlane_ok = [r for r in data["records"]["fairlane"] if r["ok"]]
+    assert all(r["served_tier"] == r["tier"] for r in fairlane_ok)
+
+
+def test_bench_bad_scenario_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nspeedup: fast\n")
+    assert main(["bench", str(bad), "--out", str(tmp_path / "o")]) == 1
+    assert "speedup: must be a number > 0" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

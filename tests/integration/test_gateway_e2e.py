@@ -250,12 +250,13 @@ async def test_client_disconnect_while_held_leaves_the_queue(stack: Stack) -> No
     filler = await fill_the_fleet(stack)
     before = len(backend_requests(stack))
     with pytest.raises(asyncio.TimeoutError):
-        await post(stack, chat(content="I will leave"), auth("sk-chat-demo"), timeout=0.5)
+        await post(stack, chat(), {**auth("sk-chat-demo"), "x-user-id": "leaver"}, timeout=0.5)
     await asyncio.sleep(0.2)
     assert await metric(stack, "fairlane_queue_depth", tier="interactive") == 0
     await filler
     await asyncio.sleep(0.3)
-    assert all("I will leave" not in json.dumps(r) for r in backend_requests(stack)[before:])
+    seen_users = [r["headers"].get("x-user-id") for r in backend_requests(stack)[before:]]
+    assert "leaver" not in seen_users
 
 
 async def test_policy_hot_reload_applies_good_files_and_keeps_serving_on_bad_ones(
@@ -296,3 +297,24 @@ async def eventually_status(stack: Stack, key: str, want: int, timeout: float = 
             return True
         await asyncio.sleep(0.2)
     return False
+
+
+async def test_interactive_overtakes_a_queued_batch_backlog(stack: Stack) -> None:
+    filler = await fill_the_fleet(stack)
+    before = len(backend_requests(stack))
+    backlog = [
+        asyncio.create_task(
+            post(stack, chat(), {**auth("sk-batch-demo"), "x-user-id": f"batch-job-{i}"})
+        )
+        for i in range(3)
+    ]
+    await asyncio.sleep(0.3)
+    assert await metric(stack, "fairlane_queue_depth", tier="batch") == 3
+    status, headers, _ = await post(stack, chat(), {**auth("sk-chat-demo"), "x-user-id": "human"})
+    assert status == 200 and headers["x-fairlane-tier"] == "interactive"
+    await asyncio.gather(filler, *backlog)
+    order = [r["headers"].get("x-user-id", "") for r in backend_requests(stack)[before:]]
+    first = order.index("human")
+    batch_positions = [i for i, user in enumerate(order) if user.startswith("batch-job-")]
+    assert len(batch_positions) == 3
+    assert first < min(batch_positions)  # it arrived last but reached the backend first

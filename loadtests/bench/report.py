@@ -282,6 +282,15 @@ ROWS: tuple[tuple[str, str], ...] = (
 )
 
 
+TENANT_ROWS: tuple[tuple[str, str], ...] = (
+    ("share", "service share"),
+    ("ttft_p95", "TTFT p95 (s)"),
+    ("e2e_p95", "e2e p95 (s)"),
+    ("goodput", "goodput (output tok/s)"),
+    ("ok", "ok"),
+)
+
+
 def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -377,22 +386,26 @@ def render_markdown(results: Mapping[str, Any]) -> str:
     )
     lines += [
         "",
-        "## Tenants: service share",
+        "## Tenants",
         "",
-        "Share of the service delivered in the window, counted as input + 2 x output tokens "
-        "(plain input + output tokens in brackets).",
+        "Service share: the tenant's share of the service delivered in the window, counted as "
+        "input + 2 x output tokens (plain input + output tokens in brackets).",
         "",
     ]
     tenants = list(dict.fromkeys(t for a in arms.values() for t in a["summary"]["by_tenant"]))
     rows = []
     for tenant in tenants:
-        row = [tenant]
-        for name in names:
-            stats = arms[name]["summary"]["by_tenant"].get(tenant)
-            row.append(
-                "-" if stats is None else f"{stats['share']:.1%} ({stats['plain_share']:.1%})"
-            )
-        rows.append(row)
+        for key, label in TENANT_ROWS:
+            row = [f"{tenant}: {label}"]
+            for name in names:
+                stats = arms[name]["summary"]["by_tenant"].get(tenant)
+                if stats is None:
+                    row.append("-")
+                elif key == "share":
+                    row.append(f"{stats['share']:.1%} ({stats['plain_share']:.1%})")
+                else:
+                    row.append(fmt(stats[key]))
+            rows.append(row)
     lines += _table(["tenant", *names], rows)
     failed = results.get("failed_arms") or {}
     if failed:

@@ -13,6 +13,7 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import FrameType
@@ -33,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         default=None,
-        help="output directory (default: bench-results/NAME-TIMESTAMP)",
+        help="output directory (default: $TMPDIR/fairlane-bench/NAME-TIMESTAMP)",
     )
     parser.add_argument(
         "--duration",
@@ -181,7 +182,12 @@ def run(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"fairlane bench: {exc}", file=sys.stderr)
         return 1
-    out = args.out or Path("bench-results") / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # Outside the checkout by default: results are not source, and others share the tree.
+    out = args.out or (
+        Path(tempfile.gettempdir())
+        / "fairlane-bench"
+        / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         results = bench(scenario, out)

@@ -318,3 +318,34 @@ async def test_interactive_overtakes_a_queued_batch_backlog(stack: Stack) -> Non
     batch_positions = [i for i, user in enumerate(order) if user.startswith("batch-job-")]
     assert len(batch_positions) == 3
     assert first < min(batch_positions)  # it arrived last but reached the backend first
+
+
+async def test_hundreds_of_clients_leaving_while_queued_leave_nothing_behind(
+    tmp_path: Path,
+) -> None:
+    policy = TEST_POLICY.replace("queue_limit: 8", "queue_limit: 1000")
+    group, crowded = start_stack(tmp_path, policy)
+    try:
+        filler = await fill_the_fleet(crowded)
+        leavers = 400
+
+        async def leave(i: int) -> None:
+            headers = {**auth("sk-batch-demo"), "x-user-id": f"leaver-{i}"}
+            with pytest.raises(asyncio.TimeoutError):
+                await post(crowded, chat(), headers, timeout=1.0)
+
+        await asyncio.gather(*(leave(i) for i in range(leavers)))
+        deadline = time.monotonic() + 10
+        while await metric(crowded, "fairlane_queue_depth", tier="batch") and (
+            time.monotonic() < deadline
+        ):
+            await asyncio.sleep(0.1)
+        assert await metric(crowded, "fairlane_queue_depth", tier="batch") == 0
+        assert (await filler)[0] == 200
+        await wait_idle(crowded)  # the filler's slot came back; no leaver holds one
+        seen = [r["headers"].get("x-user-id", "") for r in backend_requests(crowded)]
+        assert not [user for user in seen if user.startswith("leaver-")]
+        status, _, _ = await post(crowded, chat(), auth("sk-chat-demo"))
+        assert status == 200
+    finally:
+        group.stop()

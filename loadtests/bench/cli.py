@@ -74,10 +74,14 @@ def run_arm(
             f"{scenario.wall_duration_s:.1f} s of load"
         )
         before = cpu.sample(running.pids)
-        records, capped = run_load(scenario, arm.name, scenario.groups_of(arm), running.url)
+        load = run_load(scenario, arm.name, scenario.groups_of(arm), running.url)
         after = cpu.sample(running.pids)
         dead = [c.name for c in group.children if not c.alive()]
+    records, capped = load.records, load.capped
     usage = cpu.usage(before, after)
+    usage.loop_lag_max_s, usage.machine_peak = load.loop_lag_max_s, load.machine_peak
+    usage.speedup = scenario.speedup
+    usage.warnings = cpu.warnings(usage)
     if dead:
         usage.warnings.append(f"WARNING: {', '.join(dead)} exited during the run")
     summary = report.arm_summary(scenario, records)
@@ -182,6 +186,13 @@ def run(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"fairlane bench: {exc}", file=sys.stderr)
         return 1
+    written_for = load_scenario(args.scenario).speedup
+    if scenario.speedup != written_for:
+        _log(
+            f"warning: the policy {os.path.relpath(scenario.policy)} is in wall-clock seconds "
+            f"for speedup {written_for:g}; at {scenario.speedup:g} its deadlines, aging and "
+            "scrape intervals mean different simulated times (see loadtests/bench/README.md)"
+        )
     # Outside the checkout by default: results are not source, and others share the tree.
     out = args.out or (
         Path(tempfile.gettempdir())

@@ -22,6 +22,7 @@ from typing import Any
 
 import aiohttp
 
+from loadtests.bench.cpu import machine_busy_seconds
 from loadtests.bench.scenario import Group, Scenario
 from loadtests.bench.workload import RequestShape, chat_body, open_loop_schedule, shape
 
@@ -81,6 +82,11 @@ class LoadRun:
         self._stopping = False
         self._t0 = 0.0
         self._requests: set[asyncio.Task[None]] = set()
+        self.loop_lag_max_s = 0.0
+        """Worst event-loop lateness seen (wall seconds): a stalled client (or machine)
+        sends late and reads late, and every latency around it grows by that much."""
+        self.machine_peak = 0.0
+        """Busiest one-second interval of the whole machine, as a fraction of its cores."""
 
     def now_s(self) -> float:
         """Simulated seconds since the run started."""
@@ -116,12 +122,14 @@ class LoadRun:
                     ]
                 else:
                     drivers.append(asyncio.create_task(self._open_loop(session, group)))
+            monitor = asyncio.create_task(self._monitor())
             await self._sleep_until(scenario.duration_s)
             self._stopping = True
             pending = [t for t in (*drivers, *self._requests) if not t.done()]
             if pending:
                 await asyncio.wait(pending, timeout=scenario.drain_s / self.speedup)
             leftovers = [t for t in (*drivers, *self._requests) if not t.done()]
+            monitor.cancel()
             for task in leftovers:
                 task.cancel()
             for task in leftovers:
@@ -131,6 +139,21 @@ class LoadRun:
                 if not task.cancelled() and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
         return self.records
+
+    async def _monitor(self, tick_s: float = 0.02) -> None:
+        """Event-loop lag (how late a short sleep wakes up) and the machine's busiest second."""
+        busy0, total0 = machine_busy_seconds()
+        next_machine = time.monotonic() + 1.0
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(tick_s)
+            now = time.monotonic()
+            self.loop_lag_max_s = max(self.loop_lag_max_s, now - before - tick_s)
+            if now >= next_machine:
+                busy1, total1 = machine_busy_seconds()
+                if total1 > total0:
+                    self.machine_peak = max(self.machine_peak, (busy1 - busy0) / (total1 - total0))
+                busy0, total0, next_machine = busy1, total1, now + 1.0
 
     async def _open_loop(self, session: aiohttp.ClientSession, group: Group) -> None:
         scenario = self.scenario
@@ -253,10 +276,9 @@ class LoadRun:
             record.completion_tokens = int(usage.get("completion_tokens", 0))
 
 
-def run_load(
-    scenario: Scenario, arm: str, groups: tuple[Group, ...], base_url: str
-) -> tuple[list[RequestRecord], bool]:
-    """Run the workload to completion (bounded); the records and whether the cap was hit."""
+def run_load(scenario: Scenario, arm: str, groups: tuple[Group, ...], base_url: str) -> LoadRun:
+    """Run the workload to completion (bounded). The run holds the records, whether the cap
+    was hit, and the client's health figures (event-loop stalls, the machine's peak)."""
     load = LoadRun(scenario, arm, groups, base_url)
-    records = asyncio.run(load.run())
-    return records, load.capped
+    asyncio.run(load.run())
+    return load

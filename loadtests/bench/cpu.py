@@ -20,6 +20,9 @@ LOADGEN = "load-generator"
 # Thresholds for the warnings (fractions of one core / of the whole machine).
 LOADGEN_LIMIT_CORES = 0.7
 MACHINE_LIMIT_FRACTION = 0.9
+# A client stall longer than both of these (wall, and simulated) distorts the percentiles.
+LOOP_LAG_LIMIT_S = 0.05
+LOOP_LAG_LIMIT_SIM_S = 1.0
 
 
 def process_cpu_seconds(pid: int) -> float | None:
@@ -63,6 +66,11 @@ class CpuUsage:
     machine_cores: float = 0.0
     machine_capacity: int = 1
     warnings: list[str] = field(default_factory=list)
+    loop_lag_max_s: float = 0.0
+    """The load generator's worst event-loop lateness (wall seconds)."""
+    machine_peak: float = 0.0
+    """The machine's busiest second, as a fraction of all its cores."""
+    speedup: float = 1.0
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -71,6 +79,8 @@ class CpuUsage:
             "machine_cores": self.machine_cores,
             "machine_capacity": self.machine_capacity,
             "warnings": self.warnings,
+            "loop_lag_max_s": self.loop_lag_max_s,
+            "machine_peak": self.machine_peak,
         }
 
 
@@ -111,5 +121,13 @@ def warnings(cpu: CpuUsage) -> list[str]:
             f"WARNING: the machine was {cpu.machine_cores:.2f} of {cpu.machine_capacity} cores "
             f"busy (> {MACHINE_LIMIT_FRACTION:.0%}): CPU was the bottleneck (other work "
             "counts too); figures are not trustworthy"
+        )
+    lag = cpu.loop_lag_max_s
+    if lag > LOOP_LAG_LIMIT_S and lag * cpu.speedup > LOOP_LAG_LIMIT_SIM_S:
+        found.append(
+            f"WARNING: the load generator stalled for up to {lag * 1000:.0f} ms wall "
+            f"({lag * cpu.speedup:.1f} s simulated; machine's busiest second "
+            f"{cpu.machine_peak:.0%}): requests around then were sent and read late, so the "
+            "high percentiles may be the machine's, not the scheduler's"
         )
     return found

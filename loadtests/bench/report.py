@@ -430,6 +430,18 @@ def render_markdown(results: Mapping[str, Any]) -> str:
             ),
         ]
     )
+    rows.append(
+        [
+            "machine, busiest second",
+            *(f"{arms[n]['cpu'].get('machine_peak', 0):.0%}" for n in names),
+        ]
+    )
+    rows.append(
+        [
+            "load generator, worst event-loop stall (wall ms)",
+            *(f"{arms[n]['cpu'].get('loop_lag_max_s', 0) * 1000:.0f}" for n in names),
+        ]
+    )
     rows.append(["wall seconds", *(f"{arms[n]['cpu']['wall_s']:.1f}" for n in names)])
     lines += _table(["process", *names], rows)
     warnings = [f"- {n}: {w}" for n in names for w in arms[n]["cpu"]["warnings"]]

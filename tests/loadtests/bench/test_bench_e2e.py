@@ -46,6 +46,8 @@ def test_bench_smoke_runs_both_arms_and_stops_everything(
             assert arm["summary"]["by_tier"][tier]["ok"] > 0, (name, tier)
         assert arm["cpu"]["cores"]["load-generator"] >= 0
         assert {"envoy", "sim-0"} <= set(arm["cpu"]["cores"])
+        assert 0 <= arm["cpu"]["loop_lag_max_s"] < 5
+        assert 0 < arm["cpu"]["machine_peak"] <= 1
         records = data["records"][name]
         assert records and all(r["arm"] == name for r in records)
         # usage came back: exact output lengths (ignore_eos) and prompt sizes

@@ -157,6 +157,11 @@ def test_cpu_warnings() -> None:
     assert len(found) == 2 and all(w.startswith("WARNING") for w in found)
     calm = cpu.CpuUsage(wall_s=10, cores={cpu.LOADGEN: 0.2}, machine_cores=0.8, machine_capacity=2)
     assert cpu.warnings(calm) == []
+    # a 200 ms stall at speedup 20 is 4 simulated seconds: flagged; at speedup 1 it is not
+    stalled = cpu.CpuUsage(wall_s=10, loop_lag_max_s=0.2, speedup=20, machine_capacity=2)
+    (warning,) = cpu.warnings(stalled)
+    assert "stalled for up to 200 ms wall (4.0 s simulated" in warning
+    assert cpu.warnings(cpu.CpuUsage(wall_s=10, loop_lag_max_s=0.2, speedup=1)) == []
     import os
 
     assert cpu.process_cpu_seconds(os.getpid()) is not None

@@ -10,8 +10,11 @@ would let the simulator drift from vLLM unnoticed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -112,11 +115,62 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
-    group = ProcessGroup(tmp_path_factory.mktemp("vllm-logs"))
+    log_path = tmp_path_factory.mktemp("vllm-logs") / "vllm.log"
+    # Not through ProcessGroup: it starts each child in a new session, and with the kernel's
+    # autogroup scheduling a vLLM in its own session starves its API server on 2 cores (its
+    # engine process spins on the second core while waiting for the worker), so streams arrive
+    # seconds late in one burst and /metrics lags. In the test's own session it streams evenly.
+    with open(log_path, "wb") as log:
+        popen = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **env},
+        )
+    child = Child("vllm", popen, log_path)
     try:
-        yield _start(group, "vllm", argv, env, port, VLLM_STARTUP_TIMEOUT)
+        try:
+            wait_http_ready(f"http://127.0.0.1:{port}/health", child, VLLM_STARTUP_TIMEOUT)
+        except NotReady as exc:
+            pytest.fail(
+                f"vllm did not start: {exc}\n--- log tail ---\n{child.log_tail(60)}", pytrace=False
+            )
+        yield Target("vllm", f"http://127.0.0.1:{port}", child)
     finally:
-        group.stop(timeout=15.0)
+        stop_tree(popen)
+
+
+def descendants(pid: int) -> list[int]:
+    """All processes below ``pid`` (vLLM's engine core and worker), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def stop_tree(popen: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    """SIGTERM vLLM (it shuts its engine down), then SIGKILL whatever of its tree is left."""
+    below = descendants(popen.pid)
+    if popen.poll() is None:
+        popen.terminate()
+        try:
+            popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait()
+    for pid in below:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def fairlane_command() -> list[str]:

@@ -86,15 +86,19 @@ def shapes(values: Iterable[Any]) -> set[str]:
     return out
 
 
+def shape_diff(what: str, real: set[str], sim: set[str]) -> str | None:
+    """None when the shapes are equal, else a message naming exactly what only one side has."""
+    if real == sim:
+        return None
+    only_real = "\n  ".join(sorted(real - sim)) or "-"
+    only_sim = "\n  ".join(sorted(sim - real)) or "-"
+    return f"{what}: shapes differ\n only in real vLLM:\n  {only_real}\n only in sim:\n  {only_sim}"
+
+
 def assert_same_shape(what: str, real: set[str], sim: set[str]) -> None:
-    """Equal shapes, or an assertion naming exactly what only one side has."""
-    if real != sim:
-        only_real = "\n  ".join(sorted(real - sim)) or "-"
-        only_sim = "\n  ".join(sorted(sim - real)) or "-"
-        raise AssertionError(
-            f"{what}: shapes differ\n only in real vLLM:\n  {only_real}\n"
-            f" only in sim:\n  {only_sim}"
-        )
+    diff = shape_diff(what, real, sim)
+    if diff is not None:
+        raise AssertionError(diff)
 
 
 # ----------------------------------------------------------------------------- requests
@@ -220,10 +224,14 @@ async def test_streamed_response_shape(servers: tuple[Target, Target], path: str
     make = chat_body if path == CHAT else completion_body
     body = make(stream=True, stream_options={"include_usage": True})
     real, sim = [split_stream(t.name, await post_stream(t, path, body)) for t in servers]
-    assert_same_shape(f"streamed {path}: first chunk", shape(real.first), shape(sim.first))
-    assert_same_shape(f"streamed {path}: middle chunks", shapes(real.middle), shapes(sim.middle))
-    assert_same_shape(f"streamed {path}: last chunk", shape(real.last), shape(sim.last))
-    assert_same_shape(f"streamed {path}: usage chunk", shapes(real.usage), shapes(sim.usage))
+    diffs = [
+        shape_diff(f"streamed {path}: first chunk", shape(real.first), shape(sim.first)),
+        shape_diff(f"streamed {path}: middle chunks", shapes(real.middle), shapes(sim.middle)),
+        shape_diff(f"streamed {path}: last chunk", shape(real.last), shape(sim.last)),
+        shape_diff(f"streamed {path}: usage chunk", shapes(real.usage), shapes(sim.usage)),
+    ]
+    problems = [d for d in diffs if d is not None]
+    assert not problems, "\n".join(problems)
     for name, parts in (("vllm", real), ("sim", sim)):
         assert len(parts.usage) == 1, f"{name}: expected one usage chunk, got {parts.usage}"
         assert parts.usage[0]["choices"] == [], f"{name}: {parts.usage[0]}"

@@ -102,6 +102,21 @@ def run_arm(
     }
 
 
+def mark_suspect(target: dict[str, Any], arms: dict[str, Any]) -> dict[str, Any]:
+    """A verdict computed from an arm with CPU warnings (client stalled, machine saturated)
+    is kept but flagged: it may say more about the machine than about the scheduler."""
+    noisy = [
+        a
+        for a in (target["arm"], target["baseline_arm"])
+        if a in arms and arms[a]["cpu"]["warnings"]
+    ]
+    target["suspect"] = bool(noisy)
+    if noisy:
+        note = f"suspect: CPU warnings in {', '.join(noisy)}; rerun on a quieter machine"
+        target["note"] = "; ".join(n for n in (target["note"], note) if n)
+    return target
+
+
 def scenario_json(scenario: Scenario) -> dict[str, Any]:
     return {
         "name": scenario.name,
@@ -144,7 +159,7 @@ def bench(scenario: Scenario, out: Path) -> dict[str, Any]:
         "scenario": scenario_json(scenario),
         "arms": arms,
         "failed_arms": failed,
-        "targets": [t.to_json() for t in targets],
+        "targets": [mark_suspect(t.to_json(), arms) for t in targets],
     }
     report.write(out, results, records)
     return results

@@ -221,7 +221,7 @@ class LoadRun:
             record.unfinished = True
             record.end_s = self.now_s()
             raise
-        except (aiohttp.ClientError, OSError, ValueError) as exc:
+        except Exception as exc:  # any failure is one failed request, never a dead client
             record.error = f"{type(exc).__name__}: {exc}"[:200]
         record.end_s = self.now_s()
         record.e2e_s = record.end_s - record.start_s

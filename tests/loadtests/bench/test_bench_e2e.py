@@ -56,6 +56,9 @@ def test_bench_smoke_runs_both_arms_and_stops_everything(
         assert all(r["prompt_tokens"] == r["prompt_tokens_sent"] for r in ok)
         for pid in arm["pids"].values():
             assert not _alive(pid), f"{name}: process {pid} still running"
+    for target in data["targets"]:
+        noisy = any(data["arms"][a]["cpu"]["warnings"] for a in ("fifo", "fairlane"))
+        assert target["suspect"] is noisy
     assert "service" in data["arms"]["fairlane"]["pids"]
     assert "service" not in data["arms"]["fifo"]["pids"]
     # the same open-loop chat arrivals in both arms (seeded workload)

@@ -97,8 +97,11 @@ class LoadRun:
         if delay > 0:
             await asyncio.sleep(delay)
 
-    def _may_send(self) -> bool:
-        if self._stopping:
+    def _may_send(self, scheduled: bool = False) -> bool:
+        """Whether one more request may go (and count it). A ``scheduled`` (open-loop)
+        arrival was due before the end, so it goes even if a stalled loop wakes it after the
+        end: every arm must get the same arrivals."""
+        if self._stopping and not scheduled:
             return False
         if self._sent >= self.scenario.max_requests:
             self.capped = True
@@ -163,7 +166,7 @@ class LoadRun:
         for item in schedule:
             assert item.at_s is not None
             await self._sleep_until(item.at_s)
-            if not self._may_send():
+            if not self._may_send(scheduled=True):
                 return
             task = asyncio.create_task(self._request(session, group, item))
             self._requests.add(task)

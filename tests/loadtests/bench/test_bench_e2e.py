@@ -32,7 +32,9 @@ def test_bench_smoke_runs_both_arms_and_stops_everything(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "out"
-    assert main(["bench", "smoke", "--out", str(out), "--duration", "40"]) == 0
+    # 100 simulated seconds = 5 wall seconds per arm: room for batch to get idle capacity
+    # past the gates even when the shared machine is busy.
+    assert main(["bench", "smoke", "--out", str(out), "--duration", "100"]) == 0
     printed = capsys.readouterr().out
     assert "targets:" in printed and "report:" in printed
 
@@ -42,18 +44,20 @@ def test_bench_smoke_runs_both_arms_and_stops_everything(
     assert data["failed_arms"] == {}
     assert set(data["arms"]) == {"fifo", "fairlane"}
     for name, arm in data["arms"].items():
+        assert not arm["capped"], name  # else the arms' open-loop arrivals could differ
         for tier in ("interactive", "batch"):
-            assert arm["summary"]["by_tier"][tier]["ok"] > 0, (name, tier)
+            stats = arm["summary"]["by_tier"][tier]
+            assert stats["ok"] > 0, (name, tier, stats, arm["cpu"])
         assert arm["cpu"]["cores"]["load-generator"] >= 0
         assert {"envoy", "sim-0"} <= set(arm["cpu"]["cores"])
-        assert 0 <= arm["cpu"]["loop_lag_max_s"] < 5
-        assert 0 < arm["cpu"]["machine_peak"] <= 1
+        assert 0 <= arm["cpu"]["loop_lag_max_s"] < 5, arm["cpu"]
+        assert 0 < arm["cpu"]["machine_peak"] <= 1, arm["cpu"]
         records = data["records"][name]
         assert records and all(r["arm"] == name for r in records)
         # usage came back: exact output lengths (ignore_eos) and prompt sizes
         ok = [r for r in records if r["ok"]]
-        assert all(r["completion_tokens"] == r["max_tokens"] for r in ok)
-        assert all(r["prompt_tokens"] == r["prompt_tokens_sent"] for r in ok)
+        assert [r for r in ok if r["completion_tokens"] != r["max_tokens"]] == []
+        assert [r for r in ok if r["prompt_tokens"] != r["prompt_tokens_sent"]] == []
         for pid in arm["pids"].values():
             assert not _alive(pid), f"{name}: process {pid} still running"
     for target in data["targets"]:
@@ -68,7 +72,7 @@ def test_bench_smoke_runs_both_arms_and_stops_everything(
     }
     assert chat["fifo"] == chat["fairlane"]
     fairlane_ok = [r for r in data["records"]["fairlane"] if r["ok"]]
-    assert all(r["served_tier"] == r["tier"] for r in fairlane_ok)
+    assert [r for r in fairlane_ok if r["served_tier"] != r["tier"]] == []
 
 
 def test_bench_bad_scenario_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -41,7 +41,10 @@ class Totals:
 
 
 async def client(
-    session: aiohttp.ClientSession, url: str, body: dict[str, object], deadline: float,
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, object],
+    deadline: float,
     totals: Totals,
 ) -> None:
     """One user: streaming requests back to back until ``deadline``."""
@@ -83,8 +86,9 @@ async def drive(args: argparse.Namespace, base: str, pid: int) -> None:
         start_wall = time.monotonic()
         deadline = start_wall + args.warmup + args.duration
         tasks = [
-            asyncio.create_task(client(session, base + "/v1/chat/completions", body, deadline,
-                                       totals))
+            asyncio.create_task(
+                client(session, base + "/v1/chat/completions", body, deadline, totals)
+            )
             for _ in range(args.concurrency)
         ]
         await asyncio.sleep(args.warmup)
@@ -100,11 +104,15 @@ async def drive(args: argparse.Namespace, base: str, pid: int) -> None:
     wall = t1 - t0
     sim_cores = (sim_cpu1 - sim_cpu0) / wall
     client_cores = (my_cpu1 - my_cpu0) / wall
-    print(f"concurrency {args.concurrency}, {args.duration:.0f}s measured after "
-          f"{args.warmup:.0f}s warm-up, speedup {args.speedup:g}, profile {args.profile}")
+    print(
+        f"concurrency {args.concurrency}, {args.duration:.0f}s measured after "
+        f"{args.warmup:.0f}s warm-up, speedup {args.speedup:g}, profile {args.profile}"
+    )
     print(f"  vllm:num_requests_running mid-run: {running:.0f}")
-    print(f"  throughput: {(tok1 - tok0) / wall:,.0f} tokens/s, "
-          f"{(req1 - req0) / wall:.1f} requests/s, {totals.errors} errors")
+    print(
+        f"  throughput: {(tok1 - tok0) / wall:,.0f} tokens/s, "
+        f"{(req1 - req0) / wall:.1f} requests/s, {totals.errors} errors"
+    )
     print(f"  sim CPU: {sim_cores:.2f} cores   client CPU: {client_cores:.2f} cores")
     if client_cores > 0.9:
         print("  the client was the bottleneck (>0.9 core): the sim may do more than this")
@@ -126,10 +134,21 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with ProcessGroup() as group:
-        child = group.start("sim", [
-            sys.executable, "-m", "extproc.cli", "sim", "--port", str(port),
-            "--speedup", str(args.speedup), "--profile", args.profile,
-        ])
+        child = group.start(
+            "sim",
+            [
+                sys.executable,
+                "-m",
+                "extproc.cli",
+                "sim",
+                "--port",
+                str(port),
+                "--speedup",
+                str(args.speedup),
+                "--profile",
+                args.profile,
+            ],
+        )
         wait_http_ready(base + "/health", child)
         asyncio.run(drive(args, base, child.popen.pid))
     return 0

@@ -23,27 +23,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", default="sim-llama-8b", help="model name (default %(default)s)")
     parser.add_argument(
-        "--served-model-name", nargs="+", default=None,
-        help="names the API accepts (default: --model)")
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names the API accepts (default: --model)",
+    )
     parser.add_argument(
-        "--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES),
-        help="step-time model (default %(default)s)")
+        "--profile",
+        default=DEFAULT_PROFILE,
+        choices=sorted(PROFILES),
+        help="step-time model (default %(default)s)",
+    )
     parser.add_argument(
-        "--speedup", type=float, default=1.0,
-        help="run the simulated clock this many times faster than the wall clock")
+        "--speedup",
+        type=float,
+        default=1.0,
+        help="run the simulated clock this many times faster than the wall clock",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument(
-        "--num-gpu-blocks", "--num-gpu-blocks-override", dest="num_gpu_blocks", type=int,
-        default=0, help="KV blocks (default: the profile's)")
+        "--num-gpu-blocks",
+        "--num-gpu-blocks-override",
+        dest="num_gpu_blocks",
+        type=int,
+        default=0,
+        help="KV blocks (default: the profile's)",
+    )
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument(
-        "--max-model-len", type=int, default=0, help="default: the profile's")
+    parser.add_argument("--max-model-len", type=int, default=0, help="default: the profile's")
     parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
     parser.add_argument("--seed", type=int, default=0, help="seed of simulated output lengths")
     parser.add_argument(
-        "--log-requests", type=Path, default=None, metavar="PATH",
-        help="append one JSON line per received request")
+        "--log-requests",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="append one JSON line per received request",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -65,8 +82,11 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 
 async def _serve(config: SimConfig, host: str, port: int) -> None:
     runner = await start(config, host, port)
-    print(f"fairlane sim: {config.served[0]} ({config.profile}, x{config.speedup:g}) "
-          f"on http://{host}:{port}", flush=True)
+    print(
+        f"fairlane sim: {config.served[0]} ({config.profile}, x{config.speedup:g}) "
+        f"on http://{host}:{port}",
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -34,12 +34,74 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
@@ -75,9 +137,7 @@ class _SortedLabels(Collector):
 class SimMetrics:
     """The metrics of one simulated server."""
 
-    def __init__(
-        self, engine: Engine, model_name: str, cache_config: Mapping[str, str]
-    ) -> None:
+    def __init__(self, engine: Engine, model_name: str, cache_config: Mapping[str, str]) -> None:
         self._metrics = CollectorRegistry(auto_describe=True)
         self.registry = CollectorRegistry(auto_describe=False)
         for collector in (GC_COLLECTOR, PLATFORM_COLLECTOR):
@@ -100,10 +160,12 @@ class SimMetrics:
             return Histogram(name, doc, base, buckets=tuple(buckets), registry=reg)
 
         pool = engine.pool
-        gauge("vllm:num_requests_running", "Number of requests in model execution batches.")\
-            .labels(**lv).set_function(lambda: engine.num_running)
-        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")\
-            .labels(**lv).set_function(lambda: engine.num_waiting)
+        gauge("vllm:num_requests_running", "Number of requests in model execution batches.").labels(
+            **lv
+        ).set_function(lambda: engine.num_running)
+        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.").labels(
+            **lv
+        ).set_function(lambda: engine.num_waiting)
         by_reason = gauge(
             "vllm:num_requests_waiting_by_reason",
             "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
@@ -122,46 +184,56 @@ class SimMetrics:
         )
         for state, value in (("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)):
             sleep.labels(sleep_state=state, **lv).set(value)
-        gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")\
-            .labels(**lv).set_function(lambda: pool.usage)
+        gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.").labels(
+            **lv
+        ).set_function(lambda: pool.usage)
 
         mfu = "per GPU (for Model Flops Utilization calculations)."
         for name, doc in (
             ("vllm:estimated_flops_per_gpu", "Estimated number of floating point operations "),
             ("vllm:estimated_read_bytes_per_gpu", "Estimated number of bytes read from memory "),
-            ("vllm:estimated_write_bytes_per_gpu",
-             "Estimated number of bytes written to memory "),
+            ("vllm:estimated_write_bytes_per_gpu", "Estimated number of bytes written to memory "),
         ):
             counter(name, doc + mfu).labels(**lv)
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.").labels(**lv)
+            "Prefix cache queries, in terms of number of queried tokens.",
+        ).labels(**lv)
         self.prefix_hits = counter(
-            "vllm:prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens.").labels(**lv)
-        counter("vllm:external_prefix_cache_queries",
-                "External prefix cache queries from KV connector cross-instance cache sharing, "
-                "in terms of number of queried tokens.").labels(**lv)
-        counter("vllm:external_prefix_cache_hits",
-                "External prefix cache hits from KV connector cross-instance cache sharing, "
-                "in terms of number of cached tokens.").labels(**lv)
-        counter("vllm:mm_cache_queries",
-                "Multi-modal cache queries, in terms of number of queried items.").labels(**lv)
-        counter("vllm:mm_cache_hits",
-                "Multi-modal cache hits, in terms of number of cached items.").labels(**lv)
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        ).labels(**lv)
+        counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.",
+        ).labels(**lv)
+        counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens.",
+        ).labels(**lv)
+        counter(
+            "vllm:mm_cache_queries",
+            "Multi-modal cache queries, in terms of number of queried items.",
+        ).labels(**lv)
+        counter(
+            "vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items."
+        ).labels(**lv)
         self.preemptions = counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine."
         ).labels(**lv)
         self.prompt_tokens = counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed.").labels(**lv)
+            "vllm:prompt_tokens", "Number of prefill tokens processed."
+        ).labels(**lv)
         by_source = counter(
-            "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", ("source",))
+            "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", ("source",)
+        )
         self.prompt_computed = by_source.labels(source="local_compute", **lv)
         self.prompt_cache_hit = by_source.labels(source="local_cache_hit", **lv)
         by_source.labels(source="external_kv_transfer", **lv)
         self.prompt_cached = counter(
-            "vllm:prompt_tokens_cached",
-            "Number of cached prompt tokens (local + external).").labels(**lv)
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        ).labels(**lv)
         cached_by_source = counter(
             "vllm:prompt_tokens_cached_by_source",
             "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), "
@@ -174,77 +246,107 @@ class SimMetrics:
         for source in ("host", "p2p", "disk", "external_unspecified"):
             cached_by_source.labels(source=source, **lv)
         self.generation_tokens = counter(
-            "vllm:generation_tokens", "Number of generation tokens processed.").labels(**lv)
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        ).labels(**lv)
         success = counter(
-            "vllm:request_success", "Count of successfully processed requests.",
-            ("finished_reason",))
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            ("finished_reason",),
+        )
         self.success = {r: success.labels(finished_reason=r, **lv) for r in FINISHED_REASONS}
         rejections = Counter(
             "vllm:admission_rejections",
             "Number of admission attempts rejected by a queue limit, by reason.",
-            ("model_name", "reason"), registry=reg)
+            ("model_name", "reason"),
+            registry=reg,
+        )
         for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
             rejections.labels(model_name=model_name, reason=reason)
 
         self.req_prompt_tokens = hist(
-            "vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-            buckets_1_2_5(max_len)).labels(**lv)
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            buckets_1_2_5(max_len),
+        ).labels(**lv)
         self.req_generation_tokens = hist(
-            "vllm:request_generation_tokens", "Number of generation tokens processed.",
-            buckets_1_2_5(max_len)).labels(**lv)
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            buckets_1_2_5(max_len),
+        ).labels(**lv)
         self.iteration_tokens = hist(
-            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-            ITERATION_TOKENS_BUCKETS).labels(**lv)
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKENS_BUCKETS,
+        ).labels(**lv)
         self.req_max_generation = hist(
             "vllm:request_max_num_generation_tokens",
             "Histogram of maximum number of requested generation tokens.",
-            buckets_1_2_5(max_len)).labels(**lv)
+            buckets_1_2_5(max_len),
+        ).labels(**lv)
         self.params_n = hist(
-            "vllm:request_params_n", "Histogram of the n request parameter.",
-            PARAMS_N_BUCKETS).labels(**lv)
+            "vllm:request_params_n", "Histogram of the n request parameter.", PARAMS_N_BUCKETS
+        ).labels(**lv)
         self.params_max_tokens = hist(
-            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
-            buckets_1_2_5(max_len)).labels(**lv)
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            buckets_1_2_5(max_len),
+        ).labels(**lv)
         self.ttft = hist(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            TTFT_BUCKETS).labels(**lv)
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        ).labels(**lv)
         self.itl = hist(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-            ITL_BUCKETS).labels(**lv)
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
+        ).labels(**lv)
         self.tpot = hist(
             "vllm:request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS).labels(**lv)
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        ).labels(**lv)
         self.e2e = hist(
-            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-            REQUEST_LATENCY_BUCKETS).labels(**lv)
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(**lv)
         self.queue_time = hist(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
-            REQUEST_LATENCY_BUCKETS).labels(**lv)
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(**lv)
         self.inference_time = hist(
             "vllm:request_inference_time_seconds",
             "Histogram of time spent in RUNNING phase for request.",
-            REQUEST_LATENCY_BUCKETS).labels(**lv)
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(**lv)
         self.prefill_time = hist(
             "vllm:request_prefill_time_seconds",
             "Histogram of time spent in PREFILL phase for request.",
-            REQUEST_LATENCY_BUCKETS).labels(**lv)
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(**lv)
         self.decode_time = hist(
             "vllm:request_decode_time_seconds",
             "Histogram of time spent in DECODE phase for request.",
-            REQUEST_LATENCY_BUCKETS).labels(**lv)
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(**lv)
         self.req_preemptions = hist(
             "vllm:request_num_preemptions",
             "Histogram of the number of times a request was preempted.",
-            PREEMPTIONS_BUCKETS).labels(**lv)
+            PREEMPTIONS_BUCKETS,
+        ).labels(**lv)
         self.prefill_kv_computed = hist(
             "vllm:request_prefill_kv_computed_tokens",
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
-            buckets_1_2_5(max_len)).labels(**lv)
+            buckets_1_2_5(max_len),
+        ).labels(**lv)
         info = {**cache_config, "engine": "0"}  # vLLM gives this one no model_name
         Gauge(
-            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-            tuple(sorted(info)), registry=reg,
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            tuple(sorted(info)),
+            registry=reg,
         ).labels(**info).set(1)
 
     def on_step(self, out: StepOutput) -> None:

@@ -109,9 +109,7 @@ LLAMA_8B_L4 = Profile(
     num_gpu_blocks=2500,
 )
 
-PROFILES: dict[str, Profile] = {
-    p.name: p for p in (LLAMA_8B_H100, LLAMA_70B_H100_TP4, LLAMA_8B_L4)
-}
+PROFILES: dict[str, Profile] = {p.name: p for p in (LLAMA_8B_H100, LLAMA_70B_H100_TP4, LLAMA_8B_L4)}
 DEFAULT_PROFILE = LLAMA_8B_H100.name
 
 

@@ -22,6 +22,7 @@ from typing import IO, Any
 from aiohttp import web
 
 from loadtests.sim.api import (
+    VLLM_VERSION,
     ApiError,
     ChunkTemplates,
     GenerateRequest,
@@ -31,14 +32,13 @@ from loadtests.sim.api import (
     models_body,
     parse_body,
     parse_generate,
+    system_fingerprint,
 )
 from loadtests.sim.blocks import block_hashes
 from loadtests.sim.engine import Engine, EngineConfig, EngineRequest, Policy
 from loadtests.sim.metrics import CONTENT_TYPE, SimMetrics, cache_config_labels
 from loadtests.sim.profiles import DEFAULT_PROFILE, get_profile
 from loadtests.sim.runner import Runner
-
-VLLM_VERSION = "0.32.0"
 
 
 @dataclass
@@ -119,11 +119,10 @@ class SimServer:
             )
         )
         self.max_model_len = self.engine.config.max_model_len
-        self.metrics = SimMetrics(
-            self.engine, config.served[0], cache_config_labels(self.engine)
-        )
+        self.metrics = SimMetrics(self.engine, config.served[0], cache_config_labels(self.engine))
         self.runner = Runner(self.engine, config.speedup, self.metrics.on_step)
         self._log: IO[str] | None = None
+        self.fingerprint = system_fingerprint(config.served[0])
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -163,9 +162,7 @@ class SimServer:
         return web.Response(body=body, content_type="application/json")
 
     async def metrics_handler(self, _: web.Request) -> web.Response:
-        return web.Response(
-            body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE}
-        )
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
 
     # -- generation -------------------------------------------------------------------------
 
@@ -185,9 +182,7 @@ class SimServer:
             )
         except ApiError as err:
             self._log_request(request.path, headers, body, None)
-            return web.Response(
-                status=err.status, body=err.body(), content_type="application/json"
-            )
+            return web.Response(status=err.status, body=err.body(), content_type="application/json")
         self._log_request(request.path, headers, body, gen)
 
         loop = asyncio.get_running_loop()
@@ -217,7 +212,9 @@ class SimServer:
             await response.write_eof()
             return response
         assert ereq.finish_reason is not None
-        payload = dumps(full_response(gen, ereq.num_output, ereq.finish_reason, created))
+        payload = dumps(
+            full_response(gen, ereq.num_output, ereq.finish_reason, created, self.fingerprint)
+        )
         return web.Response(body=payload, content_type="application/json")
 
     async def _open_stream(
@@ -228,12 +225,10 @@ class SimServer:
         ereq: EngineRequest,
         done: asyncio.Future[None],
     ) -> web.StreamResponse:
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream; charset=utf-8"}
-        )
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         response.enable_chunked_encoding()
         await response.prepare(request)
-        templates = ChunkTemplates(gen, created)
+        templates = ChunkTemplates(gen, created, self.fingerprint)
         await response.write(templates.first())  # also sends the headers
         transport = request.transport
         if transport is None:

@@ -17,7 +17,10 @@ def make_engine(**kw: object) -> Engine:
 
 
 def make_req(
-    tokens: list[int] | int, max_tokens: int = 4, priority: int = 0, block_size: int = 16,
+    tokens: list[int] | int,
+    max_tokens: int = 4,
+    priority: int = 0,
+    block_size: int = 16,
     output_len: int | None = None,
 ) -> EngineRequest:
     if isinstance(tokens, int):

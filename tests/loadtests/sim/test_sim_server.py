@@ -27,8 +27,9 @@ class Sim:
     session: aiohttp.ClientSession
     log: Path
 
-    async def post(self, path: str, body: Any, headers: dict[str, str] | None = None
-                   ) -> tuple[int, Any]:
+    async def post(
+        self, path: str, body: Any, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         async with self.session.post(self.base + path, data=data, headers=headers) as resp:
             return resp.status, await resp.json()
@@ -61,8 +62,9 @@ def metric(text: str, name: str, **labels: str) -> float:
 async def sim(tmp_path: Path) -> AsyncIterator[Sim]:
     port = free_port()
     log = tmp_path / "requests.jsonl"
-    config = SimConfig(model="tiny", speedup=20, seed=3, log_requests=log,
-                       scheduling_policy="priority")
+    config = SimConfig(
+        model="tiny", speedup=20, seed=3, log_requests=log, scheduling_policy="priority"
+    )
     runner = await start(config, "127.0.0.1", port)
     try:
         async with aiohttp.ClientSession() as session:
@@ -72,26 +74,48 @@ async def sim(tmp_path: Path) -> AsyncIterator[Sim]:
 
 
 async def test_non_streamed_chat_and_completion(sim: Sim) -> None:
-    status, body = await sim.post("/v1/chat/completions",
-                                  {"model": "tiny", "messages": CHAT, "max_tokens": 5})
+    status, body = await sim.post(
+        "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 5}
+    )
     assert status == 200 and body["object"] == "chat.completion"
     assert body["id"].startswith("chatcmpl-") and body["model"] == "tiny"
     choice = body["choices"][0]
     assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    assert "tool_calls" not in choice["message"]  # vLLM 0.32 leaves it out when there are none
+    assert choice["routed_experts"] is None and body["prompt_text"] is None
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{16}", body["id"])
+    fingerprint = body["system_fingerprint"]
     assert body["usage"]["completion_tokens"] == 5
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 5
 
-    status, body = await sim.post("/v1/completions",
-                                  {"model": "tiny", "prompt": "Once upon", "max_tokens": 3})
+    status, body = await sim.post(
+        "/v1/completions", {"model": "tiny", "prompt": "Once upon", "max_tokens": 3}
+    )
     assert status == 200 and body["object"] == "text_completion"
     assert body["choices"][0]["text"].count(" ") == 3
-    assert body["usage"] == {"prompt_tokens": 2, "total_tokens": 5, "completion_tokens": 3}
+    assert body["usage"] == {
+        "prompt_tokens": 2,
+        "total_tokens": 5,
+        "completion_tokens": 3,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+    assert re.fullmatch(r"vllm-0\.32\.0-[0-9a-f]{8}", body["system_fingerprint"])
+    assert body["system_fingerprint"] == fingerprint  # fixed per server
+    assert {"ec_transfer_params", "metrics"} <= body.keys() and "prompt_text" not in body
 
 
 async def test_streamed_chat_shapes_and_include_usage(sim: Sim) -> None:
-    events = await sim.stream("/v1/chat/completions", {
-        "model": "tiny", "messages": CHAT, "max_tokens": 4, "ignore_eos": True,
-        "stream_options": {"include_usage": True}})
+    events = await sim.stream(
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": CHAT,
+            "max_tokens": 4,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert {e["id"] for e in events} == {events[0]["id"]}
     assert all(e["object"] == "chat.completion.chunk" for e in events)
@@ -100,10 +124,18 @@ async def test_streamed_chat_shapes_and_include_usage(sim: Sim) -> None:
     assert [e["choices"][0]["finish_reason"] for e in tokens] == [None, None, None, "length"]
     usage = events[-1]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
+    assert events[0]["prompt_token_ids"] is None and events[0]["prompt_text"] is None
+    assert all(e["choices"][0]["token_ids"] is None for e in tokens)
+    assert usage["system_fingerprint"].startswith("vllm-0.32.0-")
+    assert all("system_fingerprint" not in e for e in events[:-1])
 
     events = await sim.stream("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
     assert [e["choices"][0]["finish_reason"] for e in events] == [None, "length"]
-    assert all("usage" not in e or e["usage"] is None for e in events)
+    assert all("usage" not in e for e in events)  # vLLM has no usage key in content chunks
+    assert all(e["choices"][0]["prompt_token_ids"] is None for e in events)
+    assert all(e["choices"][0]["token_ids"] is None for e in events)
+    # Without a usage chunk the fingerprint rides on the finishing chunk, as in vLLM.
+    assert "system_fingerprint" not in events[0] and events[-1]["system_fingerprint"]
 
 
 async def test_models_and_health(sim: Sim) -> None:
@@ -117,8 +149,14 @@ async def test_models_and_health(sim: Sim) -> None:
 async def test_errors_are_vllm_shaped_and_the_server_keeps_serving(sim: Sim) -> None:
     status, body = await sim.post("/v1/chat/completions", {"model": "gpt-9", "messages": CHAT})
     assert status == 404
-    assert body == {"error": {"message": "The model `gpt-9` does not exist.",
-                              "type": "NotFoundError", "param": "model", "code": 404}}
+    assert body == {
+        "error": {
+            "message": "The model `gpt-9` does not exist. Valid aliases: tiny.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
     bad: list[Any] = [
         b'{"model": "tiny", "messages": ',
         {"model": "tiny"},
@@ -128,11 +166,13 @@ async def test_errors_are_vllm_shaped_and_the_server_keeps_serving(sim: Sim) -> 
     for payload in bad:
         status, body = await sim.post("/v1/chat/completions", payload)
         assert status == 400 and body["error"]["code"] == 400, payload
-        assert body["error"]["type"] == "BadRequestError"
+        assert body["error"]["type"] in ("Bad Request", "BadRequestError"), payload
+        assert isinstance(body["error"]["param"], str), payload
     status, _ = await sim.post("/v1/completions", {"model": "tiny"})
     assert status == 400
-    status, _ = await sim.post("/v1/chat/completions",
-                               {"model": "tiny", "messages": CHAT, "max_tokens": 2})
+    status, _ = await sim.post(
+        "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 2}
+    )
     assert status == 200
 
 
@@ -156,15 +196,20 @@ async def test_metrics_names_types_and_labels(sim: Sim) -> None:
     text = await sim.metrics()
     types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
     expected = {
-        "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
-        "vllm:kv_cache_usage_perc": "gauge", "vllm:prefix_cache_queries_total": "counter",
-        "vllm:prefix_cache_hits_total": "counter", "vllm:num_preemptions_total": "counter",
-        "vllm:prompt_tokens_total": "counter", "vllm:generation_tokens_total": "counter",
+        "vllm:num_requests_running": "gauge",
+        "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:prefix_cache_queries_total": "counter",
+        "vllm:prefix_cache_hits_total": "counter",
+        "vllm:num_preemptions_total": "counter",
+        "vllm:prompt_tokens_total": "counter",
+        "vllm:generation_tokens_total": "counter",
         "vllm:request_success_total": "counter",
         "vllm:time_to_first_token_seconds": "histogram",
         "vllm:inter_token_latency_seconds": "histogram",
         "vllm:e2e_request_latency_seconds": "histogram",
-        "vllm:request_queue_time_seconds": "histogram", "vllm:cache_config_info": "gauge",
+        "vllm:request_queue_time_seconds": "histogram",
+        "vllm:cache_config_info": "gauge",
         "vllm:prefix_cache_queries_created": "gauge",
     }
     assert {k: types.get(k) for k in expected} == expected
@@ -174,10 +219,12 @@ async def test_metrics_names_types_and_labels(sim: Sim) -> None:
     assert metric(text, "vllm:time_to_first_token_seconds_count") == 1
     assert metric(text, "vllm:inter_token_latency_seconds_count") == 2
     assert metric(text, "vllm:cache_config_info", block_size="16", num_gpu_blocks="27000") == 1
-    assert 'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="tiny"}' \
-        in text
-    assert 'vllm:e2e_request_latency_seconds_bucket{engine="0",le="7680.0",model_name="tiny"}' \
-        in text
+    assert (
+        'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="tiny"}' in text
+    )
+    assert (
+        'vllm:e2e_request_latency_seconds_bucket{engine="0",le="7680.0",model_name="tiny"}' in text
+    )
 
 
 async def test_client_disconnect_mid_stream_aborts_and_frees_the_slot(sim: Sim) -> None:
@@ -200,15 +247,34 @@ async def test_client_disconnect_mid_stream_aborts_and_frees_the_slot(sim: Sim) 
 
 
 def test_cli_starts_a_server_like_vllm_serve(processes: ProcessGroup, port: int) -> None:
-    child = processes.start("sim", [
-        sys.executable, "-m", "extproc.cli", "sim", "--port", str(port), "--model", "tiny",
-        "--scheduling-policy", "priority", "--max-num-seqs", "1",
-        "--num-gpu-blocks-override", "64", "--speedup", "10"])
+    child = processes.start(
+        "sim",
+        [
+            sys.executable,
+            "-m",
+            "extproc.cli",
+            "sim",
+            "--port",
+            str(port),
+            "--model",
+            "tiny",
+            "--scheduling-policy",
+            "priority",
+            "--max-num-seqs",
+            "1",
+            "--num-gpu-blocks-override",
+            "64",
+            "--speedup",
+            "10",
+        ],
+    )
     base = f"http://127.0.0.1:{port}"
     wait_http_ready(base + "/health", child)
     request = urllib.request.Request(
-        base + "/v1/completions", method="POST",
-        data=json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode())
+        base + "/v1/completions",
+        method="POST",
+        data=json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode(),
+    )
     with urllib.request.urlopen(request, timeout=10) as resp:
         assert json.load(resp)["usage"]["completion_tokens"] == 2
     with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:

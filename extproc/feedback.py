@@ -9,7 +9,8 @@ response size.
 The byte-to-token rates are vLLM's response shapes as the simulator reproduces them: a
 streamed chat or completion sends one SSE event of about 220-230 bytes per token (ids,
 model name and JSON framing dominate the token's own text); a non-streamed response is
-about 500 bytes of envelope plus about 5 bytes per token of text. They are estimates
+about 690 bytes of envelope plus about 5 bytes per token of text (measured against the
+real vLLM 0.32 shapes the simulator now reproduces). They are estimates
 within some tens of percent, good enough to stop a flow that asked for ``max_tokens: 4096``
 and got 50 from paying for 4096; they are not a bill.
 """
@@ -20,8 +21,8 @@ from extproc.admission import Admission
 from extproc.messages import Completion
 
 STREAM_BYTES_PER_TOKEN = 224.0
-BODY_ENVELOPE_BYTES = 500
-BODY_BYTES_PER_TOKEN = 5.0
+BODY_ENVELOPE_BYTES = 690
+BODY_BYTES_PER_TOKEN = 4.9
 
 
 def estimate_output_tokens(response_bytes: int, stream: bool, max_tokens: int | None) -> int:

@@ -1,0 +1,32 @@
+"""Completion feedback: response size -> output tokens, and settling a finished request."""
+
+from extproc.feedback import estimate_output_tokens, settle
+from extproc.messages import Completion
+from tests.extproc.factories import API, Request, make_admission
+
+
+def test_streamed_responses_are_about_224_bytes_a_token() -> None:
+    # measured on the simulator's vLLM-shaped SSE: 50 tokens 11,592 bytes, 400 tokens 90,296
+    assert abs(estimate_output_tokens(11_592, stream=True, max_tokens=None) - 50) <= 2
+    assert abs(estimate_output_tokens(90_296, stream=True, max_tokens=None) - 400) <= 5
+
+
+def test_non_streamed_responses_are_an_envelope_plus_about_5_bytes_a_token() -> None:
+    assert abs(estimate_output_tokens(688 + 4.875 * 400, stream=False, max_tokens=None) - 400) <= 5  # type: ignore[arg-type]
+    assert estimate_output_tokens(300, stream=False, max_tokens=None) == 0
+
+
+def test_estimate_never_exceeds_max_tokens() -> None:
+    assert estimate_output_tokens(10**7, stream=True, max_tokens=64) == 64
+
+
+async def test_settle_releases_the_slot_and_ignores_unknown_ids() -> None:
+    admission, pool, _ = make_admission(limit=1)
+    admission.submit("r1", Request(API, stream=True))  # type: ignore[arg-type]
+    assert pool.backends[0].in_flight == 1
+    assert settle(admission, Completion("r1", 200, "127.0.0.1:9000", 1.0, 11_592))
+    assert pool.backends[0].in_flight == 0
+    assert not settle(admission, Completion("r1", 200, "", 1.0, 0))  # already settled
+    admission.submit("r2", Request(API))  # type: ignore[arg-type]
+    assert settle(admission, Completion("r2", 503, "127.0.0.1:9000", 0.1, 0))  # failed: 0 output
+    assert admission.in_flight == 0

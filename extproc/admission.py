@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -64,6 +65,15 @@ class InFlight:
     entry: Entry
     rank: int
     admitted_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a band's next request may go now, and as which tier (after aging)."""
+
+    backends: list[Backend]
+    tier: Tier | None
+    rank: int
 
 
 class Waiting:
@@ -134,6 +144,7 @@ class Admission:
         self._in_flight: dict[str, InFlight] = {}
         self._pending: Counter[tuple[str, str]] = Counter()
         self._in_flight_by_rank: Counter[int] = Counter()
+        self._last_arrival: dict[str, float] = {}
         self.configure(policy)
         pool.on_capacity(self.dispatch)
 
@@ -148,6 +159,7 @@ class Admission:
             FairnessConfig(policy.fairness.input_weight, policy.fairness.output_weight),
         )
         self._tiers = {t.name: t for t in policy.tiers}
+        self._tiers_by_rank = {t.rank: t for t in policy.tiers}
         self._reservations = [
             Reservation(t.name, t.rank, t.reserved_share) for t in policy.tiers if t.reserved_share
         ]
@@ -175,6 +187,7 @@ class Admission:
     def submit(self, request_id: str, request: RequestClass) -> Ticket:
         """Queue ``request``; 429 (with ``retry-after``) when its tier sheds it."""
         tier = request.tier
+        self._last_arrival[tier.name] = self._clock()
         self._maybe_shed_early(tier)
         fairness = self.policy.fairness
         flow = request.tenant.name
@@ -231,9 +244,9 @@ class Admission:
 
     def dispatch(self) -> None:
         """Grant queued requests, in the scheduler's order, while some backend may take them."""
-        placements: dict[str, list[Backend] | None] = {}
+        placements: dict[str, Placement | None] = {}
 
-        def placement(band: str) -> list[Backend] | None:
+        def placement(band: str) -> Placement | None:
             if band not in placements:
                 placements[band] = self._place(band)
             return placements[band]
@@ -245,44 +258,68 @@ class Admission:
             waiting: Waiting = entry.payload
             if waiting.future.done():  # cancelled while queued; already gone
                 continue
-            chosen = placement(entry.band)
-            assert chosen is not None  # pop only offers eligible bands
-            waiting.future.set_result(self._grant(entry, chosen))
+            where = placement(entry.band)
+            assert where is not None  # pop only offers eligible bands
+            waiting.future.set_result(self._grant(entry, where))
             placements.clear()  # the grant changed loads and gates
 
-    def _place(self, band: str) -> list[Backend] | None:
-        """Where a request of ``band`` could go now (best first), or None."""
+    def _acting_tier(self, band: str) -> Tier | None:
+        """The tier a band's requests are treated as now: their own, or the more urgent one
+        that aging has lifted the band to. An aged batch request then passes api's gate,
+        counts against api's reservation and gets api's vLLM priority; otherwise it would
+        still wait for an empty engine queue however long it had aged, and starve inside
+        vLLM behind every more urgent request."""
         tier = self._tiers.get(band)
-        rank = tier.rank if tier is not None else len(self._tiers)  # a band removed by reload
-        active = {r for r, n in self._in_flight_by_rank.items() if n} | {
-            t.rank for t in self._tiers.values() if self.scheduler.depth(t.name)
-        }
-        if not may_admit(rank, self._in_flight_by_rank, self.capacity, self._reservations, active):
+        if tier is None:
+            return None  # a band a reload removed: served with no gate, least urgent
+        reached = max(0, math.ceil(self.scheduler.effective_rank(band) - 1e-9))
+        if reached >= tier.rank:
+            return tier
+        return self._tiers_by_rank.get(reached, tier)
+
+    def _active_ranks(self) -> set[int]:
+        """Tiers that hold their reservation: requests queued or in flight, or one lately."""
+        now = self._clock()
+        active = {r for r, n in self._in_flight_by_rank.items() if n}
+        for tier in self._tiers.values():
+            recent = now - self._last_arrival.get(tier.name, -math.inf) <= tier.reserved_idle_s
+            if recent or self.scheduler.depth(tier.name):
+                active.add(tier.rank)
+        return active
+
+    def _place(self, band: str) -> Placement | None:
+        """Where a request of ``band`` could go now (best first), or None."""
+        tier = self._acting_tier(band)
+        rank = tier.rank if tier is not None else len(self._tiers)
+        capacity = self.capacity
+        if not may_admit(
+            rank, self._in_flight_by_rank, capacity, self._reservations, self._active_ranks()
+        ):
             return None
-        gate = tier.gate if tier is not None else None
         limit = self.policy.max_in_flight_per_backend
         stale = self.policy.backpressure.stale_after_s
         now = self.pool.clock()
         candidates = [
             b
             for b in self.pool.backends
-            if b.in_flight < limit and (gate is None or passes(gate, b, now, stale))
+            if b.in_flight < limit and (tier is None or passes(tier.gate, b, now, stale))
         ]
-        return pick(candidates, self.pool.backends)
+        chosen = pick(candidates, self.pool.backends)
+        return None if chosen is None else Placement(chosen, tier, rank)
 
-    def _grant(self, entry: Entry, chosen: list[Backend]) -> Grant:
+    def _grant(self, entry: Entry, where: Placement) -> Grant:
         waiting: Waiting = entry.payload
         request = waiting.request
         user = (request.tenant.name, request.user)
-        priority = vllm_priority(request.tier.priority, self._pending[user])
-        backend = chosen[0]
+        base = where.tier.priority if where.tier is not None else request.tier.priority
+        priority = vllm_priority(base, self._pending[user])
+        backend = where.backends[0]
         backend.note_grant()
         self._pending[user] += 1
-        rank = self._tiers[entry.band].rank if entry.band in self._tiers else len(self._tiers)
-        self._in_flight_by_rank[rank] += 1
+        self._in_flight_by_rank[where.rank] += 1
         now = self._clock()
-        self._in_flight[entry.request_id] = InFlight(backend, user, entry, rank, now)
-        return Grant(tuple(b.address for b in chosen), priority, now - entry.enqueued_at)
+        self._in_flight[entry.request_id] = InFlight(backend, user, entry, where.rank, now)
+        return Grant(tuple(b.address for b in where.backends), priority, now - entry.enqueued_at)
 
     # ----------------------------------------------------------------- the end of a request
 
@@ -302,7 +339,7 @@ class Admission:
         record = self._in_flight.pop(request_id, None)
         if record is None:
             return False
-        record.backend.in_flight -= 1
+        record.backend.note_completion()
         self._pending[record.user] -= 1
         if self._pending[record.user] <= 0:
             del self._pending[record.user]

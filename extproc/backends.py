@@ -100,6 +100,7 @@ class Backend:
     """
 
     __slots__ = (
+        "completed_since_scrape",
         "granted_since_scrape",
         "health_ok",
         "in_flight",
@@ -117,6 +118,7 @@ class Backend:
         self.metrics: EngineMetrics | None = None
         self.itl_s: float | None = None
         self.granted_since_scrape = 0
+        self.completed_since_scrape = 0
 
     @property
     def healthy(self) -> bool:
@@ -139,23 +141,35 @@ class Backend:
         self.in_flight += 1
         self.granted_since_scrape += 1
 
-    def effective_waiting(self) -> float:
-        """The engine's waiting queue as it will be once our unscraped grants arrive.
+    def note_completion(self) -> None:
+        """A request sent here finished: its seat is free before the next scrape shows it."""
+        self.in_flight -= 1
+        self.completed_since_scrape += 1
 
-        Conservative: a granted request that the engine schedules at once never waits, but
-        the gateway cannot know that until the next scrape.
+    def effective_waiting(self) -> float:
+        """The engine's waiting queue as it is now, by the last scrape and what we saw since.
+
+        Each grant since the scrape may be waiting in the engine (conservative: one the
+        engine schedules at once never waits, but the gateway cannot know that until the
+        next scrape). Each completion since the scrape freed a seat, which took one waiting
+        request or is free for the next. Counting completions lets a tier gated on an empty
+        queue (batch) refill a freed seat at once instead of one grant per scrape.
         """
         waiting = self.metrics.waiting if self.metrics is not None else 0.0
-        return waiting + self.granted_since_scrape
+        return max(0.0, waiting + self.granted_since_scrape - self.completed_since_scrape)
 
-    def record_scrape(self, metrics: EngineMetrics, granted_before: int) -> None:
-        """A scrape sent when ``granted_since_scrape`` was ``granted_before`` succeeded.
+    def record_scrape(
+        self, metrics: EngineMetrics, granted_before: int, completed_before: int = 0
+    ) -> None:
+        """A scrape sent when the since-scrape counters were ``granted_before`` and
+        ``completed_before`` succeeded.
 
-        Only the grants made before the scrape was sent can be in its numbers; the ones
-        made while it was in flight stay counted. ``itl_s`` becomes the mean inter-token
-        latency since the previous scrape; with no token in between it keeps its value while
-        requests run (a step longer than the scrape interval, or a stalled engine, must not
-        read as fast) and becomes None when the engine is idle (nothing to protect).
+        Only the grants and completions made before the scrape was sent can be in its
+        numbers; the ones made while it was in flight stay counted. ``itl_s`` becomes the
+        mean inter-token latency since the previous scrape; with no token in between it
+        keeps its value while requests run (a step longer than the scrape interval, or a
+        stalled engine, must not read as fast) and becomes None when the engine is idle
+        (nothing to protect).
         """
         itl = interval_itl(self.metrics, metrics)
         if itl is not None:
@@ -164,6 +178,7 @@ class Backend:
             self.itl_s = None
         self.metrics = metrics
         self.granted_since_scrape = max(0, self.granted_since_scrape - granted_before)
+        self.completed_since_scrape = max(0, self.completed_since_scrape - completed_before)
         self.scrape_ok = True
 
     def __repr__(self) -> str:
@@ -263,6 +278,7 @@ class BackendPool:
     async def _scrape(self, session: aiohttp.ClientSession, backend: Backend) -> bool:
         """Scrape one backend and record the outcome; True when it succeeded."""
         granted_before = backend.granted_since_scrape
+        completed_before = backend.completed_since_scrape
         sent_at = self.clock()
         try:
             async with session.get(f"{backend.spec.url}/metrics") as response:
@@ -280,7 +296,7 @@ class BackendPool:
             return False
         if not backend.scrape_ok:
             log.warning("backend %s metrics are readable again", backend.address)
-        backend.record_scrape(metrics, granted_before)
+        backend.record_scrape(metrics, granted_before, completed_before)
         return True
 
     @staticmethod

@@ -448,6 +448,13 @@ class FairScheduler:
         oldest = next(iter(state.entries.values()))
         return max(0.0, self._clock() - oldest.enqueued_at)
 
+    def effective_rank(self, band: str) -> float:
+        """The band's rank after aging (its oldest entry's wait); its base rank when empty."""
+        state = self._bands.get(band)
+        if state is None:
+            raise KeyError(band)
+        return state.config.effective_rank(self.oldest_wait_s(band))
+
     def retry_after_s(self, band: str) -> int:
         """Seconds until a full band has likely drained enough to take one more request.
 

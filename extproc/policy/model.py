@@ -47,6 +47,9 @@ class Tier:
     reserved_share: float = 0.0
     """Share (0..1) of the fleet's slots that less urgent tiers may not take while this
     tier is active."""
+    reserved_idle_s: float = 10.0
+    """The reservation holds this long after the tier's last request, so that a steady
+    trickle of chat does not lose its slots to batch between two requests."""
     gate: Gate = DEFAULT_GATE
     """What a backend's scraped metrics must show for a request of this tier to go there."""
     early_shed_from: float | None = None

@@ -58,6 +58,7 @@ _TIER_KEYS = (
     "aliases",
     "aging",
     "reserved_share",
+    "reserved_idle_s",
     "gate",
     "early_shed_from",
 )
@@ -468,6 +469,7 @@ def _read_gate(reader: _Reader, node: Node, path: str) -> Gate | None:
 _NULLABLE_TIER_FIELDS = ("slo_ttft_ms", "slo_latency_s", "early_shed_from")
 _TIER_FIELDS: dict[str, Callable[[_Reader, Node, str], Any]] = {
     "reserved_share": lambda r, n, p: r.number(n, p, 0.0, 1.0),
+    "reserved_idle_s": lambda r, n, p: r.number(n, p, 0.0),
     "early_shed_from": lambda r, n, p: r.number(n, p, 0.0, 1.0),
     "name": lambda r, n, p: r.string(n, p, _TIER_NAME),
     "priority": lambda r, n, p: r.integer(n, p),

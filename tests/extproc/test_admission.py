@@ -289,3 +289,57 @@ async def test_knows_queued_and_in_flight_ids() -> None:
     submit(admission, "a", Request(API))
     submit(admission, "b", Request(API))
     assert admission.knows("a") and admission.knows("b") and not admission.knows("c")
+
+
+async def test_a_completion_frees_an_empty_queue_seat_before_the_next_scrape() -> None:
+    batch = with_gate(BATCH, Gate(max_waiting=0))
+    admission, pool, _ = make_admission(limit=100, tiers=(INTERACTIVE, API, batch))
+    first = submit(admission, "b0", Request(batch))
+    second = submit(admission, "b1", Request(batch))
+    assert first.granted and not second.granted  # b0 may be waiting in the engine
+    admission.release("b0", output_tokens=10)  # it finished: a seat is free, no scrape needed
+    assert second.granted
+    assert pool.backends[0].effective_waiting() == 1
+
+
+async def test_an_aged_band_is_gated_and_prioritised_as_the_tier_it_reached() -> None:
+    batch = Tier(
+        "batch",
+        rank=2,
+        priority=20,
+        queue_limit=4,
+        queue_deadline_s=600,
+        aging_rate=0.1,
+        aging_cap=1,
+        gate=Gate(max_waiting=0),
+    )
+    api = with_gate(API, Gate(max_waiting=3))
+    admission, pool, clock = make_admission(limit=100, tiers=(INTERACTIVE, api, batch))
+    scraped(pool.backends[0], clock, waiting=1)  # never empty: batch's own gate stays shut
+    ticket = submit(admission, "old", Request(batch))
+    assert not ticket.granted
+    clock.now += 5  # half a rank: not yet api
+    scraped(pool.backends[0], clock, waiting=1)
+    pool.capacity_changed()
+    assert not ticket.granted
+    clock.now += 6  # a whole rank: it now ranks, and is gated, as api
+    scraped(pool.backends[0], clock, waiting=1)
+    pool.capacity_changed()
+    assert ticket.granted
+    assert ticket.granted_now().priority == api.priority
+
+
+async def test_a_reservation_lingers_after_the_tiers_last_request() -> None:
+    reserving = Tier(
+        "interactive", 0, 0, 10, 5.0, reserved_share=0.5, reserved_idle_s=10, gate=INTERACTIVE.gate
+    )
+    admission, pool, clock = make_admission(limit=2, backends=2, tiers=(reserving, API, BATCH))
+    submit(admission, "chat", Request(reserving))
+    admission.release("chat", output_tokens=5)  # chat is idle again, but only just
+    batch = [submit(admission, f"b{i}", Request(BATCH)) for i in range(4)]
+    assert [t.granted for t in batch] == [True, True, False, False]
+    clock.now += 11  # no chat for longer than reserved_idle_s: batch may have it all
+    for backend in pool.backends:
+        scraped(backend, clock)
+    pool.capacity_changed()
+    assert [t.granted for t in batch] == [True, True, True, True]

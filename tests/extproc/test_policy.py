@@ -510,6 +510,7 @@ tiers:
     queue_limit: 10
     queue_deadline_s: 5
     reserved_share: 0.3
+    reserved_idle_s: 30
     gate: {max_waiting: 3, max_kv_cache_usage: 0.9, max_itl_ms: null}
   - name: slow
     priority: 20
@@ -528,7 +529,8 @@ tenants:
 def test_scheduling_knobs_are_read() -> None:
     policy = parse_policy(SCHEDULED, "s.yaml")
     fast, slow = policy.tiers
-    assert fast.reserved_share == 0.3
+    assert fast.reserved_share == 0.3 and fast.reserved_idle_s == 30
+    assert slow.reserved_idle_s == 10  # the default
     assert (fast.gate.max_waiting, fast.gate.max_kv_cache_usage, fast.gate.max_itl_s) == (
         3,
         0.9,
@@ -549,18 +551,23 @@ def test_scheduling_knobs_are_read() -> None:
     [
         ("reserved_share: 0.3", "reserved_share: -0.1", 8, "tiers[0].reserved_share"),
         ("reserved_share: 0.3", "reserved_share: 1.5", 8, "tiers[0].reserved_share"),
-        ("max_kv_cache_usage: 0.9", "max_kv_cache_usage: 2", 9, "tiers[0].gate.max_kv_cache_usage"),
-        ("max_waiting: 0,", "max_waiting: -1,", 14, "tiers[1].gate.max_waiting"),
-        ("max_itl_ms: 150", "max_itl_ms: 0", 14, "tiers[1].gate.max_itl_ms"),
-        ("max_in_flight: 4}", "max_in_flight: 4, max_queue: 1}", 14, "tiers[1].gate.max_queue"),
+        (
+            "max_kv_cache_usage: 0.9",
+            "max_kv_cache_usage: 2",
+            10,
+            "tiers[0].gate.max_kv_cache_usage",
+        ),
+        ("max_waiting: 0,", "max_waiting: -1,", 15, "tiers[1].gate.max_waiting"),
+        ("max_itl_ms: 150", "max_itl_ms: 0", 15, "tiers[1].gate.max_itl_ms"),
+        ("max_in_flight: 4}", "max_in_flight: 4, max_queue: 1}", 15, "tiers[1].gate.max_queue"),
         (
             "{seconds_per_rank: 300, max_ranks: 1}",
             "{max_ranks: 1}",
-            15,
+            16,
             "tiers[1].aging.seconds_per_rank",
         ),
-        ("max_ranks: 1}", "max_ranks: -2}", 15, "tiers[1].aging.max_ranks"),
-        ("early_shed_from: 0.8", "early_shed_from: 1.2", 16, "tiers[1].early_shed_from"),
+        ("max_ranks: 1}", "max_ranks: -2}", 16, "tiers[1].aging.max_ranks"),
+        ("early_shed_from: 0.8", "early_shed_from: 1.2", 17, "tiers[1].early_shed_from"),
         ("flow: user", "flow: team", 1, "fairness.flow"),
         ("stale_after_s: 0.5", "stale_after_s: 0.01", 2, "backpressure.stale_after_s"),
     ],

@@ -157,6 +157,12 @@ class Gateway:
         }
         if request.path != info.path:
             set_headers[":path"] = request.path
+        if request.tier.hedge_after_ms is not None:
+            # Envoy's router reads these from a trusted filter (mutation_rules allow_envoy)
+            # and strips any a client sends: hedge on the per-try timeout, to the next
+            # endpoint listed in x-gateway-destination-endpoint.
+            set_headers["x-envoy-upstream-rq-per-try-timeout-ms"] = str(request.tier.hedge_after_ms)
+            set_headers["x-envoy-hedge-on-per-try-timeout"] = "true"
         if request_id != info.request_id:
             set_headers["x-request-id"] = request_id
         strip = client_headers_to_strip(info.headers, overwritten=set_headers)

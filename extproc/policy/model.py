@@ -52,6 +52,10 @@ class Tier:
     trickle of chat does not lose its slots to batch between two requests."""
     gate: Gate = DEFAULT_GATE
     """What a backend's scraped metrics must show for a request of this tier to go there."""
+    hedge_after_ms: int | None = None
+    """Envoy sends a second copy of the request to the next listed endpoint when the first
+    has not answered with headers after this long (None: no hedging). It duplicates GPU
+    work and, for streams, covers only the time to response headers."""
     early_shed_from: float | None = None
     """Queue fill (0..1) from which new arrivals are shed with a probability rising
     linearly to 1 at a full queue (RED-style); None: shed only when full."""
@@ -209,6 +213,23 @@ class Backpressure:
 
 
 @dataclass(frozen=True, slots=True)
+class Routing:
+    """How the picker weighs the backends that may take a request (lower score wins)."""
+
+    queue_weight: float = 1.0
+    """Per request waiting or in flight, relative to the backend's slot limit."""
+    kv_cache_weight: float = 1.0
+    """Per unit of ``vllm:kv_cache_usage_perc``."""
+    prefix_weight: float = 2.0
+    """Per unit of the share of the prompt's prefix blocks the backend already holds."""
+    region_weight: float = 0.5
+    """Added for a backend outside the local (first-named) region."""
+    sticky_margin: float = 0.25
+    """Stay on the backend holding the prefix until its load score is worse than the best
+    other backend's by more than this."""
+
+
+@dataclass(frozen=True, slots=True)
 class Policy:
     """One validated policy file. Build it with ``parse_policy``/``load_policy``."""
 
@@ -223,6 +244,7 @@ class Policy:
     """Where the end-user id comes from when the body has no ``"user"`` string."""
     fairness: Fairness = Fairness()
     backpressure: Backpressure = Backpressure()
+    routing: Routing = Routing()
     source: str = "<policy>"
 
     _tiers_by_name: dict[str, Tier] = field(init=False, repr=False, compare=False)

@@ -23,6 +23,7 @@ from extproc.policy.model import (
     Match,
     Policy,
     PolicyError,
+    Routing,
     Rule,
     Tenant,
     Tier,
@@ -43,6 +44,14 @@ _TOP_KEYS = (
     "user_header",
     "fairness",
     "backpressure",
+    "routing",
+)
+_ROUTING_KEYS = (
+    "queue_weight",
+    "kv_cache_weight",
+    "prefix_weight",
+    "region_weight",
+    "sticky_margin",
 )
 _FAIRNESS_KEYS = ("flow", "input_weight", "output_weight", "default_output_tokens")
 _BACKPRESSURE_KEYS = ("scrape_interval_s", "stale_after_s")
@@ -59,6 +68,7 @@ _TIER_KEYS = (
     "aging",
     "reserved_share",
     "reserved_idle_s",
+    "hedge_after_ms",
     "gate",
     "early_shed_from",
 )
@@ -324,7 +334,19 @@ def _read_settings(reader: _Reader, top: dict[str, Node]) -> dict[str, Any]:
         settings["fairness"] = _read_fairness(reader, top["fairness"])
     if "backpressure" in top:
         settings["backpressure"] = _read_backpressure(reader, top["backpressure"])
+    if "routing" in top:
+        settings["routing"] = _read_routing(reader, top["routing"])
     return settings
+
+
+def _read_routing(reader: _Reader, node: Node) -> Routing:
+    items = reader.mapping(node, "routing", _ROUTING_KEYS)
+    values: dict[str, float] = {}
+    for key, item in items.items():
+        value = reader.number(item, f"routing.{key}", 0.0)
+        if value is not None:
+            values[key] = value
+    return Routing(**values)
 
 
 def _read_fairness(reader: _Reader, node: Node) -> Fairness:
@@ -466,10 +488,11 @@ def _read_gate(reader: _Reader, node: Node, path: str) -> Gate | None:
         return None
 
 
-_NULLABLE_TIER_FIELDS = ("slo_ttft_ms", "slo_latency_s", "early_shed_from")
+_NULLABLE_TIER_FIELDS = ("slo_ttft_ms", "slo_latency_s", "early_shed_from", "hedge_after_ms")
 _TIER_FIELDS: dict[str, Callable[[_Reader, Node, str], Any]] = {
     "reserved_share": lambda r, n, p: r.number(n, p, 0.0, 1.0),
     "reserved_idle_s": lambda r, n, p: r.number(n, p, 0.0),
+    "hedge_after_ms": lambda r, n, p: r.integer(n, p, 1),
     "early_shed_from": lambda r, n, p: r.number(n, p, 0.0, 1.0),
     "name": lambda r, n, p: r.string(n, p, _TIER_NAME),
     "priority": lambda r, n, p: r.integer(n, p),

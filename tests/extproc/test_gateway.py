@@ -148,3 +148,14 @@ async def test_bodiless_get_is_authenticated_and_routed_without_queueing() -> No
     assert gateway.admission.in_flight == 0
     anonymous = gateway.handle(RequestInfo("GET", "/v1/models", {}))
     assert isinstance(anonymous, Respond) and anonymous.status == 401
+
+
+async def test_hedged_tiers_ask_envoy_to_hedge_and_others_do_not() -> None:
+    gateway = make_gateway()
+    chat = gateway.handle(request(request_id="c"))
+    assert isinstance(chat, Forward)
+    assert chat.set_headers["x-envoy-upstream-rq-per-try-timeout-ms"] == "1000"
+    assert chat.set_headers["x-envoy-hedge-on-per-try-timeout"] == "true"
+    batch = gateway.handle(request(key="sk-batch-demo", request_id="b"))
+    assert isinstance(batch, Forward)
+    assert not any(name.startswith("x-envoy-") for name in batch.set_headers)

@@ -584,3 +584,16 @@ def test_reservations_over_the_whole_fleet_are_rejected() -> None:
     text = SCHEDULED.replace("    aging:", "    reserved_share: 0.8\n    aging:")
     errors = errors_of(text, "s.yaml")
     assert any("reserved_share adds up to 1.1" in e and e.startswith("s.yaml:") for e in errors)
+
+
+def test_routing_weights_and_hedging_are_read_and_checked() -> None:
+    text = SCHEDULED.replace(
+        "backpressure:", "routing: {prefix_weight: 3, sticky_margin: 0.1}\nbackpressure:"
+    ).replace("    reserved_idle_s: 30\n", "    reserved_idle_s: 30\n    hedge_after_ms: 400\n")
+    policy = parse_policy(text, "r.yaml")
+    assert policy.routing.prefix_weight == 3 and policy.routing.queue_weight == 1
+    assert policy.tiers[0].hedge_after_ms == 400 and policy.tiers[1].hedge_after_ms is None
+    errors = errors_of(text.replace("prefix_weight: 3", "prefix_weight: -1"), "r.yaml")
+    assert any(e.startswith("r.yaml:2: routing.prefix_weight") for e in errors), errors
+    errors = errors_of(text.replace("hedge_after_ms: 400", "hedge_after_ms: 0"), "r.yaml")
+    assert any("tiers[0].hedge_after_ms" in e for e in errors), errors

@@ -43,6 +43,9 @@ class BackendSpec:
     host: str
     port: int
     region: str = DEFAULT_REGION
+    weight: int = 1
+    """Envoy's load-balancing weight for this endpoint (used when Envoy picks, e.g. on a
+    retry after the listed endpoints ran out)."""
 
     def __post_init__(self) -> None:
         try:
@@ -56,6 +59,8 @@ class BackendSpec:
             raise ValueError(f"backend port must be in [1, 65535], got {self.port}")
         if not self.region:
             raise ValueError("backend region must not be empty")
+        if self.weight < 1:
+            raise ValueError(f"backend weight must be >= 1, got {self.weight}")
 
     @property
     def address(self) -> str:

@@ -266,6 +266,10 @@ def ext_proc_filter(params: EnvoyParams) -> dict[str, Any]:
             # A broken or unreachable service is "the gateway is unavailable" (retryable by
             # clients), not a 500 bug report. Message timeouts still answer 504.
             "status_on_error": {"code": 503},
+            # The service sets x-envoy-upstream-rq-per-try-timeout-ms and
+            # x-envoy-hedge-on-per-try-timeout for hedged tiers; Envoy's default mutation rules
+            # reject x-envoy-* (clients' copies are stripped at the edge anyway).
+            "mutation_rules": {"allow_envoy": True},
             "metadata_options": {
                 "receiving_namespaces": {"untyped": [LB_NAMESPACE, FAIRLANE_NAMESPACE]},
             },

@@ -8,10 +8,12 @@ start or a child that dies stops all of them.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -19,7 +21,7 @@ from types import FrameType
 from extproc import envoy_config
 from extproc.backends import BackendSpec
 from extproc.policy import DEFAULT_POLICY_PATH, load_policy
-from extproc.processes import ProcessGroup, free_port, wait_http_ready, wait_port_open
+from extproc.processes import Child, ProcessGroup, free_port, wait_http_ready, wait_port_open
 from extproc.server import add_backend_argument, add_policy_argument, backends_from_args
 
 DEFAULT_SIM_REGIONS = ("region-a", "region-b")
@@ -34,6 +36,9 @@ class StackConfig:
     sim_regions: tuple[str, ...] = DEFAULT_SIM_REGIONS
     sim_args: tuple[str, ...] = ("--scheduling-policy", "priority")
     """Extra ``fairlane sim`` flags for every simulated backend."""
+    sim_extra_args: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    """More flags for single simulators, by index into ``sim_regions`` (fault injection:
+    ``{0: ("--fault-delay-headers-s", "3")}``)."""
     sim_log_requests: bool = False
     """Have each simulator log the requests it receives (tests read them)."""
     admin_port: int = 0
@@ -54,6 +59,9 @@ class Stack:
     admin_port: int = 0
     request_logs: dict[str, Path] = field(default_factory=dict)
     """Backend address -> the simulator's request log (when ``sim_log_requests``)."""
+    simulators: dict[str, Child] = field(default_factory=dict)
+    """Backend address -> its running simulator process (none for real backends)."""
+    _sim_argv: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
     @property
     def url(self) -> str:
@@ -108,7 +116,7 @@ class Stack:
 
     def _start_simulators(self) -> tuple[BackendSpec, ...]:
         specs = []
-        for region in self.config.sim_regions:
+        for index, region in enumerate(self.config.sim_regions):
             port = free_port()
             argv = [
                 sys.executable,
@@ -118,6 +126,7 @@ class Stack:
                 "--port",
                 str(port),
                 *self.config.sim_args,
+                *self.config.sim_extra_args.get(index, ()),
             ]
             spec = BackendSpec("127.0.0.1", port, region)
             if self.config.sim_log_requests:
@@ -125,10 +134,43 @@ class Stack:
                 argv += ["--log-requests", str(log_path)]
                 self.request_logs[spec.address] = log_path
             child = self.group.start(f"sim-{region}-{port}", argv)
+            self.simulators[spec.address] = child
+            self._sim_argv[spec.address] = argv
             specs.append((spec, child))
         for spec, child in specs:
             wait_http_ready(f"{spec.url}/health", child, timeout=30)
         return tuple(spec for spec, _ in specs)
+
+    def kill_simulator(self, address: str, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Stop the simulator of ``address`` abruptly (a crashed backend) and reap it.
+
+        SIGKILL (the default) closes its sockets at once: open connections are reset or
+        cut mid-response and new ones are refused.
+        """
+        child = self.simulators[address]
+        if child.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.popen.pid, sig)
+        child.popen.wait(10)
+
+    def restart_simulator(self, address: str, timeout: float = 30) -> Child:
+        """Start the (stopped) simulator of ``address`` again, same port and flags; wait
+        until its ``/health`` answers. Its request log goes on in the same file; the dead
+        process's output log is kept as ``NAME.log.N``."""
+        old = self.simulators[address]
+        if old.alive():
+            raise RuntimeError(f"simulator {address} is still running")
+        generation = 1
+        while old.log_path.with_name(f"{old.log_path.name}.{generation}").exists():
+            generation += 1
+        with contextlib.suppress(OSError):
+            old.log_path.rename(old.log_path.with_name(f"{old.log_path.name}.{generation}"))
+        if old in self.group.children:
+            self.group.children.remove(old)
+        child = self.group.start(old.name, self._sim_argv[address])
+        self.simulators[address] = child
+        wait_http_ready(f"http://{address}/health", child, timeout=timeout)
+        return child
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -61,6 +61,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="append one JSON line per received request",
     )
+    faults = parser.add_argument_group("fault injection (for the gateway's fault tests)")
+    faults.add_argument(
+        "--fault-delay-headers-s",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="hold every generation request S wall seconds before answering (streams too)",
+    )
+    faults.add_argument(
+        "--fault-metrics",
+        choices=("garbage", "hang"),
+        default=None,
+        help="/metrics answers junk (200) or never answers",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -77,14 +91,21 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
         log_requests=args.log_requests,
+        fault_delay_headers_s=args.fault_delay_headers_s,
+        fault_metrics=args.fault_metrics,
     )
 
 
 async def _serve(config: SimConfig, host: str, port: int) -> None:
     runner = await start(config, host, port)
+    faults = ""
+    if config.fault_delay_headers_s:
+        faults += f", fault: headers delayed {config.fault_delay_headers_s:g}s"
+    if config.fault_metrics:
+        faults += f", fault: /metrics {config.fault_metrics}"
     print(
         f"fairlane sim: {config.served[0]} ({config.profile}, x{config.speedup:g}) "
-        f"on http://{host}:{port}",
+        f"on http://{host}:{port}{faults}",
         flush=True,
     )
     stop = asyncio.Event()

@@ -40,6 +40,14 @@ from loadtests.sim.metrics import CONTENT_TYPE, SimMetrics, cache_config_labels
 from loadtests.sim.profiles import DEFAULT_PROFILE, get_profile
 from loadtests.sim.runner import Runner
 
+FAULT_METRICS = (None, "garbage", "hang")
+# Binary junk, a half-written page and a series with a value that is not a number.
+GARBAGE_METRICS = (
+    b"<html>\x00\xff\xfe not a Prometheus exposition {{{\n"
+    b'vllm:num_requests_waiting{engine="0"} banana\n'
+    b"vllm:kv_cache_usage_perc 7e\x00\n"
+)
+
 
 @dataclass
 class SimConfig:
@@ -57,7 +65,18 @@ class SimConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     log_requests: Path | None = None
+    fault_delay_headers_s: float = 0.0
+    """Fault injection: hold every generation request this many wall seconds before the
+    engine sees it, so the response headers (streams too) come that much later."""
+    fault_metrics: str | None = None
+    """Fault injection: ``garbage`` answers ``/metrics`` with junk, ``hang`` never answers."""
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.fault_delay_headers_s < 0:
+            raise ValueError("fault_delay_headers_s must not be negative")
+        if self.fault_metrics not in FAULT_METRICS:
+            raise ValueError(f"fault_metrics must be one of {FAULT_METRICS}")
 
     @property
     def served(self) -> tuple[str, ...]:
@@ -132,7 +151,10 @@ class SimServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics_handler)
+        if self.config.fault_metrics is None:
+            app.router.add_get("/metrics", self.metrics_handler)
+        else:
+            app.router.add_get("/metrics", self.faulty_metrics_handler)
         app.router.add_get("/version", self.version)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
@@ -164,6 +186,12 @@ class SimServer:
     async def metrics_handler(self, _: web.Request) -> web.Response:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
 
+    async def faulty_metrics_handler(self, _: web.Request) -> web.Response:
+        """``--fault-metrics``: junk with a 200, or no answer at all (until the client leaves)."""
+        if self.config.fault_metrics == "hang":
+            await asyncio.Event().wait()  # cancelled when the scraper gives up
+        return web.Response(body=GARBAGE_METRICS, content_type="text/plain")
+
     # -- generation -------------------------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -184,6 +212,10 @@ class SimServer:
             self._log_request(request.path, headers, body, None)
             return web.Response(status=err.status, body=err.body(), content_type="application/json")
         self._log_request(request.path, headers, body, gen)
+        if self.config.fault_delay_headers_s:
+            # A slow backend: nothing reaches the engine (and no header leaves) before the
+            # delay; a client leaving meanwhile cancels this handler with nothing to abort.
+            await asyncio.sleep(self.config.fault_delay_headers_s)
 
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()

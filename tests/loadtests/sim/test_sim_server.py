@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from extproc.processes import ProcessGroup, free_port, wait_http_ready
+from extproc.scrape import MetricsError, parse_metrics
 from loadtests.sim.server import SimConfig, start
 
 CHAT = [{"role": "user", "content": "Tell me a story about a gateway."}]
@@ -280,3 +281,46 @@ def test_cli_starts_a_server_like_vllm_serve(processes: ProcessGroup, port: int)
     with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
     assert metric(text, "vllm:cache_config_info", num_gpu_blocks="64") == 1
+
+
+async def test_fault_flags_delay_headers_and_break_metrics(tmp_path: Path) -> None:
+    port = free_port()
+    config = SimConfig(model="tiny", speedup=20, fault_delay_headers_s=0.4, fault_metrics="hang")
+    runner = await start(config, "127.0.0.1", port)
+    base = f"http://127.0.0.1:{port}"
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 2}
+    try:
+        async with aiohttp.ClientSession() as session:
+            loop = asyncio.get_running_loop()
+            for stream in (False, True):
+                started = loop.time()
+                async with session.post(
+                    base + "/v1/chat/completions", json={**body, "stream": stream}
+                ) as resp:
+                    headers_after = loop.time() - started
+                    assert resp.status == 200
+                    await resp.read()
+                assert headers_after >= 0.38
+            timeout = aiohttp.ClientTimeout(total=0.3)
+            with pytest.raises(asyncio.TimeoutError):
+                async with session.get(base + "/metrics", timeout=timeout) as resp:
+                    await resp.read()
+            async with session.get(base + "/health") as resp:
+                assert resp.status == 200
+    finally:
+        await runner.cleanup()
+    port = free_port()
+    runner = await start(SimConfig(model="tiny", fault_metrics="garbage"), "127.0.0.1", port)
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{port}/metrics") as resp,
+        ):
+            assert resp.status == 200
+            text = await resp.text(errors="replace")
+        with pytest.raises(MetricsError):
+            parse_metrics(text, 0.0)
+    finally:
+        await runner.cleanup()
+    with pytest.raises(ValueError):
+        SimConfig(fault_metrics="slow")

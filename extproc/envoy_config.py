@@ -24,8 +24,10 @@ Envoy itself (``envoy --mode validate``), not with envoy-data-plane's typed mess
 dicts map one-to-one onto the Envoy docs and the YAML users paste into their meshes, need no
 ``Any`` packing of the half-dozen typed extension configs, import nothing heavy, and the
 validation is done by the exact binary that will run them, which is the only check that
-catches semantic errors (unknown extension names, bad combinations) anyway. A later issue
-(``fairlane render-envoy``) may switch the builder to envoy-data-plane.
+catches semantic errors (unknown extension names, bad combinations) anyway.
+``fairlane render-envoy`` (``extproc/render_envoy.py``) adds a typed check on top: it parses
+these dicts into envoy-data-plane's ``Bootstrap`` message, nested ``typed_config`` included,
+before Envoy validates them; that import stays out of this module and the request path.
 
 Everything here is pure except the functions that say otherwise: :func:`envoy_binary`,
 :func:`validate`, :func:`write_bootstrap` and :func:`main`.
@@ -80,6 +82,10 @@ H2_MAX_WINDOW = 2**31 - 1
 # Upstream (vLLM) limits: high enough never to be the bottleneck; admission is fairlane's job.
 BACKEND_MAX_REQUESTS = 100_000
 BACKEND_MAX_RETRIES = 1_000  # Envoy's default of 3 concurrent retries (hedges count) is too low.
+# The route's retry policy (see route()): which failures are retried, and how often. Hedges
+# (per-request, from the service) count against num_retries as well.
+RETRY_ON = "connect-failure,refused-stream,reset,gateway-error"
+NUM_RETRIES = 2
 # Floor for the global downstream connection limit (overload manager).
 MIN_DOWNSTREAM_CONNECTIONS = 50_000
 
@@ -214,9 +220,13 @@ def render_mesh_snippet(params: EnvoyParams) -> dict[str, Any]:
     }
 
 
-def render_mesh_snippet_yaml(params: EnvoyParams) -> str:
-    """:func:`render_mesh_snippet` as YAML, with paste instructions in the header comment."""
-    header = _generated_header("python -m extproc.envoy_config --mesh-snippet") + (
+def render_mesh_snippet_yaml(params: EnvoyParams, generated_by: str | None = None) -> str:
+    """:func:`render_mesh_snippet` as YAML, with paste instructions in the header comment.
+
+    ``generated_by`` replaces the first header line (``fairlane render-envoy --snippet``
+    names its deployment file there)."""
+    first = generated_by or _generated_header("python -m extproc.envoy_config --mesh-snippet")
+    header = first + (
         "\n"
         "Not a bootstrap: pieces for an existing Envoy (see envoy/README.md).\n"
         "- listener_settings: merge into your listener.\n"
@@ -292,11 +302,21 @@ def route(params: EnvoyParams) -> dict[str, Any]:
             # The route idle timeout would override the HCM stream_idle_timeout for this route;
             # keep it equal, i.e. above the longest hold.
             "idle_timeout": _duration(params.stream_idle_timeout_s),
+            # Also the retry policy hedging needs: the service turns hedging on per request
+            # (x-envoy-hedge-on-per-try-timeout + x-envoy-upstream-rq-per-try-timeout-ms for
+            # tiers with hedge_after_ms), and Envoy hedges only with num_retries and at least
+            # one retry_on condition. Hedges count as retries: a hedged request runs at most
+            # 1 + num_retries copies, each on the next listed endpoint.
             "retry_policy": {
-                # Failures before the request reached an engine; 5xx retries would duplicate
-                # GPU work and are the engine's/hedging's business (a later issue).
-                "retry_on": "connect-failure,refused-stream,reset",
-                "num_retries": 2,
+                # Retried: failures before the engine produced anything (connect failure,
+                # refused stream, reset) and gateway errors (502/503/504: the engine or a proxy
+                # in front of it said "unavailable/overloaded"). Not retried: other 5xx, above
+                # all 500, which vLLM answers for request-specific failures; a retry would
+                # replay a poison request on the next engine and repeat GPU work for nothing.
+                # A retry can only happen before response headers went downstream, so a
+                # stream that already started is never replayed. See envoy/README.md.
+                "retry_on": RETRY_ON,
+                "num_retries": NUM_RETRIES,
                 # After the listed override hosts run out, the fallback LB should neither
                 # reuse a failed host nor stay in a failed region.
                 "retry_host_predicate": [
@@ -402,7 +422,9 @@ def backend_cluster(params: EnvoyParams) -> dict[str, Any]:
             "locality": {"region": region},
             "priority": priority,
             "lb_endpoints": [
-                _lb_endpoint(b.host, b.port) for b in params.backends if b.region == region
+                _lb_endpoint(b.host, b.port, b.weight)
+                for b in params.backends
+                if b.region == region
             ],
         }
         for priority, region in enumerate(params.regions)
@@ -478,6 +500,9 @@ def backend_cluster(params: EnvoyParams) -> dict[str, Any]:
                 "http_health_check": {"path": "/health"},
             }
         ],
+        # Passive checks on real traffic: ejected hosts leave the fallback LB (and make
+        # previous_priorities move on). They do not stop override_host from using a listed
+        # host, which is why the service lists only endpoints its own probes call healthy.
         "outlier_detection": {
             "consecutive_5xx": 5,
             "consecutive_gateway_failure": 3,
@@ -487,6 +512,8 @@ def backend_cluster(params: EnvoyParams) -> dict[str, Any]:
         },
         "load_assignment": {
             "cluster_name": BACKEND_CLUSTER,
+            # Envoy's default, explicit: priority 0 (the first region) keeps all traffic
+            # until fewer than 1/1.4 = ~71% of its hosts are healthy, then spills over.
             "policy": {"overprovisioning_factor": 140},
             "endpoints": endpoints,
         },
@@ -597,8 +624,13 @@ def _socket_address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def _lb_endpoint(host: str, port: int) -> dict[str, Any]:
-    return {"endpoint": {"address": _socket_address(host, port)}}
+def _lb_endpoint(host: str, port: int, weight: int | None = None) -> dict[str, Any]:
+    """One endpoint; ``weight`` (BackendSpec.weight) steers Envoy's own picks, i.e. the
+    fallback LB once the service's listed endpoints are used up."""
+    endpoint: dict[str, Any] = {"endpoint": {"address": _socket_address(host, port)}}
+    if weight is not None:
+        endpoint["load_balancing_weight"] = weight
+    return endpoint
 
 
 def _discovery_type(host: str) -> str:
@@ -666,7 +698,9 @@ def render_fifo_bootstrap(params: EnvoyParams) -> dict[str, Any]:
     }
     cluster["load_assignment"] = {
         "cluster_name": FIFO_CLUSTER,
-        "endpoints": [{"lb_endpoints": [_lb_endpoint(b.host, b.port) for b in params.backends]}],
+        "endpoints": [
+            {"lb_endpoints": [_lb_endpoint(b.host, b.port, b.weight) for b in params.backends]}
+        ],
     }
     access_logs = [] if params.access_log_path is None else [_access_log(params.access_log_path)]
     hcm: dict[str, Any] = {

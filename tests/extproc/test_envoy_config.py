@@ -49,7 +49,7 @@ RENDERS: dict[str, EnvoyParams] = {
         backends=(
             BackendSpec("10.0.0.1", 8000, "us-east"),
             BackendSpec("10.1.0.1", 8000, "us-west"),
-            BackendSpec("10.0.0.2", 8000, "us-east"),
+            BackendSpec("10.0.0.2", 8000, "us-east", weight=3),
             BackendSpec("10.2.0.1", 8000, "eu-central"),
         ),
         longest_hold_s=3600.0,
@@ -283,11 +283,12 @@ def test_backend_cluster(name: str) -> None:
             e["locality"]["region"],
             lb["endpoint"]["address"]["socket_address"]["address"],
             lb["endpoint"]["address"]["socket_address"]["port_value"],
+            lb["load_balancing_weight"],
         )
         for e in endpoints
         for lb in e["lb_endpoints"]
     ]
-    assert sorted(listed) == sorted((b.region, b.host, b.port) for b in params.backends)
+    assert sorted(listed) == sorted((b.region, b.host, b.port, b.weight) for b in params.backends)
 
 
 def test_three_regions_priorities() -> None:
@@ -303,7 +304,12 @@ def test_route_retries_and_response_headers() -> None:
     route = _route(render_bootstrap(EnvoyParams()))
     retry = route["route"]["retry_policy"]
     assert retry["num_retries"] == 2
-    assert set(retry["retry_on"].split(",")) == {"connect-failure", "refused-stream", "reset"}
+    assert set(retry["retry_on"].split(",")) == {
+        "connect-failure",
+        "refused-stream",
+        "reset",
+        "gateway-error",
+    }
     assert retry["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
     assert retry["retry_priority"]["name"] == "envoy.retry_priorities.previous_priorities"
     added = {h["header"]["key"]: h["header"]["value"] for h in route["response_headers_to_add"]}

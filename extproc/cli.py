@@ -24,6 +24,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "one simulated vLLM server (per-step engine, vLLM API and metrics)",
     ),
     "check": ("extproc.check", "validate a policy file and print its tiers and tenants"),
+    "render-envoy": (
+        "extproc.render_envoy",
+        "write the Envoy bootstrap (or --snippet) for a deployment YAML, checked by Envoy",
+    ),
     "bench": (
         "loadtests.bench.cli",
         "run a load scenario A/B (FIFO vs fairlane) and write a report",

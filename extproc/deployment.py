@@ -1,0 +1,344 @@
+"""The deployment file: where Envoy listens, where the service and the backends are, which policy.
+
+``fairlane render-envoy`` turns one of these into an Envoy bootstrap. The file names only the
+topology; everything Envoy needs to know about scheduling (the largest body, the longest hold,
+how many requests the queues may hold, which tiers hedge) is derived from the policy it points
+at, so the gateway and Envoy cannot disagree about it. Optional keys override the derived
+values for deployments that need to (a bigger listener buffer, a fixed hold cap).
+
+Shape (``deploy/fairlane.yaml`` is the shipped example)::
+
+    listen: {host: 127.0.0.1, port: 8080}      # clients
+    admin: {host: 127.0.0.1, port: 9901}       # Envoy admin; keep it on loopback
+    service: {host: 127.0.0.1, port: 50051}    # the ext_proc service (fairlane serve)
+    policy: ../policies/default.yaml           # relative to this file; default: the built-in
+    backends:                                  # regions are priority levels, first named = 0
+      - {url: http://10.0.0.11:8000, region: us-east-1, weight: 2}
+      - {url: http://10.1.0.11:8000, region: us-west-2}
+    # optional, default from the policy:
+    # max_body_bytes, longest_hold_s, max_held_requests, message_timeout_s, access_log_path
+
+Every problem in the file is reported at once, as ``file:line: field.path: message`` (line
+numbers from PyYAML's node marks), like the policy parser does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+from yaml.constructor import SafeConstructor
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+from extproc.backends import BackendSpec
+from extproc.envoy_config import MAX_MESSAGE_TIMEOUT_S, EnvoyConfigError, EnvoyParams
+from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyError, load_policy
+
+# Seconds added to the policy's longest queue deadline for Envoy's hold cap (what
+# ``fairlane up`` does): a request released at its deadline still gets forwarded.
+HOLD_MARGIN_S = 10.0
+
+_TOP_KEYS = (
+    "listen",
+    "admin",
+    "service",
+    "backends",
+    "policy",
+    "max_body_bytes",
+    "longest_hold_s",
+    "max_held_requests",
+    "message_timeout_s",
+    "access_log_path",
+)
+_ADDRESS_KEYS = ("host", "port")
+_BACKEND_KEYS = ("url", "region", "weight")
+
+
+class DeploymentError(ValueError):
+    """Every problem found in a deployment file, one ``file:line: field: message`` each."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+@dataclass(frozen=True)
+class TierHedging:
+    """What Envoy does for one tier's requests (the service sets the per-request headers)."""
+
+    tier: str
+    per_try_timeout_ms: int | None
+    """``hedge_after_ms``: after this long without response headers Envoy sends a copy to
+    the next listed endpoint. None: the tier is not hedged."""
+    slo_ttft_ms: int | None
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A validated deployment file and the policy it names."""
+
+    source: str
+    policy_path: Path
+    policy: Policy
+    params: EnvoyParams
+
+    def hedging(self) -> list[TierHedging]:
+        """Per tier, most urgent first: hedged or not, and with which per-try timeout."""
+        return [
+            TierHedging(tier.name, tier.hedge_after_ms, tier.slo_ttft_ms)
+            for tier in self.policy.tiers
+        ]
+
+
+def load_deployment(path: str | os.PathLike[str]) -> Deployment:
+    """Read and validate the deployment file at ``path`` and the policy it names.
+
+    Raises :class:`DeploymentError` listing every problem (the policy's own problems keep
+    the policy file's name and lines).
+    """
+    filename = os.fspath(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise DeploymentError([f"{filename}: cannot read: {exc.strerror or exc}"]) from None
+    except UnicodeDecodeError:
+        raise DeploymentError([f"{filename}: the file is not valid UTF-8"]) from None
+    return parse_deployment(text, filename, base_dir=Path(path).resolve().parent)
+
+
+def parse_deployment(
+    text: str, filename: str = "<deployment>", base_dir: Path | None = None
+) -> Deployment:
+    """Validate a deployment in ``text``; a relative ``policy`` is taken from ``base_dir``."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark is not None else 1
+        problem = " ".join(str(p) for p in (exc.context, exc.problem) if p)
+        raise DeploymentError([f"{filename}:{line}: YAML syntax error: {problem}"]) from None
+    reader = _Reader(filename)
+    if root is None:
+        reader.error(None, "", "the deployment is empty (it needs at least `backends`)")
+        raise DeploymentError(reader.errors)
+    deployment = _read(reader, root, base_dir or Path.cwd())
+    if reader.errors or deployment is None:
+        raise DeploymentError(reader.errors)
+    return deployment
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class _Reader:
+    """Turns nodes into values, recording located errors instead of stopping at the first."""
+
+    def __init__(self, filename: str) -> None:
+        self.filename = filename
+        self.errors: list[str] = []
+        self._constructor = SafeConstructor()
+
+    def error(self, node: Node | None, path: str, message: str) -> None:
+        line = node.start_mark.line + 1 if node is not None else 1
+        where = f"{path}: " if path else ""
+        self.errors.append(f"{self.filename}:{line}: {where}{message}")
+
+    def mapping(self, node: Node, path: str, keys: tuple[str, ...]) -> dict[str, Node]:
+        if not isinstance(node, MappingNode):
+            self.error(node, path or "(top level)", f"must be a mapping, not {_kind(node)}")
+            return {}
+        items: dict[str, Node] = {}
+        for key_node, value_node in node.value:
+            key = self._scalar(key_node) if isinstance(key_node, ScalarNode) else None
+            sub = f"{path}.{key}" if path else str(key)
+            if not isinstance(key, str):
+                self.error(key_node, path, "keys must be strings")
+            elif key not in keys:
+                self.error(key_node, sub, f"unknown key (known: {', '.join(keys)})")
+            elif key in items:
+                self.error(key_node, sub, "is given twice")
+            else:
+                items[key] = value_node
+        return items
+
+    def value(self, node: Node, path: str, kind: type, check: Callable[[Any], str | None]) -> Any:
+        """A scalar of type ``kind`` that passes ``check`` (which returns a complaint)."""
+        value = self._scalar(node) if isinstance(node, ScalarNode) else None
+        if isinstance(value, bool) or not isinstance(value, kind):
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            else:
+                wanted = {int: "an integer", float: "a number", str: "a string"}[kind]
+                self.error(node, path, f"must be {wanted}, not {_kind(node)}")
+                return None
+        complaint = check(value)
+        if complaint:
+            self.error(node, path, complaint)
+            return None
+        return value
+
+    def _scalar(self, node: Node) -> Any:
+        return self._constructor.construct_object(node, deep=True)
+
+
+def _kind(node: Node) -> str:
+    if isinstance(node, MappingNode):
+        return "a mapping"
+    if isinstance(node, SequenceNode):
+        return "a list"
+    tag = node.tag.rsplit(":", 1)[-1]
+    return {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean"}.get(
+        tag, "null" if tag == "null" else tag
+    )
+
+
+def _port(allow_zero: bool) -> Callable[[Any], str | None]:
+    low = 0 if allow_zero else 1
+    return lambda v: None if low <= v <= 65535 else f"must be in [{low}, 65535], got {v}"
+
+
+def _non_empty(value: str) -> str | None:
+    return None if value.strip() else "must not be empty"
+
+
+def _positive(value: Any) -> str | None:
+    return None if value > 0 else "must be positive"
+
+
+def _hold_range(value: Any) -> str | None:
+    if 0 < value <= MAX_MESSAGE_TIMEOUT_S:
+        return None
+    return f"must be in (0, {MAX_MESSAGE_TIMEOUT_S:.0f}] (ext_proc's max_message_timeout)"
+
+
+def _read(reader: _Reader, root: Node, base_dir: Path) -> Deployment | None:
+    top = reader.mapping(root, "", _TOP_KEYS)
+    if not isinstance(root, MappingNode):
+        return None
+    kwargs: dict[str, Any] = {}
+    for key, (host_field, port_field), allow_zero in (
+        ("listen", ("listen_host", "listen_port"), True),
+        ("admin", ("admin_host", "admin_port"), True),
+        ("service", ("extproc_host", "extproc_port"), False),
+    ):
+        if key in top:
+            address = reader.mapping(top[key], key, _ADDRESS_KEYS)
+            if "host" in address:
+                kwargs[host_field] = reader.value(address["host"], f"{key}.host", str, _non_empty)
+            if "port" in address:
+                kwargs[port_field] = reader.value(
+                    address["port"], f"{key}.port", int, _port(allow_zero)
+                )
+    if "backends" in top:
+        kwargs["backends"] = _read_backends(reader, top["backends"])
+    else:
+        reader.error(root, "backends", "is required (the vLLM servers Envoy routes to)")
+    policy_path, policy = _read_policy(reader, top.get("policy"), base_dir)
+    for key, kind, check in (
+        ("max_body_bytes", int, _positive),
+        ("max_held_requests", int, _positive),
+        ("longest_hold_s", float, _hold_range),
+        ("message_timeout_s", float, _hold_range),
+        ("access_log_path", str, _non_empty),
+    ):
+        if key in top:
+            kwargs[key] = reader.value(top[key], key, kind, check)
+    if reader.errors or policy is None or policy_path is None:
+        return None
+    kwargs.setdefault("max_body_bytes", policy.max_body_bytes)
+    longest_deadline = max(tier.queue_deadline_s for tier in policy.tiers)
+    kwargs.setdefault(
+        "longest_hold_s", min(MAX_MESSAGE_TIMEOUT_S, longest_deadline + HOLD_MARGIN_S)
+    )
+    kwargs.setdefault("max_held_requests", max(1, sum(tier.queue_limit for tier in policy.tiers)))
+    try:
+        params = EnvoyParams(**kwargs)
+    except EnvoyConfigError as exc:  # cross-field problems (a backend listed twice, ...)
+        reader.error(root, "", str(exc))
+        return None
+    return Deployment(reader.filename, policy_path, policy, params)
+
+
+def _read_backends(reader: _Reader, node: Node) -> tuple[BackendSpec, ...]:
+    if not isinstance(node, SequenceNode) or not node.value:
+        reader.error(node, "backends", "must be a non-empty list of {url, region, weight}")
+        return ()
+    specs: list[BackendSpec] = []
+    seen: dict[str, int] = {}
+    for index, item in enumerate(node.value):
+        path = f"backends[{index}]"
+        fields = reader.mapping(item, path, _BACKEND_KEYS)
+        if not isinstance(item, MappingNode):
+            continue
+        if "url" not in fields:
+            reader.error(item, f"{path}.url", "is required (http://IP:PORT)")
+            continue
+        url = reader.value(fields["url"], f"{path}.url", str, _non_empty)
+        region = (
+            reader.value(fields["region"], f"{path}.region", str, _non_empty)
+            if "region" in fields
+            else "default"
+        )
+        weight = (
+            reader.value(
+                fields["weight"],
+                f"{path}.weight",
+                int,
+                lambda v: None if v >= 1 else "must be >= 1",
+            )
+            if "weight" in fields
+            else 1
+        )
+        if url is None or region is None or weight is None:
+            continue
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme != "http" or not parts.hostname or port is None:
+            reader.error(fields["url"], f"{path}.url", f"expected http://IP:PORT, got {url!r}")
+            continue
+        try:
+            spec = BackendSpec(parts.hostname, port, region.strip(), weight)
+        except ValueError as exc:
+            reader.error(fields["url"], f"{path}.url", str(exc))
+            continue
+        if spec.address in seen:
+            reader.error(
+                fields["url"],
+                f"{path}.url",
+                f"{spec.address} is already backends[{seen[spec.address]}]",
+            )
+            continue
+        seen[spec.address] = index
+        specs.append(spec)
+    return tuple(specs)
+
+
+def _read_policy(
+    reader: _Reader, node: Node | None, base_dir: Path
+) -> tuple[Path | None, Policy | None]:
+    if node is None:
+        path = DEFAULT_POLICY_PATH
+    else:
+        name = reader.value(node, "policy", str, _non_empty)
+        if name is None:
+            return None, None
+        path = Path(name).expanduser()
+        if not path.is_absolute():
+            path = (base_dir / path).resolve()
+        if not path.is_file():
+            reader.error(node, "policy", f"no such file: {path}")
+            return None, None
+    try:
+        return path, load_policy(path)
+    except PolicyError as exc:
+        for problem in exc.errors:
+            reader.error(node, "policy", problem)
+        return path, None

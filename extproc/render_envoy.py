@@ -1,0 +1,361 @@
+"""``fairlane render-envoy``: the Envoy bootstrap (or the mesh snippet) for a deployment file.
+
+Three checks stand between the deployment YAML and a file Envoy will run:
+
+1. the deployment and its policy are validated (``extproc.deployment``), every problem
+   reported as ``file:line: field: message``;
+2. the rendered dicts are parsed into envoy-data-plane's typed messages (``Bootstrap``).
+   betterproto2's ``from_dict`` rejects unknown fields, wrong types and unknown enum values,
+   and unpacks every ``typed_config`` (a ``google.protobuf.Any``) into its own message class,
+   so nested extension configs are checked too. ``Any`` resolves type URLs through a
+   registry filled on import, so the modules for every ``@type`` in the dict are imported
+   first; an ``@type`` without a module is an error, not a silent pass;
+3. ``envoy --mode validate`` on the exact YAML that is written (unless ``--no-validate``):
+   the only check that knows extension names and semantic constraints.
+
+The YAML written is the rendered dict, not ``Bootstrap.to_dict()``: betterproto2 0.9
+snake-cases ``consecutive_5xx`` as ``consecutive_5_xx`` in both directions (see
+:func:`_proto_field_names`), so its output would not be a config Envoy accepts.
+
+envoy-data-plane costs about a second to import; only this command imports it (lazily), so
+the service's request path never pays for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import re
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.deployment import Deployment, DeploymentError, load_deployment
+from extproc.envoy_config import (
+    BACKEND_MAX_RETRIES,
+    NUM_RETRIES,
+    RETRY_ON,
+    EnvoyConfigError,
+    extproc_cluster,
+    render_bootstrap,
+    render_mesh_snippet,
+    render_mesh_snippet_yaml,
+    render_yaml,
+    validate,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_DEPLOYMENT = REPO / "deploy" / "fairlane.yaml"
+_TYPE_URL_PREFIX = "type.googleapis.com/"
+_BOOTSTRAP_URL = _TYPE_URL_PREFIX + "envoy.config.bootstrap.v3.Bootstrap"
+_SNAKE = re.compile(r"[a-z][a-z0-9_]*")
+
+
+class TypedCheckError(ValueError):
+    """envoy-data-plane's typed messages refused the rendered config."""
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """What ``render-envoy`` produced: the text to write and the dict Envoy will validate."""
+
+    text: str
+    bootstrap: dict[str, Any]
+    """A whole bootstrap: the config itself, or the snippet wrapped in a minimal one."""
+    bootstrap_text: str
+    """``bootstrap`` as Envoy validates it: ``text`` itself, or the wrapped snippet."""
+    typed_configs: int
+    """How many ``typed_config`` Any messages the typed check unpacked."""
+
+
+# --------------------------------------------------------------------------- typed check
+
+
+def type_urls(config: Any) -> set[str]:
+    """Every ``@type`` in a proto3-JSON-shaped dict (the nested typed_configs)."""
+    found: set[str] = set()
+    stack = [config]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("@type"), str):
+                found.add(item["@type"])
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
+
+
+def _message_class(type_url: str) -> Any:
+    """Import the envoy-data-plane module for ``type_url`` (registering its messages for
+    ``Any``) and return the message class."""
+    name = type_url.rsplit("/", 1)[-1]
+    parts = name.split(".")
+    split = next((i for i, part in enumerate(parts) if part[:1].isupper()), None)
+    if split is None or split == 0:
+        raise TypedCheckError(f"@type {type_url!r} does not name a message")
+    module_name = "envoy_data_plane." + ".".join(parts[:split])
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise TypedCheckError(
+            f"@type {type_url!r}: envoy-data-plane has no module {module_name} ({exc})"
+        ) from None
+    cls: Any = module
+    for part in parts[split:]:
+        cls = getattr(cls, part, None)
+        if cls is None:
+            raise TypedCheckError(f"@type {type_url!r}: no message {name} in envoy-data-plane")
+    return cls
+
+
+@contextlib.contextmanager
+def _proto_field_names() -> Iterator[None]:
+    """Work around betterproto2 0.9 reading proto field names with digits.
+
+    ``from_dict`` maps every key through ``safe_snake_case``, which turns
+    ``consecutive_5xx`` into ``consecutive_5_xx`` while the generated attribute is
+    ``consecutive_5xx``, so the (correct) key is refused as unknown. Keys that are already
+    snake_case (our dicts use the proto field names) are kept as they are, only
+    keyword-sanitised; camelCase keys still go through the library's conversion.
+    """
+    import betterproto2
+    from betterproto2.casing import sanitize_name
+
+    original = betterproto2.safe_snake_case
+
+    def snake(key: str) -> str:
+        return sanitize_name(key) if _SNAKE.fullmatch(key) else original(key)
+
+    betterproto2.safe_snake_case = snake  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        betterproto2.safe_snake_case = original
+
+
+def typed_check(bootstrap: dict[str, Any]) -> Any:
+    """Parse ``bootstrap`` into envoy-data-plane's ``Bootstrap``; return the message.
+
+    Raises :class:`TypedCheckError` naming the message that refused a field or value.
+    """
+    urls = type_urls(bootstrap)
+    with warnings.catch_warnings():
+        # envoy-data-plane's generated validators trip pydantic 2.12 deprecation warnings
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for url in sorted(urls | {_BOOTSTRAP_URL}):
+            _message_class(url)
+    bootstrap_cls = _message_class(_BOOTSTRAP_URL)
+    try:
+        with _proto_field_names():
+            return bootstrap_cls.from_dict(bootstrap)
+    except (KeyError, TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        detail = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        raise TypedCheckError(f"{type(exc).__name__}: {detail}") from None
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def wrap_snippet(snippet: dict[str, Any]) -> dict[str, Any]:
+    """A minimal bootstrap around the mesh snippet, as a user would paste it: one listener
+    with the snippet's settings, filter and route, plus the snippet's clusters."""
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network."
+        "http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "mesh",
+        **snippet["http_connection_manager_settings"],
+        "route_config": {
+            "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": snippet["routes"]}]
+        },
+        "http_filters": [
+            *snippet["http_filters"],
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                },
+            },
+        ],
+    }
+    listener = {
+        "name": "mesh",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": 10000}},
+        **snippet["listener_settings"],
+        "filter_chains": [
+            {
+                "filters": [
+                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                ]
+            }
+        ],
+    }
+    return {"static_resources": {"listeners": [listener], "clusters": snippet["clusters"]}}
+
+
+def render(deployment: Deployment, snippet: bool = False) -> Rendered:
+    """Render the bootstrap (or the snippet) for ``deployment`` and typed-check it."""
+    params = deployment.params
+    generated_by = (
+        f"GENERATED by `fairlane render-envoy{' --snippet' if snippet else ''} "
+        f"{_shown(deployment.source)}`\nfrom extproc/envoy_config.py and the policy "
+        f"{_shown(deployment.policy_path)}.\nDo not edit by hand: change the deployment or "
+        "the policy and render again."
+    )
+    if snippet:
+        text = render_mesh_snippet_yaml(params, generated_by=generated_by)
+        bootstrap = wrap_snippet(render_mesh_snippet(params))
+    else:
+        text = render_yaml(params, header=generated_by)
+        bootstrap = render_bootstrap(params)
+    # What Envoy will read is the text: check the dict parsed back from it, not the one we
+    # hoped to dump.
+    written = yaml.safe_load(text)
+    if (wrap_snippet(written) if snippet else written) != bootstrap:
+        raise TypedCheckError("the YAML written does not read back as the rendered config")
+    typed_check(bootstrap)
+    bootstrap_text = yaml.safe_dump(bootstrap, sort_keys=False) if snippet else text
+    return Rendered(text, bootstrap, bootstrap_text, _count_typed_configs(bootstrap))
+
+
+def _shown(path: str | os.PathLike[str]) -> str:
+    """``path`` relative to the working directory when it is below it (shorter headers)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return os.fspath(path)
+
+
+def _count_typed_configs(config: Any) -> int:
+    if isinstance(config, dict):
+        own = 1 if "@type" in config else 0
+        return own + sum(_count_typed_configs(v) for v in config.values())
+    if isinstance(config, list):
+        return sum(_count_typed_configs(v) for v in config)
+    return 0
+
+
+def envoy_validate(rendered: Rendered) -> None:
+    """``envoy --mode validate`` on the exact text (a temporary file; nothing is bound), so
+    a file appears at ``-o`` only once Envoy accepted it."""
+    with tempfile.TemporaryDirectory(prefix="fairlane-render-") as tmp:
+        path = Path(tmp) / "envoy.yaml"
+        path.write_text(rendered.bootstrap_text)
+        validate(path)
+
+
+def report(deployment: Deployment, rendered: Rendered, validated: bool) -> str:
+    """A human summary of what Envoy will do (stderr, so stdout stays pure YAML)."""
+    params = deployment.params
+    extproc_limit = extproc_cluster(params)["circuit_breakers"]["thresholds"][0]["max_requests"]
+    lines = [
+        f"deployment {_shown(deployment.source)} (policy {_shown(deployment.policy_path)})",
+        f"  listener {params.listen_host}:{params.listen_port}, admin "
+        f"{params.admin_host}:{params.admin_port}, ext_proc service "
+        f"{params.extproc_host}:{params.extproc_port}",
+        "  regions as priority levels (failover in this order; overprovisioning factor 140):",
+    ]
+    for priority, region in enumerate(params.regions):
+        hosts = ", ".join(
+            f"{b.address} (weight {b.weight})" for b in params.backends if b.region == region
+        )
+        lines.append(f"    priority {priority}: {region}: {hosts}")
+    lines.append(
+        f"  retries: retry_on {RETRY_ON}, num_retries {NUM_RETRIES}, "
+        "previous_hosts + previous_priorities"
+    )
+    lines.append("  hedging (set per request by the service; counts against num_retries):")
+    for hedge in deployment.hedging():
+        target = f", slo_ttft_ms {hedge.slo_ttft_ms}" if hedge.slo_ttft_ms is not None else ""
+        if hedge.per_try_timeout_ms is None:
+            lines.append(f"    {hedge.tier}: off{target}")
+        else:
+            ratio = (
+                f" ({hedge.per_try_timeout_ms / hedge.slo_ttft_ms:.1f}x the TTFT target)"
+                if hedge.slo_ttft_ms
+                else ""
+            )
+            lines.append(
+                f"    {hedge.tier}: on, per-try timeout {hedge.per_try_timeout_ms} ms"
+                f"{target}{ratio}"
+            )
+    lines += [
+        "  health checks: /health every 5s (no_traffic_interval 5s); outlier detection on",
+        f"  circuit breakers: backends max_retries {BACKEND_MAX_RETRIES}; ext_proc max_requests "
+        f"{extproc_limit} (policy queues hold {params.max_held_requests})",
+        f"  longest hold {params.longest_hold_s:g}s, max body {params.max_body_bytes} bytes",
+        f"  typed check: OK (envoy-data-plane Bootstrap, {rendered.typed_configs} typed configs)",
+        "  envoy --mode validate: " + ("OK" if validated else "skipped (--no-validate)"),
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "deployment",
+        nargs="?",
+        type=Path,
+        default=DEFAULT_DEPLOYMENT,
+        help="deployment YAML (default: deploy/fairlane.yaml of this checkout)",
+    )
+    parser.add_argument(
+        "--snippet",
+        action="store_true",
+        help="only the ext_proc filter, route, settings and clusters for an existing Envoy",
+    )
+    parser.add_argument(
+        "-o", "--output", type=Path, default=None, help="write here instead of stdout"
+    )
+    parser.add_argument("--no-validate", action="store_true", help="skip `envoy --mode validate`")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        deployment = load_deployment(args.deployment)
+        rendered = render(deployment, snippet=args.snippet)
+        if not args.no_validate:
+            envoy_validate(rendered)
+    except DeploymentError as exc:
+        print(f"fairlane render-envoy: invalid deployment:\n{exc}", file=sys.stderr)
+        return 1
+    except TypedCheckError as exc:
+        print(f"fairlane render-envoy: typed check failed: {exc}", file=sys.stderr)
+        return 1
+    except EnvoyConfigError as exc:
+        print(f"fairlane render-envoy: {exc}", file=sys.stderr)
+        return 1
+    if args.output is None:
+        sys.stdout.write(rendered.text)
+    else:
+        _write_atomically(args.output, rendered.text)
+    if not args.quiet:
+        print(report(deployment, rendered, not args.no_validate), file=sys.stderr)
+        if args.output is not None:
+            print(f"  written to {args.output}", file=sys.stderr)
+    return 0
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` only with a complete file (Envoy may be restarted on it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

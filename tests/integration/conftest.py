@@ -7,7 +7,7 @@ fill and deadlines pass within seconds.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,17 @@ SIM_ARGS = ("--scheduling-policy", "priority", "--profile", "llama-8b-l4", "--mo
 MODEL = "sim-model"
 
 
-def start_stack(tmp: Path, policy_text: str = TEST_POLICY) -> tuple[ProcessGroup, Stack]:
+def start_stack(
+    tmp: Path,
+    policy_text: str = TEST_POLICY,
+    *,
+    sim_regions: tuple[str, ...] = ("region-a",),
+    sim_args: tuple[str, ...] = SIM_ARGS,
+    sim_extra_args: Mapping[int, tuple[str, ...]] | None = None,
+) -> tuple[ProcessGroup, Stack]:
+    """A stack with the test policy and one simulator by default; the keyword arguments
+    give several (``sim_regions``, the first region named is the local one) and per-
+    simulator flags (``sim_extra_args`` by index, e.g. fault injection)."""
     policy = tmp / "policy.yaml"
     policy.write_text(policy_text)
     group = ProcessGroup(tmp / "logs")
@@ -69,8 +79,9 @@ def start_stack(tmp: Path, policy_text: str = TEST_POLICY) -> tuple[ProcessGroup
         config = StackConfig(
             port=free_port(),
             policy_path=policy,
-            sim_regions=("region-a",),
-            sim_args=SIM_ARGS,
+            sim_regions=sim_regions,
+            sim_args=sim_args,
+            sim_extra_args=dict(sim_extra_args or {}),
             sim_log_requests=True,
         )
         stack = Stack(config, group).start()
@@ -92,9 +103,26 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def backend_requests(stack: Stack) -> list[dict[str, Any]]:
     """Every request the (single) simulated backend received, oldest first."""
     (log,) = stack.request_logs.values()
+    return read_request_log(log)
+
+
+def read_request_log(log: Path) -> list[dict[str, Any]]:
+    """Every request one simulator logged, oldest first (a line being written is skipped)."""
     if not log.exists():
         return []
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    records = []
+    for line in log.read_text().splitlines():
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+def requests_by_backend(stack: Stack) -> dict[str, list[dict[str, Any]]]:
+    """Backend address -> every request its simulator logged, oldest first."""
+    return {address: read_request_log(log) for address, log in stack.request_logs.items()}
 
 
 def chat(content: str = "Hello there", max_tokens: int = 4, **extra: Any) -> dict[str, Any]:

@@ -1,0 +1,367 @@
+"""Faults through the real Envoy (issue: endpoint picking; hedging and regional failover).
+
+Each test starts its own small stack (Envoy, the service, two or three simulators) and
+breaks one thing: a backend killed mid-run, a whole region killed and brought back, a
+backend slow to answer, backends whose ``/metrics`` is garbage or never answers. Requests
+carry an ``x-test-id`` header, and the simulators' request logs say which backend each one
+reached (a hedged request reaches two).
+
+The assertions hold for any sane picker: a dead, unhealthy or unscrapable backend is never
+chosen, and on a tie the local (first-named) region wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from extproc.stack import Stack
+from tests.integration.conftest import auth, requests_by_backend, start_stack
+
+pytestmark = pytest.mark.integration
+
+CHAT = "/v1/chat/completions"
+MODEL = "sim-model"
+# The default profile (8B on an H100, ~6 ms a step): a short answer takes a few tens of
+# ms, well inside the 300 ms per-try timeout of the hedged tier.
+FAULT_SIM_ARGS = ("--scheduling-policy", "priority", "--model", MODEL)
+HEDGE_AFTER_MS = 300
+SLOW_S = 3.0
+
+# Loose gates and room for every test's traffic: only the faults decide where requests go.
+FAULT_POLICY = f"""\
+max_body_bytes: 65536
+max_in_flight_per_backend: 32
+on_escalation: downgrade
+user_header: x-user-id
+tiers:
+  - name: interactive
+    aliases: [high]
+    priority: 0
+    queue_limit: 64
+    queue_deadline_s: 10
+    hedge_after_ms: {HEDGE_AFTER_MS}
+    gate: {{max_waiting: 16}}
+  - name: api
+    aliases: [normal]
+    priority: 10
+    queue_limit: 64
+    queue_deadline_s: 10
+    gate: {{max_waiting: 16}}
+  - name: batch
+    aliases: [low]
+    priority: 20
+    queue_limit: 64
+    queue_deadline_s: 10
+    gate: {{max_waiting: 16, max_itl_ms: null}}
+tenants:
+  - name: chat-app
+    api_keys: [sk-chat-demo]
+    tiers: [interactive]
+  - name: code-review
+    api_keys: [sk-api-demo]
+    tiers: [api]
+  - name: nightly-batch
+    api_keys: [sk-batch-demo]
+    tiers: [batch]
+"""
+
+CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+
+
+@dataclass
+class Outcome:
+    test_id: str
+    sent_at: float  # time.time(), as in the simulators' logs
+    elapsed_s: float
+    status: int  # 0: the client got no response (connection error or timeout)
+    error: str = ""
+
+
+@contextlib.asynccontextmanager
+async def fault_stack(
+    tmp: Path,
+    regions: tuple[str, ...],
+    extra: Mapping[int, tuple[str, ...]] | None = None,
+) -> AsyncIterator[Stack]:
+    group, stack = await asyncio.to_thread(
+        start_stack,
+        tmp,
+        FAULT_POLICY,
+        sim_regions=regions,
+        sim_args=FAULT_SIM_ARGS,
+        sim_extra_args=extra,
+    )
+    try:
+        yield stack
+    finally:
+        await asyncio.to_thread(group.stop)
+
+
+def chat(max_tokens: int = 4, stream: bool = False) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hello there"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+async def send(
+    session: aiohttp.ClientSession,
+    stack: Stack,
+    test_id: str,
+    key: str = "sk-api-demo",
+    max_tokens: int = 4,
+    timeout: float = 15,
+) -> Outcome:
+    """One non-streamed chat completion; never raises."""
+    headers = {**auth(key), "x-test-id": test_id}
+    sent_at, started = time.time(), time.monotonic()
+    try:
+        async with session.post(
+            stack.url + CHAT,
+            json=chat(max_tokens),
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        ) as r:
+            body = await r.read()
+            error = "" if r.status == 200 else body[:300].decode(errors="replace")
+            return Outcome(test_id, sent_at, time.monotonic() - started, r.status, error)
+    except CLIENT_ERRORS as exc:
+        return Outcome(test_id, sent_at, time.monotonic() - started, 0, repr(exc))
+
+
+def where(stack: Stack, test_id: str) -> list[str]:
+    """The backends (addresses) that received the request ``test_id``."""
+    return [
+        address
+        for address, records in requests_by_backend(stack).items()
+        if any(r["headers"].get("x-test-id") == test_id for r in records)
+    ]
+
+
+def record_of(stack: Stack, address: str, test_id: str) -> dict[str, Any]:
+    (record,) = [
+        r for r in requests_by_backend(stack)[address] if r["headers"].get("x-test-id") == test_id
+    ]
+    return record
+
+
+async def gateway_metrics_answer(stack: Stack) -> bool:
+    url = f"http://127.0.0.1:{stack.metrics_port}/metrics"
+    timeout = aiohttp.ClientTimeout(total=3)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as r:
+            return r.status == 200 and "fairlane_" in await r.text()
+    except CLIENT_ERRORS:
+        return False
+
+
+# ----------------------------------------------------------------------------- the tests
+
+
+async def test_killed_backend_costs_no_non_streamed_request(tmp_path: Path) -> None:
+    """Kill one of two same-region backends under a trickle of non-streamed requests: none
+    fails (a connect failure or reset is retried on the alternate), a stream already
+    running there ends (cut, not hung), and afterwards everything reaches the survivor."""
+    async with (
+        fault_stack(tmp_path, ("region-a", "region-a")) as stack,
+        aiohttp.ClientSession() as session,
+    ):
+        # A long stream (3000 tokens, ~20 s) that has started: the victim is its backend.
+        stream_headers = {**auth("sk-api-demo"), "x-test-id": "stream"}
+        stream = await session.post(
+            stack.url + CHAT, json=chat(3000, stream=True), headers=stream_headers
+        )
+        assert stream.status == 200
+        for _ in range(3):
+            line = await asyncio.wait_for(stream.content.readuntil(b"\n\n"), 5)
+            assert line.startswith(b"data: {")
+        (victim,) = where(stack, "stream")
+        (survivor,) = [b.address for b in stack.backends if b.address != victim]
+
+        outcomes: list[Outcome] = []
+        stop_at = time.monotonic() + 6.0
+
+        async def worker(w: int) -> None:
+            n = 0
+            while time.monotonic() < stop_at:
+                outcomes.append(await send(session, stack, f"w{w}-{n}", max_tokens=8))
+                n += 1
+                await asyncio.sleep(0.1)
+
+        workers = [asyncio.create_task(worker(w)) for w in range(10)]
+        await asyncio.sleep(2.0)
+        killed_at = time.time()
+        await asyncio.to_thread(stack.kill_simulator, victim)
+
+        # The stream that was running on the victim ends, with an error or cut short.
+        cut_started = time.monotonic()
+        stream_error: BaseException | None = None
+        rest = b""
+        try:
+            rest = await asyncio.wait_for(stream.content.read(), 10)
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            stream_error = exc
+        finally:
+            stream.close()
+        stream_ended_s = time.monotonic() - cut_started
+        assert stream_ended_s < 5, f"the cut stream took {stream_ended_s:.1f}s to end"
+        assert stream_error is not None or b"[DONE]" not in rest
+
+        await asyncio.gather(*workers)
+        failed = [o for o in outcomes if o.status != 200]
+        assert not failed, failed[:5]
+        assert len(outcomes) > 50  # a real trickle ran across the kill
+
+        after = [o for o in outcomes if o.sent_at > killed_at]
+        assert len(after) > 20
+        logs = requests_by_backend(stack)
+        on_survivor = {r["headers"].get("x-test-id"): r for r in logs[survivor]}
+        on_victim = {r["headers"].get("x-test-id") for r in logs[victim]}
+        for o in after:
+            assert o.test_id in on_survivor, o
+            assert o.test_id not in on_victim, o
+        # Within ~2 s of the kill the service no longer lists the dead backend at all
+        # (failed scrapes at once, failed /health within a second).
+        late = [o for o in after if o.sent_at > killed_at + 2.0]
+        assert late
+        for o in late:
+            endpoints = on_survivor[o.test_id]["headers"]["x-gateway-destination-endpoint"]
+            assert victim not in endpoints.split(","), (o, endpoints)
+
+
+async def test_region_fails_over_and_traffic_returns(tmp_path: Path) -> None:
+    """Kill both region-a backends: region-b serves everything; bring them back (same
+    ports): within a few seconds requests go to the local region again."""
+    async with (
+        fault_stack(tmp_path, ("region-a", "region-a", "region-b")) as stack,
+        aiohttp.ClientSession() as session,
+    ):
+        region_a = {b.address for b in stack.backends if b.region == "region-a"}
+        (region_b,) = [b.address for b in stack.backends if b.region == "region-b"]
+
+        for n in range(4):
+            outcome = await send(session, stack, f"before-{n}")
+            assert outcome.status == 200, outcome
+            assert set(where(stack, outcome.test_id)) <= region_a, outcome
+
+        for address in sorted(region_a):
+            await asyncio.to_thread(stack.kill_simulator, address)
+        during: list[Outcome] = []
+        until = time.monotonic() + 2.0
+        n = 0
+        while time.monotonic() < until:
+            batch = await asyncio.gather(*(send(session, stack, f"down-{n}-{i}") for i in range(3)))
+            during.extend(batch)
+            n += 1
+        assert len(during) >= 9
+        assert all(o.status == 200 for o in during), [o for o in during if o.status != 200]
+        for o in during:
+            assert where(stack, o.test_id) == [region_b], o
+
+        for address in sorted(region_a):
+            await asyncio.to_thread(stack.restart_simulator, address)
+        restarted = time.monotonic()
+        back_after: float | None = None
+        n = 0
+        while time.monotonic() - restarted < 8:
+            outcome = await send(session, stack, f"back-{n}")
+            assert outcome.status == 200, outcome
+            if set(where(stack, outcome.test_id)) <= region_a:
+                back_after = time.monotonic() - restarted
+                break
+            n += 1
+            await asyncio.sleep(0.1)
+        assert back_after is not None, "traffic never returned to region-a"
+        assert back_after < 5, f"traffic returned to region-a only after {back_after:.1f}s"
+        for n in range(4):
+            outcome = await send(session, stack, f"home-{n}")
+            assert outcome.status == 200, outcome
+            assert set(where(stack, outcome.test_id)) <= region_a, outcome
+
+
+async def test_slow_backend_is_hedged_for_interactive_only(tmp_path: Path) -> None:
+    """The local backend holds its response headers 3 s (past interactive's 300 ms per-try
+    timeout); the remote one is fast. Interactive requests (plain and streamed) are hedged
+    and answered by the remote one well before 3 s; a batch request is not hedged."""
+    extra = {0: ("--fault-delay-headers-s", str(SLOW_S))}
+    async with (
+        fault_stack(tmp_path, ("region-a", "region-b"), extra) as stack,
+        aiohttp.ClientSession() as session,
+    ):
+        slow, fast = (b.address for b in stack.backends)
+
+        outcome = await send(session, stack, "hedged", key="sk-chat-demo")
+        assert outcome.status == 200, outcome
+        assert outcome.elapsed_s < 1.5, outcome
+        # The slow (local, first-listed) backend got it first, the hedge went to the other.
+        assert sorted(where(stack, "hedged")) == sorted([slow, fast])
+        first, second = record_of(stack, slow, "hedged"), record_of(stack, fast, "hedged")
+        assert second["time"] - first["time"] >= HEDGE_AFTER_MS / 1000 - 0.05
+
+        headers = {**auth("sk-chat-demo"), "x-test-id": "hedged-stream"}
+        started = time.monotonic()
+        async with session.post(stack.url + CHAT, json=chat(4, stream=True), headers=headers) as r:
+            assert r.status == 200
+            headers_after = time.monotonic() - started
+            body = await r.read()
+        assert headers_after < 1.5
+        assert body.rstrip().endswith(b"data: [DONE]")
+        assert sorted(where(stack, "hedged-stream")) == sorted([slow, fast])
+
+        # The hedged-away attempts were reset; let the gateway see both requests finish.
+        await asyncio.sleep(0.5)
+        outcome = await send(session, stack, "batch", key="sk-batch-demo")
+        assert outcome.status == 200, outcome
+        assert where(stack, "batch") == [slow]
+        assert outcome.elapsed_s >= SLOW_S - 0.1, outcome
+
+
+async def test_garbage_or_hanging_metrics_backends_are_never_picked(tmp_path: Path) -> None:
+    """Two local backends answer /metrics with junk or not at all (their /health is fine);
+    every request goes to the healthy remote one, and the service keeps serving."""
+    extra = {0: ("--fault-metrics", "garbage"), 1: ("--fault-metrics", "hang")}
+    async with (
+        fault_stack(tmp_path, ("region-a", "region-a", "region-b"), extra) as stack,
+        aiohttp.ClientSession() as session,
+    ):
+        garbage, hang, healthy = (b.address for b in stack.backends)
+        service = next(c for c in stack.group.children if c.name == "service")
+        keys = ("sk-chat-demo", "sk-api-demo", "sk-batch-demo")
+        outcomes: list[Outcome] = []
+
+        async def round_(name: str) -> None:
+            sends = [send(session, stack, f"{name}-{k}-{i}", k) for k in keys for i in (0, 1)]
+            outcomes.extend(await asyncio.gather(*sends))
+
+        await round_("early")  # the hanging scrape may not have timed out yet
+        # Both faults are noticed and logged: a parse error at once, the hang after the
+        # scrape timeout (0.5 s).
+        deadline = time.monotonic() + 5
+        wanted = [f"backend {address} metrics unreadable" for address in (garbage, hang)]
+        while time.monotonic() < deadline:
+            if all(w in service.log_path.read_text() for w in wanted):
+                break
+            await asyncio.sleep(0.1)
+        service_log = service.log_path.read_text()
+        assert all(w in service_log for w in wanted), service_log[-2000:]
+        for n in range(2):
+            await round_(f"late{n}")
+
+        assert all(o.status == 200 for o in outcomes), [o for o in outcomes if o.status != 200]
+        logs = requests_by_backend(stack)
+        assert not logs[garbage] and not logs[hang]
+        assert len(logs[healthy]) == len(outcomes) == 18
+        assert await gateway_metrics_answer(stack)
+        assert service.alive()

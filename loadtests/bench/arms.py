@@ -1,15 +1,26 @@
-"""Starting and stopping one arm's processes: the FIFO baseline or the fairlane gateway.
+"""Starting and stopping one arm's processes: an Envoy-only baseline or the fairlane gateway.
 
-Both arms get the same simulated fleet (count, profile, flags, speedup); only the engines'
-scheduling policy differs, as it would in production: FIFO runs vLLM's default ``fcfs``,
-fairlane runs ``priority`` so the priority it injects means something. Every process is
-started in the caller's :class:`ProcessGroup`, which stops them all, also on failure.
+Every arm gets the same simulated fleet (count, profile, flags, per-backend overrides unless
+the arm is ``balanced``, speedup); what differs is what sits in front of it and the engines'
+scheduling policy, as it would in production:
+
+* ``fifo``, ``least-request``, ``random``: a plain Envoy straight to the engines, with
+  round-robin, least-request (Envoy's default: power of two choices over active requests)
+  or random load balancing, and vLLM's default ``fcfs``. These arms send no priority, so
+  under ``priority`` every request would have the same one and the engine would order by
+  arrival anyway; ``fcfs`` keeps them what a stock deployment runs.
+* ``fairlane``: the gateway, engines on ``priority`` so the priority it injects means
+  something.
+
+Every process is started in the caller's :class:`ProcessGroup`, which stops them all, also
+on failure.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import yaml
 
@@ -17,10 +28,23 @@ from extproc import envoy_config
 from extproc.backends import BackendSpec
 from extproc.processes import ProcessGroup, free_port, wait_http_ready
 from extproc.stack import Stack, StackConfig
-from loadtests.bench.scenario import Arm, Scenario
+from loadtests.bench.scenario import ENVOY_ONLY_KINDS, Arm, Scenario
 
 REGION = "local"  # one region: the whole fleet is equally near, as in the FIFO baseline
-SCHEDULING = {"fifo": "fcfs", "fairlane": "priority"}
+SCHEDULING = {"fifo": "fcfs", "least-request": "fcfs", "random": "fcfs", "fairlane": "priority"}
+_LB = "type.googleapis.com/envoy.extensions.load_balancing_policies."
+# Envoy's load-balancing extension per Envoy-only arm kind (typed_extension_config).
+# (fifo keeps render_fifo_bootstrap's round-robin as it is.)
+LB_POLICIES: dict[str, dict[str, Any]] = {
+    "least-request": {
+        "name": "envoy.load_balancing_policies.least_request",
+        "typed_config": {"@type": _LB + "least_request.v3.LeastRequest"},
+    },
+    "random": {
+        "name": "envoy.load_balancing_policies.random",
+        "typed_config": {"@type": _LB + "random.v3.Random"},
+    },
+}
 
 
 @dataclass
@@ -30,9 +54,15 @@ class RunningArm:
     name: str
     url: str
     pids: dict[str, int] = field(default_factory=dict)
+    backend_urls: tuple[str, ...] = ()
+    """The simulators' base URLs (their /metrics give the prefix-cache counters)."""
 
 
-def sim_argv(scenario: Scenario, port: int, scheduling: str) -> list[str]:
+def sim_argv(
+    scenario: Scenario, port: int, scheduling: str, index: int = 0, balanced: bool = False
+) -> list[str]:
+    """``fairlane sim`` for backend ``index``; its override (e.g. ``--profile``) comes last
+    so it wins over the scenario-wide value."""
     return [
         sys.executable,
         "-m",
@@ -48,17 +78,17 @@ def sim_argv(scenario: Scenario, port: int, scheduling: str) -> list[str]:
         scheduling,
         "--model",
         scenario.model,
-        *scenario.backends.flags,
+        *scenario.backends.flags_of(index, balanced),
     ]
 
 
 def start_simulators(
-    scenario: Scenario, group: ProcessGroup, scheduling: str
+    scenario: Scenario, group: ProcessGroup, scheduling: str, balanced: bool = False
 ) -> tuple[BackendSpec, ...]:
     started = []
     for i in range(scenario.backends.count):
         port = free_port()
-        child = group.start(f"sim-{i}", sim_argv(scenario, port, scheduling))
+        child = group.start(f"sim-{i}", sim_argv(scenario, port, scheduling, i, balanced))
         started.append((BackendSpec("127.0.0.1", port, REGION), child))
     for spec, child in started:
         wait_http_ready(f"{spec.url}/health", child, timeout=30)
@@ -67,21 +97,35 @@ def start_simulators(
 
 def start_arm(scenario: Scenario, arm: Arm, group: ProcessGroup) -> RunningArm:
     """Start ``arm``'s processes in ``group`` and wait until they serve."""
-    backends = start_simulators(scenario, group, SCHEDULING[arm.kind])
-    if arm.kind == "fifo":
-        url = _start_fifo_envoy(backends, group)
+    backends = start_simulators(scenario, group, SCHEDULING[arm.kind], arm.balanced)
+    if arm.kind in ENVOY_ONLY_KINDS:
+        url = _start_envoy_only(backends, group, arm.kind)
     else:
         config = StackConfig(port=free_port(), policy_path=scenario.policy, backends=backends)
         url = Stack(config, group).start().url
     pids = {child.name: child.popen.pid for child in group.children}
-    return RunningArm(arm.name, url, pids)
+    return RunningArm(arm.name, url, pids, tuple(b.url for b in backends))
 
 
-def _start_fifo_envoy(backends: tuple[BackendSpec, ...], group: ProcessGroup) -> str:
+def envoy_only_bootstrap(params: envoy_config.EnvoyParams, kind: str) -> dict[str, Any]:
+    """The FIFO baseline's bootstrap (:func:`envoy_config.render_fifo_bootstrap`) with the
+    backend cluster's load balancing replaced by ``kind``'s: the same listener, timeouts
+    and cluster limits, so the arms differ in the picking only."""
+    bootstrap = envoy_config.render_fifo_bootstrap(params)
+    if kind == "fifo":
+        return bootstrap
+    clusters = bootstrap["static_resources"]["clusters"]
+    cluster = next(c for c in clusters if c["name"] == envoy_config.FIFO_CLUSTER)
+    cluster.pop("lb_policy", None)  # load_balancing_policy wins only if lb_policy is unset
+    cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": LB_POLICIES[kind]}]}
+    return bootstrap
+
+
+def _start_envoy_only(backends: tuple[BackendSpec, ...], group: ProcessGroup, kind: str) -> str:
     port, admin_port = free_port(), free_port()
     params = envoy_config.EnvoyParams(listen_port=port, admin_port=admin_port, backends=backends)
-    path = group.log_dir / "envoy-fifo.yaml"
-    path.write_text(yaml.safe_dump(envoy_config.render_fifo_bootstrap(params), sort_keys=False))
+    path = group.log_dir / f"envoy-{kind}.yaml"
+    path.write_text(yaml.safe_dump(envoy_only_bootstrap(params, kind), sort_keys=False))
     envoy = group.start("envoy", envoy_config.envoy_argv(path))
     wait_http_ready(f"http://127.0.0.1:{admin_port}/ready", envoy, timeout=30)
     return f"http://127.0.0.1:{port}"

@@ -24,6 +24,7 @@ from extproc.policy import load_policy
 from extproc.processes import NotReady, ProcessGroup
 from loadtests.bench import cpu, report
 from loadtests.bench.arms import start_arm
+from loadtests.bench.cachestats import window_hit_rate
 from loadtests.bench.client import RequestRecord, run_load
 from loadtests.bench.scenario import Scenario, ScenarioError, load_scenario
 
@@ -74,7 +75,13 @@ def run_arm(
             f"{scenario.wall_duration_s:.1f} s of load"
         )
         before = cpu.sample(running.pids)
-        load = run_load(scenario, arm.name, scenario.groups_of(arm), running.url)
+        load = run_load(
+            scenario,
+            arm.name,
+            scenario.groups_of(arm),
+            running.url,
+            tuple(f"{u}/metrics" for u in running.backend_urls),
+        )
         after = cpu.sample(running.pids)
         dead = [c.name for c in group.children if not c.alive()]
     records, capped = load.records, load.capped
@@ -85,6 +92,7 @@ def run_arm(
     if dead:
         usage.warnings.append(f"WARNING: {', '.join(dead)} exited during the run")
     summary = report.arm_summary(scenario, records)
+    summary["prefix_cache"] = window_hit_rate(*load.prefix_window).to_json()
     _log(
         f"{arm.name}: {summary['total']['ok']} ok of {summary['total']['sent']} sent, "
         f"{summary['total']['unfinished']} unfinished, {time.monotonic() - started:.1f} s wall"
@@ -93,6 +101,7 @@ def run_arm(
         _log(f"{arm.name}: {warning}")
     return records, {
         "kind": arm.kind,
+        "balanced": arm.balanced,
         "groups": [g.name for g in scenario.groups_of(arm)],
         "pids": running.pids,
         "capped": capped,
@@ -133,6 +142,7 @@ def scenario_json(scenario: Scenario) -> dict[str, Any]:
             "count": scenario.backends.count,
             "profile": scenario.backends.profile,
             "flags": list(scenario.backends.flags),
+            "overrides": {str(i): list(f) for i, f in scenario.backends.overrides},
         },
         "policy": os.path.relpath(scenario.policy),
         "time_unit": "simulated seconds (wall seconds x speedup)",
@@ -176,6 +186,15 @@ def print_summary(results: dict[str, Any], out: Path) -> None:
                 f"goodput {report.fmt(s['goodput'])} tok/s, wait max "
                 f"{report.fmt(s['wait_max'])} s, ok {s['ok']}, unfinished {s['unfinished']}"
             )
+        total = data["summary"]["total"]
+        rate = (data["summary"].get("prefix_cache") or {}).get("prefix_hit_rate")
+        print(
+            f"  {'fleet':>12}: {report.fmt(total['throughput'])} req/s, "
+            f"{report.fmt(total['goodput'])} output tok/s, TTFT p50/p90/p99 "
+            f"{report.fmt(total['ttft_p50'])}/{report.fmt(total['ttft_p90'])}/"
+            f"{report.fmt(total['ttft_p99'])} s, e2e p99 {report.fmt(total['e2e_p99'])} s, "
+            f"prefix-cache hit rate {'-' if rate is None else f'{rate:.1%}'}"
+        )
         cores = ", ".join(f"{p} {c:.2f}" for p, c in data["cpu"]["cores"].items())
         print(f"  CPU cores: {cores}; machine {data['cpu']['machine_cores']:.2f}")
         for warning in data["cpu"]["warnings"]:

@@ -22,9 +22,10 @@ from typing import Any
 
 import aiohttp
 
+from loadtests.bench.cachestats import PrefixCounters, parse_prefix_counters
 from loadtests.bench.cpu import machine_busy_seconds
 from loadtests.bench.scenario import Group, Scenario
-from loadtests.bench.workload import RequestShape, chat_body, open_loop_schedule, shape
+from loadtests.bench.workload import RequestShape, chat_body, client_shapes, open_loop_schedule
 
 CHAT_PATH = "/v1/chat/completions"
 QUEUE_HEADER = "x-fairlane-queue-ms"
@@ -60,6 +61,9 @@ class RequestRecord:
     """``x-fairlane-queue-ms`` as sent by the gateway (wall milliseconds)."""
     served_tier: str | None = None
     error: str | None = None
+    conversation: int | None = None
+    """Shared-prefix groups: the client's conversation number, and the turn in it."""
+    turn: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,7 +73,12 @@ class LoadRun:
     """Plays ``groups`` against ``base_url`` for ``scenario.duration_s`` simulated seconds."""
 
     def __init__(
-        self, scenario: Scenario, arm: str, groups: tuple[Group, ...], base_url: str
+        self,
+        scenario: Scenario,
+        arm: str,
+        groups: tuple[Group, ...],
+        base_url: str,
+        metrics_urls: tuple[str, ...] = (),
     ) -> None:
         self.scenario = scenario
         self.arm = arm
@@ -87,6 +96,13 @@ class LoadRun:
         sends late and reads late, and every latency around it grows by that much."""
         self.machine_peak = 0.0
         """Busiest one-second interval of the whole machine, as a fraction of its cores."""
+        self.metrics_urls = metrics_urls
+        self.prefix_window: tuple[list[PrefixCounters | None], list[PrefixCounters | None]] = (
+            [],
+            [],
+        )
+        """Each backend's prefix-cache counters at the start and at the end of the measured
+        window (None where a scrape failed)."""
 
     def now_s(self) -> float:
         """Simulated seconds since the run started."""
@@ -126,7 +142,11 @@ class LoadRun:
                 else:
                     drivers.append(asyncio.create_task(self._open_loop(session, group)))
             monitor = asyncio.create_task(self._monitor())
+            await self._sleep_until(scenario.warmup_s)
+            start_counters = await self._scrape_prefix(session)
             await self._sleep_until(scenario.duration_s)
+            end_counters = await self._scrape_prefix(session)
+            self.prefix_window = (start_counters, end_counters)
             self._stopping = True
             pending = [t for t in (*drivers, *self._requests) if not t.done()]
             if pending:
@@ -142,6 +162,19 @@ class LoadRun:
                 if not task.cancelled() and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
         return self.records
+
+    async def _scrape_prefix(self, session: aiohttp.ClientSession) -> list[PrefixCounters | None]:
+        """Every backend's prefix-cache counters now, scraped side by side (one slow
+        backend must not shift the window of the others)."""
+
+        async def one(url: str) -> PrefixCounters | None:
+            try:
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    return parse_prefix_counters(await resp.text())
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                return None
+
+        return list(await asyncio.gather(*(one(u) for u in self.metrics_urls)))
 
     async def _monitor(self, tick_s: float = 0.02) -> None:
         """Event-loop lag (how late a short sleep wakes up) and the machine's busiest second."""
@@ -178,10 +211,9 @@ class LoadRun:
         scenario = self.scenario
         await self._sleep_until(group.start_s)
         stop = min(group.stop_s or scenario.duration_s, scenario.duration_s)
-        index = 0
+        shapes = client_shapes(group, scenario.seed, client)
         while self.now_s() < stop and self._may_send():
-            await self._request(session, group, shape(group, scenario.seed, index, client))
-            index += 1
+            await self._request(session, group, next(shapes))
             if group.think_s:
                 await self._sleep_until(self.now_s() + group.think_s)
 
@@ -203,6 +235,8 @@ class LoadRun:
             prompt_tokens_sent=item.prompt_tokens,
             max_tokens=item.max_tokens,
             stream=group.stream,
+            conversation=item.conversation,
+            turn=item.turn,
         )
         self.records.append(record)
         try:
@@ -279,9 +313,16 @@ class LoadRun:
             record.completion_tokens = int(usage.get("completion_tokens", 0))
 
 
-def run_load(scenario: Scenario, arm: str, groups: tuple[Group, ...], base_url: str) -> LoadRun:
+def run_load(
+    scenario: Scenario,
+    arm: str,
+    groups: tuple[Group, ...],
+    base_url: str,
+    metrics_urls: tuple[str, ...] = (),
+) -> LoadRun:
     """Run the workload to completion (bounded). The run holds the records, whether the cap
-    was hit, and the client's health figures (event-loop stalls, the machine's peak)."""
-    load = LoadRun(scenario, arm, groups, base_url)
+    was hit, the client's health figures (event-loop stalls, the machine's peak) and the
+    backends' prefix-cache counters over the measured window (``metrics_urls``)."""
+    load = LoadRun(scenario, arm, groups, base_url, metrics_urls)
     asyncio.run(load.run())
     return load

@@ -11,7 +11,10 @@ requests count:
 * waits: every request. A request's wait is its TTFT, or, if it never got a first token
   (shed, failed, still running at the end), how long it had been waiting: a starved request
   is the one that matters for starvation and must not drop out of the maximum;
-* the gateway queue wait is ``x-fairlane-queue-ms`` x speedup (FIFO has no gateway queue).
+* the gateway queue wait is ``x-fairlane-queue-ms`` x speedup (FIFO has no gateway queue);
+* throughput: successful requests that *finished* inside the window, per simulated second;
+* the prefix-cache hit rate is the fleet's, from the backends' counters scraped at the
+  window's start and end (``cachestats``), in ``summary["prefix_cache"]``.
 
 Pure functions on plain data, except :func:`write` (files).
 """
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.bench.client import RequestRecord
-from loadtests.bench.scenario import Scenario, Target
+from loadtests.bench.scenario import ARM_METRICS, Scenario, Target
 
 OUTPUT_WEIGHT = 2  # service = input tokens + 2 x output tokens (the VTC cost of the design)
 
@@ -84,7 +87,7 @@ class Window:
 
 
 def _pcts(values: Sequence[float], prefix: str) -> dict[str, float | None]:
-    return {f"{prefix}_p{q}": percentile(values, q) for q in (50, 95, 99)}
+    return {f"{prefix}_p{q}": percentile(values, q) for q in (50, 90, 95, 99)}
 
 
 def selection_stats(
@@ -105,6 +108,7 @@ def selection_stats(
         **_pcts([r.ttft_s for r in measured_ok if r.ttft_s is not None], "ttft"),
         **_pcts([r.e2e_s for r in measured_ok if r.e2e_s is not None], "e2e"),
         "goodput": sum(r.completion_tokens for r in done) / window.length_s,
+        "throughput": len(done) / window.length_s,
         "service_tokens": sum(service_tokens(r) for r in done),
         "plain_tokens": sum(r.prompt_tokens + r.completion_tokens for r in done),
         "wait_max": max(waits) if waits else None,
@@ -203,6 +207,9 @@ def metric_value(
     summary: Mapping[str, Any], target: Target, weights: Mapping[str, float] | None = None
 ) -> float | None:
     """``target.metric`` in one arm's summary (None when there is no data for it)."""
+    if target.metric in ARM_METRICS:
+        value = (summary.get("prefix_cache") or {}).get(target.metric)
+        return None if value is None else float(value)
     if target.metric == "jain":
         tenants = summary["by_tenant"]
         weights = weights or {}
@@ -266,12 +273,14 @@ def fmt(value: Any, digits: int = 3) -> str:
 
 ROWS: tuple[tuple[str, str], ...] = (
     ("ttft_p50", "TTFT p50 (s)"),
+    ("ttft_p90", "TTFT p90 (s)"),
     ("ttft_p95", "TTFT p95 (s)"),
     ("ttft_p99", "TTFT p99 (s)"),
     ("e2e_p50", "e2e p50 (s)"),
     ("e2e_p95", "e2e p95 (s)"),
     ("e2e_p99", "e2e p99 (s)"),
     ("goodput", "goodput (output tok/s)"),
+    ("throughput", "throughput (completed req/s)"),
     ("wait_max", "max wait for first token (s)"),
     ("queue_wait_p99", "gateway queue wait p99 (s)"),
     ("queue_wait_max", "gateway queue wait max (s)"),
@@ -301,6 +310,21 @@ def _errors_text(errors: Mapping[str, int]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in errors.items()) or "0"
 
 
+def _hit_rate_text(arm: Mapping[str, Any]) -> str:
+    cache = arm["summary"].get("prefix_cache") or {}
+    rate = cache.get("prefix_hit_rate")
+    if rate is None:
+        return "-"
+    text = f"{rate:.1%} ({fmt(cache['prefix_hits'])} of {fmt(cache['prefix_queries'])})"
+    if cache.get("prefix_backends_missing"):
+        text += f", {cache['prefix_backends_missing']} backend(s) not scraped"
+    return text
+
+
+def _fleet_text(arm: Mapping[str, Any]) -> str:
+    return "balanced" if arm.get("balanced") else "as configured"
+
+
 def render_markdown(results: Mapping[str, Any]) -> str:
     sc = results["scenario"]
     arms: dict[str, Any] = results["arms"]
@@ -315,8 +339,19 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         f"{sc['warmup_s']:g} s left out of latency percentiles and goodput; seed {sc['seed']}.",
         f"- fleet: {sc['backends']['count']} simulated backend(s), profile "
         f"{sc['backends']['profile']}, flags `{' '.join(sc['backends']['flags']) or '-'}`; "
-        "FIFO: Envoy round-robin, vLLM fcfs; fairlane: the gateway with "
+        "FIFO: Envoy round-robin, vLLM fcfs; least-request / random: Envoy's LEAST_REQUEST / "
+        "RANDOM, vLLM fcfs; fairlane: the gateway with "
         f"`{sc['policy']}`, vLLM priority.",
+        *(
+            [
+                "- per-backend overrides (left out by balanced arms): "
+                + "; ".join(
+                    f"backend {i}: `{' '.join(f)}`" for i, f in sc["backends"]["overrides"].items()
+                )
+            ]
+            if sc["backends"].get("overrides")
+            else []
+        ),
         "- **All times are simulated seconds** (wall seconds x speedup). Goodput is output "
         "tokens per simulated second.",
         "",
@@ -362,7 +397,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
                     row.append(fmt(stats[key]))
             rows.append(row)
         lines += _table(["", *names], rows)
-    lines += ["", "## Total", ""]
+    lines += ["", "## Total (the whole fleet)", ""]
     lines += _table(
         ["", *names],
         [
@@ -376,12 +411,22 @@ def render_markdown(results: Mapping[str, Any]) -> str:
                 ),
             ]
             for key, label in (
+                ("throughput", "throughput (completed req/s)"),
                 ("goodput", "goodput (output tok/s)"),
+                ("ttft_p50", "TTFT p50 (s)"),
+                ("ttft_p90", "TTFT p90 (s)"),
+                ("ttft_p99", "TTFT p99 (s)"),
+                ("e2e_p50", "e2e p50 (s)"),
+                ("e2e_p99", "e2e p99 (s)"),
                 ("sent", "sent"),
                 ("ok", "ok"),
                 ("errors", "errors by status"),
                 ("unfinished", "unfinished"),
             )
+        ]
+        + [
+            ["prefix-cache hit rate (tokens)", *(_hit_rate_text(arms[n]) for n in names)],
+            ["fleet", *(_fleet_text(arms[n]) for n in names)],
         ],
     )
     lines += [

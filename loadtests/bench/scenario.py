@@ -23,22 +23,31 @@ import yaml
 
 SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 
-ArmKind = Literal["fifo", "fairlane"]
+ArmKind = Literal["fifo", "least-request", "random", "fairlane"]
+# Arms without the gateway: a plain Envoy straight to the simulators, with this lb policy.
+ENVOY_ONLY_KINDS: tuple[str, ...] = ("fifo", "least-request", "random")
+ARM_KINDS: tuple[str, ...] = (*ENVOY_ONLY_KINDS, "fairlane")
 DistKind = Literal["fixed", "uniform", "lognormal"]
 # Metrics a target may check; see report.metric_value for their definitions.
 LATENCY_METRICS = (
     "ttft_p50",
+    "ttft_p90",
     "ttft_p95",
     "ttft_p99",
     "e2e_p50",
+    "e2e_p90",
     "e2e_p95",
     "e2e_p99",
     "wait_max",
     "queue_wait_max",
     "queue_wait_p99",
 )
-METRICS = (*LATENCY_METRICS, "goodput", "share", "jain")
+# ``throughput``: completed requests per simulated second (goodput is output tokens/s).
+METRICS = (*LATENCY_METRICS, "goodput", "throughput", "share", "jain", "prefix_hit_rate")
+# Metrics of the whole arm (the fleet), not of a tier, tenant or group: they take no selector.
+ARM_METRICS = ("prefix_hit_rate",)
 # Flags the harness sets itself, per arm; a scenario setting them would break the A/B.
+# ``--profile`` alone may be overridden per backend (``backends.overrides``): a slower GPU.
 RESERVED_SIM_FLAGS = (
     "--port",
     "--host",
@@ -71,6 +80,23 @@ class Dist:
 
 
 @dataclass(frozen=True)
+class SharedPrefix:
+    """Chat conversations that share prefixes, as in a real assistant fleet.
+
+    Every conversation starts with one of ``system_prompts`` long system prompts (chosen
+    uniformly, seeded) and runs ``turns`` turns; each turn re-sends the whole history (the
+    system prompt, earlier user messages and answers) plus a new user message of the
+    group's ``prompt_tokens``, and asks for ``max_tokens``. Requests therefore share
+    prefix-cache blocks twice over: the system prompt across conversations, the history
+    across turns. Only closed-loop groups (a client sends turn k+1 after turn k's answer).
+    """
+
+    system_prompts: int
+    system_tokens: Dist
+    turns: Dist
+
+
+@dataclass(frozen=True)
 class Group:
     """One population of clients sharing a key, a tier and a request shape."""
 
@@ -92,6 +118,8 @@ class Group:
     user: str | None = None
     """Sent in ``user_header`` (fairness and priority per end user in the gateway)."""
     user_header: str = "x-user-id"
+    shared_prefix: SharedPrefix | None = None
+    """Multi-turn conversations over shared system prompts (else one random-word message)."""
 
     @property
     def closed_loop(self) -> bool:
@@ -103,6 +131,16 @@ class Backends:
     count: int = 1
     profile: str = "llama-8b-h100"
     flags: tuple[str, ...] = ()
+    overrides: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    """(backend index, extra flags) for an unbalanced fleet: appended after ``flags`` and
+    the harness's own (the simulator's parser keeps the last value), e.g. a slower
+    ``--profile`` or a tiny ``--num-gpu-blocks`` on backend 0. Arms with ``balanced: true``
+    leave them out."""
+
+    def flags_of(self, index: int, balanced: bool = False) -> tuple[str, ...]:
+        """Scenario flags for backend ``index`` (its override last, unless ``balanced``)."""
+        extra = () if balanced else dict(self.overrides).get(index, ())
+        return (*self.flags, *extra)
 
 
 @dataclass(frozen=True)
@@ -110,6 +148,8 @@ class Arm:
     name: str
     kind: ArmKind
     drop_groups: tuple[str, ...] = ()
+    balanced: bool = False
+    """Run every backend with the common flags only (the baseline of an unbalanced fleet)."""
 
 
 @dataclass(frozen=True)
@@ -345,7 +385,7 @@ class _Reader:
 
     def backends(self, data: Any) -> Backends:
         where = "backends"
-        raw = self.mapping(data, where, ("count", "profile", "flags"))
+        raw = self.mapping(data, where, ("count", "profile", "flags", "overrides"))
         if raw is None:
             return Backends()
         count = self.get(raw, where, "count", _int(1), "an integer >= 1", 1)
@@ -362,7 +402,42 @@ class _Reader:
                     f"{where}.flags",
                     f"{flag} is set by the harness per arm; use the scenario field",
                 )
-        return Backends(count or 1, profile or "", tuple(flags or ()))
+        overrides = self.overrides(raw.get("overrides"), count or 1)
+        return Backends(count or 1, profile or "", tuple(flags or ()), overrides)
+
+    def overrides(self, data: Any, count: int) -> tuple[tuple[int, tuple[str, ...]], ...]:
+        """``{index: [flags]}``: each index a backend of the fleet, each flag list one the
+        simulator accepts (checked with its own parser, so a typo fails here, not in the
+        middle of a run), and no flag the harness sets per arm except ``--profile``."""
+        where = "backends.overrides"
+        if data is None:
+            return ()
+        if not isinstance(data, Mapping):
+            self.error(where, f"must be a mapping of backend index to flags, got {data!r}")
+            return ()
+        result: list[tuple[int, tuple[str, ...]]] = []
+        for key, flags in data.items():
+            loc = f"{where}.{key}"
+            if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < count:
+                self.error(loc, f"must be a backend index in [0, {count - 1}]")
+                continue
+            if _str_list(flags) is None or not flags:
+                self.error(loc, f"must be a non-empty list of strings, got {flags!r}")
+                continue
+            bad = [
+                f
+                for f in flags
+                if f.split("=", 1)[0] in RESERVED_SIM_FLAGS and f.split("=", 1)[0] != "--profile"
+            ]
+            if bad:
+                self.error(loc, f"{', '.join(bad)} is set by the harness per arm")
+                continue
+            problem = _sim_flags_problem(flags)
+            if problem:
+                self.error(loc, problem)
+                continue
+            result.append((key, tuple(flags)))
+        return tuple(sorted(result))
 
     def policy(self, top: Mapping[str, Any]) -> Path:
         raw = self.get(top, "", "policy", _text, "the path of a policy YAML")
@@ -468,6 +543,7 @@ class _Reader:
                 "stop_s",
                 "user",
                 "user_header",
+                "shared_prefix",
             ),
         )
         if raw is None:
@@ -500,6 +576,14 @@ class _Reader:
             self.error(f"{where}.stop_s", f"must be after start_s ({start:g})")
         user = self.get(raw, where, "user", _text, "a non-empty string", None)
         user_header = self.get(raw, where, "user_header", _text, "a header name", "x-user-id")
+        shared = None
+        if raw.get("shared_prefix") is not None:
+            shared = self.shared_prefix(raw["shared_prefix"], f"{where}.shared_prefix")
+            if has_rate:
+                self.error(
+                    f"{where}.shared_prefix",
+                    "needs a closed-loop group (concurrency): a turn follows the last answer",
+                )
         if len(self.errors) > errors_before:
             return None
         assert prompt is not None and max_tokens is not None
@@ -518,7 +602,27 @@ class _Reader:
             stop_s=stop,
             user=user,
             user_header=user_header.lower(),
+            shared_prefix=shared,
         )
+
+    def shared_prefix(self, data: Any, where: str) -> SharedPrefix | None:
+        raw = self.mapping(data, where, ("system_prompts", "system_tokens", "turns"))
+        if raw is None:
+            return None
+        count = self.get(raw, where, "system_prompts", _int(1), "an integer >= 1")
+        system = (
+            self.dist(raw["system_tokens"], f"{where}.system_tokens")
+            if "system_tokens" in raw
+            else self._missing(f"{where}.system_tokens", "a token count or a distribution")
+        )
+        turns = (
+            self.dist(raw["turns"], f"{where}.turns")
+            if "turns" in raw
+            else self._missing(f"{where}.turns", "a count or a distribution")
+        )
+        if count is None or system is None or turns is None:
+            return None
+        return SharedPrefix(count, system, turns)
 
     def _missing(self, where: str, what: str) -> Dist | None:
         self.error(where, f"required ({what})")
@@ -531,11 +635,12 @@ class _Reader:
         arms: list[Arm] = []
         for i, item in enumerate(data):
             where = f"arms[{i}]"
-            raw = self.mapping(item, where, ("name", "kind", "drop_groups"))
+            raw = self.mapping(item, where, ("name", "kind", "drop_groups", "balanced"))
             if raw is None:
                 continue
             name = self.get(raw, where, "name", _text, "a non-empty string")
-            kind = self.get(raw, where, "kind", _choice("fifo", "fairlane"), "fifo or fairlane")
+            kind = self.get(raw, where, "kind", _choice(*ARM_KINDS), " or ".join(ARM_KINDS))
+            balanced = self.get(raw, where, "balanced", _bool, "true or false", False)
             drop = self.get(raw, where, "drop_groups", _str_list, "a list of group names", [])
             for g in drop or []:
                 if g not in group_names:
@@ -545,10 +650,14 @@ class _Reader:
             if name in {a.name for a in arms}:
                 self.error(f"{where}.name", f"duplicate arm name {name!r}")
             if name and kind:
-                arms.append(Arm(name, kind, tuple(drop or ())))
+                arms.append(Arm(name, kind, tuple(drop or ()), bool(balanced)))
         kinds = {a.kind for a in arms}
-        if arms and not {"fifo", "fairlane"} <= kinds:
-            self.error("arms", "needs at least one fifo and one fairlane arm (the A/B)")
+        if arms and not ("fairlane" in kinds and kinds & set(ENVOY_ONLY_KINDS)):
+            self.error(
+                "arms",
+                "needs at least one fairlane arm and one Envoy-only arm "
+                f"({', '.join(ENVOY_ONLY_KINDS)}): the A/B",
+            )
         return tuple(arms)
 
     def targets(
@@ -597,6 +706,9 @@ class _Reader:
                     self.error(
                         where, "jain takes `tenants: [two or more]` and no tier/tenant/group"
                     )
+            elif metric in ARM_METRICS:
+                if selectors or tenant_list:
+                    self.error(where, f"{metric} is measured over the whole fleet: no selector")
             elif metric is not None and len(selectors) != 1:
                 self.error(where, "needs exactly one of tier, tenant, group")
             for key, known in (("tier", tiers), ("tenant", tenants), ("group", group_names)):
@@ -631,6 +743,25 @@ class _Reader:
 
 
 # --------------------------------------------------------------------------- field checks
+
+
+def _sim_flags_problem(flags: Sequence[str]) -> str | None:
+    """Why ``fairlane sim`` would refuse ``flags`` (None if it accepts them)."""
+    import argparse
+    import contextlib
+    import io
+
+    from loadtests.sim.cli import add_arguments
+
+    parser = argparse.ArgumentParser(prog="fairlane sim", exit_on_error=False)
+    add_arguments(parser)
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            parser.parse_args(list(flags))
+    except (argparse.ArgumentError, SystemExit) as exc:
+        return f"fairlane sim refuses {' '.join(flags)}: {exc or stderr.getvalue().strip()}"
+    return None
 
 
 def _join(where: str, key: str) -> str:
@@ -694,6 +825,7 @@ __all__ = [
     "Group",
     "Scenario",
     "ScenarioError",
+    "SharedPrefix",
     "Target",
     "load_scenario",
     "parse_scenario",

@@ -10,18 +10,26 @@ get a fixed sequence of request shapes (how many of them run depends on the arm'
 
 from __future__ import annotations
 
+import functools
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from extproc.prompt import count_tokens, render_chat
-from loadtests.bench.scenario import Dist, Group
+from loadtests.bench.scenario import Dist, Group, SharedPrefix
 
 # Five-letter-or-shorter words are exactly one token each for extproc.prompt (" word").
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 # Tokens the chat template adds around a user message (measured with a one-token message:
 # an empty one would merge the template's two newlines into one piece).
 TEMPLATE_TOKENS = count_tokens(render_chat([{"role": "user", "content": "abc"}])) - 1
+# The same per role, without the closing "<|assistant|>" tag (counted once per prompt).
+_REPLY_TAG = count_tokens(render_chat([]))
+_ROLE_TOKENS = {
+    role: count_tokens(render_chat([{"role": role, "content": "abc"}])) - 1 - _REPLY_TAG
+    for role in ("system", "user", "assistant")
+}
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,10 @@ class RequestShape:
     max_tokens: int
     at_s: float | None = None
     client: int = 0
+    conversation: int | None = None
+    """Shared-prefix groups: the client's conversation number (None: one random message)."""
+    turn: int = 0
+    """Shared-prefix groups: the turn within the conversation (0 = the first)."""
 
 
 def sample(dist: Dist, rng: random.Random) -> int:
@@ -86,21 +98,133 @@ def prompt_text(prompt_tokens: int, seed: int, group: str, client: int, index: i
     make the flood's prefills nearly free and the comparison meaningless.
     """
     rng = _rng(seed, "text", group, client, index)
-    words = max(1, prompt_tokens - TEMPLATE_TOKENS)
+    return words_text(max(1, prompt_tokens - TEMPLATE_TOKENS), rng)
+
+
+def words_text(words: int, rng: random.Random) -> str:
+    """``words`` random words of 3-5 letters: exactly ``words`` tokens for extproc.prompt."""
     return " ".join("".join(rng.choices(_ALPHABET, k=rng.randint(3, 5))) for _ in range(words))
+
+
+# --------------------------------------------------------------------------- shared prefixes
+
+
+# Texts are cached: each turn re-sends the whole history, and regenerating ~2k random words
+# per request would cost the load generator milliseconds of CPU per request.
+@functools.lru_cache(maxsize=256)
+def system_prompt(shared: SharedPrefix, seed: int, group: str, number: int) -> str:
+    """System prompt ``number`` of a shared-prefix group: the same text in every arm and for
+    every conversation that uses it (that is what makes it a shared prefix)."""
+    rng = _rng(seed, "system", group, number)
+    return words_text(max(1, sample(shared.system_tokens, rng)), rng)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn's sizes: the new user message and the answer asked for."""
+
+    user_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One conversation of a closed-loop client: its system prompt and its turns' sizes."""
+
+    client: int
+    number: int
+    system: int
+    turns: tuple[Turn, ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def conversation(group: Group, seed: int, client: int, number: int) -> Conversation:
+    """The ``number``-th conversation of ``client`` (seeded: identical in every arm)."""
+    shared = group.shared_prefix
+    assert shared is not None
+    rng = _rng(seed, "conversation", group.name, client, number)
+    system = rng.randrange(shared.system_prompts)
+    turns = tuple(
+        Turn(sample(group.prompt_tokens, rng), sample(group.max_tokens, rng))
+        for _ in range(max(1, sample(shared.turns, rng)))
+    )
+    return Conversation(client, number, system, turns)
+
+
+def client_shapes(group: Group, seed: int, client: int) -> Iterator[RequestShape]:
+    """The endless sequence of requests one closed-loop client sends, in order.
+
+    Plain groups: independent requests. Shared-prefix groups: conversation after
+    conversation, turn after turn; ``prompt_tokens`` is then the whole rendered history's
+    size (exact for ``extproc.prompt``: each word is one token, the tags are counted)."""
+    index = 0
+    if group.shared_prefix is None:
+        while True:
+            yield shape(group, seed, index, client)
+            index += 1
+    number = 0
+    while True:
+        conv = conversation(group, seed, client, number)
+        system_tokens = count_tokens(
+            system_prompt(group.shared_prefix, seed, group.name, conv.system)
+        )
+        history = system_tokens + _ROLE_TOKENS["system"]
+        for t, turn in enumerate(conv.turns):
+            history += turn.user_tokens + _ROLE_TOKENS["user"]
+            yield RequestShape(
+                group=group.name,
+                index=index,
+                prompt_tokens=history + _REPLY_TAG,
+                max_tokens=turn.max_tokens,
+                client=client,
+                conversation=number,
+                turn=t,
+            )
+            history += turn.max_tokens + _ROLE_TOKENS["assistant"]
+            index += 1
+        number += 1
+
+
+def conversation_messages(
+    group: Group, seed: int, client: int, number: int, turn: int
+) -> list[dict[str, str]]:
+    """The messages of turn ``turn``: system prompt, the history so far, a new user message.
+
+    The earlier answers are seeded words of the length asked for, not what an arm's backend
+    actually answered, so every arm sends byte-identical prompts (the simulator's answers
+    are filler anyway, and it caches only prompt blocks)."""
+    shared = group.shared_prefix
+    assert shared is not None
+    conv = conversation(group, seed, client, number)
+    messages = [{"role": "system", "content": system_prompt(shared, seed, group.name, conv.system)}]
+    for t in range(turn + 1):
+        user, answer = _turn_texts(group, seed, client, number, t)
+        messages.append({"role": "user", "content": user})
+        if t < turn:
+            messages.append({"role": "assistant", "content": answer})
+    return messages
+
+
+@functools.lru_cache(maxsize=8192)
+def _turn_texts(group: Group, seed: int, client: int, number: int, turn: int) -> tuple[str, str]:
+    """Turn ``turn``'s user message and the answer that stands in for the backend's."""
+    size = conversation(group, seed, client, number).turns[turn]
+    rng = _rng(seed, "turn", group.name, client, number, turn)
+    return words_text(size.user_tokens, rng), words_text(size.max_tokens, rng)
+
+
+def chat_messages(shape: RequestShape, group: Group, seed: int) -> list[dict[str, str]]:
+    """The request's messages: a conversation turn, or one random-word user message."""
+    if group.shared_prefix is not None and shape.conversation is not None:
+        return conversation_messages(group, seed, shape.client, shape.conversation, shape.turn)
+    text = prompt_text(shape.prompt_tokens, seed, group.name, shape.client, shape.index)
+    return [{"role": "user", "content": text}]
 
 
 def chat_body(shape: RequestShape, group: Group, seed: int, model: str) -> dict[str, object]:
     body: dict[str, object] = {
         "model": model,
-        "messages": [
-            {
-                "role": "user",
-                "content": prompt_text(
-                    shape.prompt_tokens, seed, group.name, shape.client, shape.index
-                ),
-            }
-        ],
+        "messages": chat_messages(shape, group, seed),
         "max_tokens": shape.max_tokens,
         "ignore_eos": True,  # exact output lengths: the same work in both arms
         "stream": group.stream,

@@ -143,7 +143,7 @@ def test_load_by_path_and_not_valid_yaml(tmp_path: Path) -> None:
         (lambda d: d.update(backends={"profile": "gpu-9000"}), "backends.profile: unknown"),
         (
             lambda d: d.update(arms=[{"name": "fifo", "kind": "fifo"}]),
-            "arms: needs at least one fifo and one fairlane",
+            "arms: needs at least one fairlane arm and one Envoy-only arm",
         ),
         (
             lambda d: d["arms"][2].update(drop_groups=["nope"]),

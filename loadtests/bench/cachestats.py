@@ -1,0 +1,116 @@
+"""Prefix-cache hit rate of a fleet over the measured window, from the backends' /metrics.
+
+vLLM (and ``fairlane sim``) count prefix-cache lookups in **tokens**:
+``vllm:prefix_cache_queries_total`` grows by a request's prompt tokens when it is admitted,
+``vllm:prefix_cache_hits_total`` by the tokens found cached. The fleet's hit rate over a
+window is Σ Δhits / Σ Δqueries over the backends, so a backend that serves more prompt
+tokens weighs more (a per-backend mean would let an idle backend's lucky hit count as much
+as a busy one's misses). Counters come from two scrapes, at the start and at the end of the
+measured window, so warm-up (where every system prompt is necessarily a miss the first
+time) is left out.
+
+Pure functions on text and numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+QUERIES = "vllm:prefix_cache_queries_total"
+HITS = "vllm:prefix_cache_hits_total"
+
+
+@dataclass(frozen=True)
+class PrefixCounters:
+    """One backend's cumulative prefix-cache counters (tokens)."""
+
+    queries: float
+    hits: float
+
+
+def parse_prefix_counters(text: str) -> PrefixCounters:
+    """The two counters in a Prometheus text exposition, summed over their label sets
+    (one engine per simulator, but a real vLLM with several engines has one series each).
+
+    Raises ValueError when the queries counter is missing: a backend that does not export
+    it cannot be measured, and reading it as 0 would silently skew the fleet's rate."""
+    queries: float | None = None
+    hits = 0.0
+    for line in text.splitlines():
+        if not line.startswith("vllm:prefix_cache_"):
+            continue
+        name, _, rest = line.partition("{")
+        if not rest:  # a series without labels: "name value"
+            name, _, rest = line.partition(" ")
+        else:
+            rest = rest.rsplit("}", 1)[-1]
+        fields = rest.split()
+        if not fields:
+            continue
+        value = float(fields[0])
+        if name == QUERIES:
+            queries = (queries or 0.0) + value
+        elif name == HITS:
+            hits += value
+    if queries is None:
+        raise ValueError(f"no {QUERIES} in the metrics")
+    return PrefixCounters(queries, hits)
+
+
+@dataclass(frozen=True)
+class PrefixWindow:
+    """The fleet's prefix-cache traffic over the window."""
+
+    queries: float
+    hits: float
+    backends: int
+    """Backends both of whose scrapes succeeded (the others are left out, and said so)."""
+    missing: int
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.queries if self.queries > 0 else None
+
+    def to_json(self) -> dict[str, float | int | None]:
+        return {
+            "prefix_queries": self.queries,
+            "prefix_hits": self.hits,
+            "prefix_hit_rate": self.hit_rate,
+            "prefix_backends": self.backends,
+            "prefix_backends_missing": self.missing,
+        }
+
+
+def window_hit_rate(
+    start: Sequence[PrefixCounters | None], end: Sequence[PrefixCounters | None]
+) -> PrefixWindow:
+    """Σ Δhits / Σ Δqueries over backends with both snapshots (index-aligned lists).
+
+    A counter that went down means the backend restarted in between; its delta is unknown,
+    so that backend is left out like a failed scrape."""
+    queries = hits = 0.0
+    used = missing = 0
+    for before, after in zip(start, end, strict=True):
+        if before is None or after is None:
+            missing += 1
+            continue
+        dq, dh = after.queries - before.queries, after.hits - before.hits
+        if dq < 0 or dh < 0 or not (math.isfinite(dq) and math.isfinite(dh)):
+            missing += 1
+            continue
+        queries += dq
+        hits += dh
+        used += 1
+    return PrefixWindow(queries, hits, used, missing)
+
+
+__all__ = [
+    "HITS",
+    "QUERIES",
+    "PrefixCounters",
+    "PrefixWindow",
+    "parse_prefix_counters",
+    "window_hit_rate",
+]

@@ -15,6 +15,10 @@ A request may leave its queue for a backend only when, together:
   never take the slots an active more urgent tier has reserved;
 - the backend is under ``max_in_flight_per_backend``, the fleet's slot count.
 
+Which of the backends that may take it serves it is decided per request, when it is granted
+(``extproc.picker.choose``): queue depth, KV-cache use, region and the prompt's prefix
+affinity; the chosen backend then records the prompt's block hashes as held there.
+
 Each grant records the request as in flight until its completion arrives (or, if that event
 is lost, until ``expire`` reclaims it), carries the continuous vLLM priority, and charges the
 flow's virtual counter; the completion corrects the output-token estimate.
@@ -35,7 +39,8 @@ from typing import TYPE_CHECKING
 from extproc.backends import Backend, BackendPool
 from extproc.errors import Rejection
 from extproc.gates import passes
-from extproc.picker import pick
+from extproc.picker import PickReason, choose
+from extproc.prefix import PromptBlocks
 from extproc.priority import vllm_priority
 from extproc.reservations import Reservation, may_admit
 from extproc.scheduler import BandConfig, Entry, FairnessConfig, FairScheduler, QueueFull
@@ -69,7 +74,11 @@ class InFlight:
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where a band's next request may go now, and as which tier (after aging)."""
+    """Where a band's next request may go now, and as which tier (after aging).
+
+    ``backends`` are the candidates (healthy, gates passed, room left), in configured order;
+    the one that serves is chosen per request at the grant.
+    """
 
     backends: list[Backend]
     tier: Tier | None
@@ -145,6 +154,8 @@ class Admission:
         self._pending: Counter[tuple[str, str]] = Counter()
         self._in_flight_by_rank: Counter[int] = Counter()
         self._last_arrival: dict[str, float] = {}
+        self.picks: Counter[tuple[str, PickReason]] = Counter()
+        """Grants per (backend address, reason it was chosen): ``fairlane_picks_total``."""
         self.configure(policy)
         pool.on_capacity(self.dispatch)
 
@@ -288,7 +299,8 @@ class Admission:
         return active
 
     def _place(self, band: str) -> Placement | None:
-        """Where a request of ``band`` could go now (best first), or None."""
+        """The backends a request of ``band`` could go to now, or None: whether it may go,
+        not where (the grant chooses among them for the request's own prompt)."""
         tier = self._acting_tier(band)
         rank = tier.rank if tier is not None else len(self._tiers)
         capacity = self.capacity
@@ -302,10 +314,11 @@ class Admission:
         candidates = [
             b
             for b in self.pool.backends
-            if b.in_flight < limit and (tier is None or passes(tier.gate, b, now, stale))
+            if b.in_flight < limit
+            and b.healthy
+            and (tier is None or passes(tier.gate, b, now, stale))
         ]
-        chosen = pick(candidates, self.pool.backends)
-        return None if chosen is None else Placement(chosen, tier, rank)
+        return Placement(candidates, tier, rank) if candidates else None
 
     def _grant(self, entry: Entry, where: Placement) -> Grant:
         waiting: Waiting = entry.payload
@@ -313,13 +326,24 @@ class Admission:
         user = (request.tenant.name, request.user)
         base = where.tier.priority if where.tier is not None else request.tier.priority
         priority = vllm_priority(base, self._pending[user])
-        backend = where.backends[0]
+        prompt = PromptBlocks(request.prompt_text, request.model or "")
+        pick = choose(
+            where.backends,
+            self.pool.backends,
+            prompt,
+            self.policy.routing,
+            self.policy.max_in_flight_per_backend,
+        )
+        assert pick is not None  # _place lists healthy candidates only
+        backend = pick.chosen
+        backend.prefix_cache.record(prompt.blocks(backend.block_size))
+        self.picks[(backend.address, pick.reason)] += 1
         backend.note_grant()
         self._pending[user] += 1
         self._in_flight_by_rank[where.rank] += 1
         now = self._clock()
         self._in_flight[entry.request_id] = InFlight(backend, user, entry, where.rank, now)
-        return Grant(tuple(b.address for b in where.backends), priority, now - entry.enqueued_at)
+        return Grant(tuple(b.address for b in pick.backends), priority, now - entry.enqueued_at)
 
     # ----------------------------------------------------------------- the end of a request
 
@@ -351,6 +375,11 @@ class Admission:
             )
         self.dispatch()
         return True
+
+    def backend_of(self, request_id: str) -> Backend | None:
+        """The backend an in-flight request was sent to first (None when not in flight)."""
+        record = self._in_flight.get(request_id)
+        return None if record is None else record.backend
 
     def request_of(self, request_id: str) -> RequestClass | None:
         """The class of an in-flight request (None when it is not in flight)."""

@@ -9,7 +9,13 @@ vLLM ``/metrics`` several times a second for the admission gates (``extproc.gate
 A backend is usable (``healthy``) only while both its ``/health`` answers and its last
 ``/metrics`` scrape succeeded: an engine whose metrics cannot be read cannot be gated, so
 the picker must not send to it. The two loops keep separate flags so neither flips the
-other's verdict back and forth.
+other's verdict back and forth. A third source is the traffic itself: a backend whose
+completions keep failing (``FAILURES_TO_COOL_OFF`` 5xx or dead connections in a row, as
+Envoy's access log reports them) is set aside for ``COOL_OFF_S``, the gateway's
+counterpart of Envoy's outlier ejection, since ``/health`` can answer while requests fail.
+
+Each backend also carries the picker's model of its prefix cache (``extproc.prefix``),
+sized from the ``vllm:cache_config_info`` its scrapes report.
 """
 
 from __future__ import annotations
@@ -25,11 +31,16 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from extproc.prefix import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS, PrefixLRU
 from extproc.scrape import EngineMetrics, MetricsError, interval_itl, parse_metrics
 
 log = logging.getLogger("fairlane.backends")
 
 DEFAULT_REGION = "default"
+FAILURES_TO_COOL_OFF = 3
+"""Failed completions in a row after which a backend is set aside."""
+COOL_OFF_S = 10.0
+"""How long a backend whose completions kept failing is left out of picks."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,20 +113,29 @@ class Backend:
     so its ``scraped_at`` ages and the gates see it as stale. ``granted_since_scrape``
     counts grants the engine cannot have counted yet: they are added to its waiting queue
     (``effective_waiting``) so a burst between two scrapes cannot overfill it.
+
+    ``healthy`` is also false while the backend cools off after failed completions
+    (``note_outcome``); ``clock`` (the pool's) times the cool-off. ``prefix_cache`` holds
+    the block hashes of what was sent here, in blocks of ``block_size`` tokens.
     """
 
     __slots__ = (
+        "_clock",
+        "block_size",
         "completed_since_scrape",
+        "cool_off_until",
+        "failures",
         "granted_since_scrape",
         "health_ok",
         "in_flight",
         "itl_s",
         "metrics",
+        "prefix_cache",
         "scrape_ok",
         "spec",
     )
 
-    def __init__(self, spec: BackendSpec) -> None:
+    def __init__(self, spec: BackendSpec, clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = spec
         self.health_ok = True
         self.scrape_ok = True
@@ -124,14 +144,31 @@ class Backend:
         self.itl_s: float | None = None
         self.granted_since_scrape = 0
         self.completed_since_scrape = 0
+        self.failures = 0
+        self.cool_off_until: float | None = None
+        self.block_size = DEFAULT_BLOCK_SIZE
+        self.prefix_cache = PrefixLRU(DEFAULT_CAPACITY_BLOCKS)
+        self._clock = clock
 
     @property
     def healthy(self) -> bool:
-        return self.health_ok and self.scrape_ok
+        return self.health_ok and self.scrape_ok and not self.cooling_off
 
     @healthy.setter
     def healthy(self, value: bool) -> None:
         self.health_ok = value
+
+    @property
+    def cooling_off(self) -> bool:
+        """Set aside after failed completions, until ``cool_off_until``."""
+        until = self.cool_off_until
+        if until is None:
+            return False
+        if self._clock() < until:
+            return True
+        self.cool_off_until = None
+        log.warning("backend %s cool-off over; picking it again", self.address)
+        return False
 
     @property
     def address(self) -> str:
@@ -150,6 +187,30 @@ class Backend:
         """A request sent here finished: its seat is free before the next scrape shows it."""
         self.in_flight -= 1
         self.completed_since_scrape += 1
+
+    def note_outcome(self, ok: bool) -> None:
+        """A completion from this backend succeeded (``ok``) or failed (5xx, dead link).
+
+        ``FAILURES_TO_COOL_OFF`` failures in a row set the backend aside for ``COOL_OFF_S``:
+        the picker then neither chooses nor lists it, so Envoy's retries and hedges go
+        elsewhere. Any success resets the count; failures that keep coming during a
+        cool-off (requests sent before it) extend it.
+        """
+        if ok:
+            self.failures = 0
+            return
+        self.failures += 1
+        if self.failures < FAILURES_TO_COOL_OFF:
+            return
+        self.failures = 0
+        if self.cool_off_until is None:
+            log.warning(
+                "backend %s failed %d completions in a row; cooling off for %gs",
+                self.address,
+                FAILURES_TO_COOL_OFF,
+                COOL_OFF_S,
+            )
+        self.cool_off_until = self._clock() + COOL_OFF_S
 
     def effective_waiting(self) -> float:
         """The engine's waiting queue as it is now, by the last scrape and what we saw since.
@@ -182,9 +243,20 @@ class Backend:
         elif metrics.running == 0:
             self.itl_s = None
         self.metrics = metrics
+        self._size_prefix_cache(metrics)
         self.granted_since_scrape = max(0, self.granted_since_scrape - granted_before)
         self.completed_since_scrape = max(0, self.completed_since_scrape - completed_before)
         self.scrape_ok = True
+
+    def _size_prefix_cache(self, metrics: EngineMetrics) -> None:
+        """Follow the engine's ``cache_config_info``: a new block size makes every recorded
+        hash meaningless (the blocks are cut differently), a new block count only resizes."""
+        if metrics.block_size is not None and metrics.block_size != self.block_size:
+            self.block_size = metrics.block_size
+            self.prefix_cache.clear()
+        blocks = metrics.num_gpu_blocks
+        if blocks is not None and blocks != self.prefix_cache.capacity:
+            self.prefix_cache.resize(blocks)
 
     def __repr__(self) -> str:
         state = "up" if self.healthy else "down"
@@ -199,11 +271,11 @@ class BackendPool:
     ) -> None:
         if not specs:
             raise ValueError("at least one backend is needed")
-        self.backends = [Backend(spec) for spec in specs]
+        self.clock = clock  # stamps EngineMetrics.scraped_at; gates compare against it
+        self.backends = [Backend(spec, clock) for spec in specs]
         self.by_address = {b.address: b for b in self.backends}
         self.regions = list(dict.fromkeys(b.region for b in self.backends))
         self._listeners: list[Callable[[], None]] = []
-        self.clock = clock  # stamps EngineMetrics.scraped_at; gates compare against it
 
     def on_capacity(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever a backend may have gained room (release, recovery)."""

@@ -38,6 +38,10 @@ class RequestClass:
     stream: bool
     prompt_tokens: int
     """Estimated with the shared cheap tokenizer, for fairness accounting."""
+    prompt_text: str
+    """The prompt as the engine sees it (chat messages rendered), for prefix affinity:
+    rendered once here, where its tokens are counted. Empty when the prompt has no single
+    text (token ids, several prompts)."""
     max_tokens: int | None
     path: str
     """The path to send upstream (a rule may have rewritten it)."""
@@ -147,6 +151,7 @@ def classify(policy: Policy, info: RequestInfo, body: Mapping[str, Any]) -> Requ
     tier, downgraded = _within_allowance(policy, tenant, wanted, asked=asked is not None)
     max_tokens = _max_tokens(body)
     model = body.get("model")
+    text, tokens = prompt_text_and_tokens(body)
     return RequestClass(
         tenant=tenant,
         tier=tier,
@@ -154,7 +159,8 @@ def classify(policy: Policy, info: RequestInfo, body: Mapping[str, Any]) -> Requ
         workload=workload_rule.workload if workload_rule and workload_rule.workload else tier.name,
         model=model if isinstance(model, str) else None,
         stream=body.get("stream") is True,
-        prompt_tokens=prompt_tokens(body),
+        prompt_tokens=tokens,
+        prompt_text=text,
         max_tokens=max_tokens,
         path=path_rule.rewrite(info.path) if path_rule is not None else info.path,
         asked_tier=asked.name if asked is not None else None,
@@ -259,6 +265,11 @@ def _max_tokens(body: Mapping[str, Any]) -> int | None:
 
 def prompt_tokens(body: Mapping[str, Any]) -> int:
     """Estimated prompt size: chat ``messages``, completion ``prompt`` or ``input``."""
+    return prompt_text_and_tokens(body)[1]
+
+
+def prompt_text_and_tokens(body: Mapping[str, Any]) -> tuple[str, int]:
+    """The prompt's text (for prefix affinity) and its estimated size, rendering once."""
     messages = body.get("messages")
     if messages is not None:
         if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
@@ -268,11 +279,23 @@ def prompt_tokens(body: Mapping[str, Any]) -> int:
                 code="invalid_value",
                 param="messages",
             )
-        return count_tokens(render_chat(messages))
+        text = render_chat(messages)
+        return text, count_tokens(text)
     for field in ("prompt", "input"):
         if field in body:
-            return _text_tokens(body[field], field)
-    return 0
+            value = body[field]
+            return _single_text(value), _text_tokens(value, field)
+    return "", 0
+
+
+def _single_text(value: Any) -> str:
+    """The one text a ``prompt``/``input`` holds, or "" when it is ids or several texts
+    (each of several prompts has its own prefix; no one backend suits them all)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        return value[0]
+    return ""
 
 
 def _text_tokens(value: Any, field: str) -> int:

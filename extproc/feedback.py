@@ -13,11 +13,18 @@ about 690 bytes of envelope plus about 5 bytes per token of text (measured again
 real vLLM 0.32 shapes the simulator now reproduces). They are estimates
 within some tens of percent, good enough to stop a flow that asked for ``max_tokens: 4096``
 and got 50 from paying for 4096; they are not a bill.
+
+A completion is also the gateway's view of a backend's health from inside the traffic: a
+5xx, or a status 0 with no response byte (the connection died before anything came back),
+counts as a failure of the backend that answered (or, when none did, the one it was sent
+to); any other status as a success. ``Backend.note_outcome`` sets a backend aside after
+several failures in a row.
 """
 
 from __future__ import annotations
 
 from extproc.admission import Admission
+from extproc.backends import Backend
 from extproc.messages import Completion
 
 STREAM_BYTES_PER_TOKEN = 224.0
@@ -42,6 +49,9 @@ def settle(admission: Admission, completion: Completion) -> bool:
     request = admission.request_of(completion.request_id)
     if request is None:
         return False
+    backend = _answering_backend(admission, completion)
+    if backend is not None:
+        backend.note_outcome(ok=not failed(completion))
     if 200 <= completion.status < 300:
         output = estimate_output_tokens(
             completion.response_bytes, request.stream, request.max_tokens
@@ -49,3 +59,17 @@ def settle(admission: Admission, completion: Completion) -> bool:
     else:
         output = 0
     return admission.release(completion.request_id, output_tokens=output)
+
+
+def failed(completion: Completion) -> bool:
+    """The backend failed this request: a 5xx, or a connection that returned nothing.
+
+    A status 0 with bytes sent is a client that left mid-response: not the backend's fault.
+    """
+    return completion.status >= 500 or (completion.status == 0 and completion.response_bytes == 0)
+
+
+def _answering_backend(admission: Admission, completion: Completion) -> Backend | None:
+    """The backend that answered last (a retry or hedge may have moved it), else the first."""
+    backend = admission.pool.by_address.get(completion.upstream)
+    return backend if backend is not None else admission.backend_of(completion.request_id)

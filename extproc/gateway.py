@@ -21,7 +21,7 @@ from extproc.errors import Rejection, error_body
 from extproc.feedback import settle
 from extproc.messages import Completion, Forward, RequestInfo, Respond
 from extproc.metrics import Outcomes
-from extproc.picker import pick
+from extproc.picker import choose
 from extproc.policy import PolicyStore
 
 log = logging.getLogger("fairlane.gateway")
@@ -131,12 +131,15 @@ class Gateway:
         """``GET /v1/models`` and friends: authenticated, not queued (they cost no GPU)."""
         authenticate(self.policies.current, info)
         pool = self.admission.pool
-        chosen = pick(pool.healthy(), pool.backends)
+        policy = self.policies.current
+        chosen = choose(
+            pool.healthy(), pool.backends, None, policy.routing, policy.max_in_flight_per_backend
+        )
         if chosen is None:
             raise Rejection(503, "no healthy backend", code="no_backend")
         return Forward(
             body=b"",
-            endpoints=tuple(b.address for b in chosen),
+            endpoints=tuple(b.address for b in chosen.backends),
             remove_headers=client_headers_to_strip(info.headers),
         )
 

@@ -92,6 +92,16 @@ class GatewayCollector(Collector):
         for (status, reason), count in self.outcomes.rejected.items():
             rejected.add_metric([status, reason], count)
         yield rejected
+        picks = CounterMetricFamily(
+            "fairlane_picks",
+            "Requests sent to a backend, per backend and why it was chosen: prefix (it held "
+            "the prompt's prefix within the sticky margin), load (best score), only (the one "
+            "candidate).",
+            labels=["backend", "reason"],
+        )
+        for (address, reason), count in self.admission.picks.items():
+            picks.add_metric([address, reason], count)
+        yield picks
 
 
 async def start_metrics_server(

@@ -1,31 +1,139 @@
-"""Endpoint picking: the least-loaded backend that may take the request, plus alternates.
+"""Endpoint picking: which of the backends that may take a request serves it, plus alternates.
+
+Admission decides *whether* a request may go and which backends pass its tier's gates (the
+candidates); this module decides *which* candidate, per request, by a weighted score where
+lower wins (weights from the policy's ``routing``):
+
+- queue depth: ``queue_weight * (engine waiting + gateway in flight) / slot_limit``;
+- KV-cache use: ``kv_cache_weight * vllm:kv_cache_usage_perc`` (1.0, saturated, when the
+  backend was never scraped);
+- region: ``region_weight`` for a backend outside the local region (the fleet's first);
+- prefix affinity: ``- prefix_weight * matched / blocks``, the share of the prompt's leading
+  blocks this backend was sent before (``extproc.prefix``).
+
+The first three are the *load* score. Sticky until saturated (llm-d's affinity filter): the
+candidate holding the longest prefix stays the choice while its load score is at most the
+best other candidate's plus ``sticky_margin``, so a conversation keeps its KV cache; beyond
+that it counts as saturated for this request and the best total score among the others wins
+(its prefix weight alone must not keep piling load on it), which copies a hot prefix onto a
+second backend instead of queueing behind the first.
 
 The first endpoint serves the first attempt; the alternates (healthy only, another region
-first) serve Envoy's retries and hedges through override_host, which uses a listed host even
-when Envoy's own health check fails it. Scoring by KV-cache use, queue depth and prefix
-affinity comes in a later version.
+first, then least loaded) serve Envoy's retries and hedges through override_host, which uses
+a listed host even when Envoy's own health check fails it, hence healthy only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 from extproc.backends import Backend
+from extproc.policy import Routing
+from extproc.prefix import PromptBlocks
 
 MAX_ALTERNATES = 2
 
+PickReason = Literal["prefix", "load", "only"]
+"""Why the first endpoint was chosen: it held the prompt's prefix within the sticky margin,
+it scored best, or it was the only candidate (bounded: a metric label)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """The chosen backend first, then the alternates; and why the first."""
+
+    backends: list[Backend]
+    reason: PickReason
+
+    @property
+    def chosen(self) -> Backend:
+        return self.backends[0]
+
+
+def load_score(backend: Backend, routing: Routing, slot_limit: int, local_region: str) -> float:
+    """Queue depth, KV-cache use and region: the score without prefix affinity."""
+    metrics = backend.metrics
+    kv = metrics.kv_cache_usage if metrics is not None else 1.0
+    queue = (backend.effective_waiting() + backend.in_flight) / max(slot_limit, 1)
+    remote = backend.region != local_region
+    return (
+        routing.queue_weight * queue + routing.kv_cache_weight * kv + routing.region_weight * remote
+    )
+
+
+def choose(
+    candidates: Sequence[Backend],
+    fleet: Sequence[Backend],
+    prompt: PromptBlocks | None,
+    routing: Routing,
+    slot_limit: int,
+) -> Pick | None:
+    """The best healthy candidate for ``prompt`` and alternates from the healthy ``fleet``.
+
+    ``candidates`` are the backends that may take the request now (gates passed, room
+    left), in configured order; ties go to the earlier one, so the local region wins a tie.
+    None when no candidate is healthy.
+    """
+    usable = [b for b in candidates if b.healthy]
+    if not usable:
+        return None
+    local = fleet[0].region if fleet else usable[0].region
+    loads = {id(b): load_score(b, routing, slot_limit, local) for b in usable}
+    reason: PickReason
+    if len(usable) == 1:
+        best, reason = usable[0], "only"
+    else:
+        best, reason = _best(usable, loads, prompt, routing)
+    return Pick([best, *alternates(best, fleet, routing, slot_limit, local)], reason)
+
+
+def _best(
+    usable: list[Backend],
+    loads: dict[int, float],
+    prompt: PromptBlocks | None,
+    routing: Routing,
+) -> tuple[Backend, PickReason]:
+    shares = [_share(b, prompt) for b in usable]
+    holder_index = max(range(len(usable)), key=lambda i: (shares[i], -loads[id(usable[i])]))
+    if shares[holder_index] == 0.0:
+        return min(usable, key=lambda b: loads[id(b)]), "load"
+    holder = usable[holder_index]
+    best_other = min(loads[id(b)] for b in usable if b is not holder)
+    if loads[id(holder)] <= best_other + routing.sticky_margin:
+        return holder, "prefix"
+    others = [i for i in range(len(usable)) if i != holder_index]
+    winner = min(others, key=lambda i: loads[id(usable[i])] - routing.prefix_weight * shares[i])
+    return usable[winner], "load"
+
+
+def _share(backend: Backend, prompt: PromptBlocks | None) -> float:
+    """The share of the prompt's leading blocks ``backend`` was sent before (0..1)."""
+    if prompt is None:
+        return 0.0
+    blocks = prompt.blocks(backend.block_size)
+    if not blocks:
+        return 0.0
+    return backend.prefix_cache.match(blocks) / len(blocks)
+
+
+def alternates(
+    chosen: Backend, fleet: Sequence[Backend], routing: Routing, slot_limit: int, local: str
+) -> list[Backend]:
+    """Up to ``MAX_ALTERNATES`` healthy others: another region first, then least loaded.
+
+    Alternates need not pass the gates: a retry or hedge goes out only when the first
+    attempt failed or is late, and then any healthy engine beats none.
+    """
+    others = [b for b in fleet if b is not chosen and b.healthy]
+    others.sort(
+        key=lambda b: (b.region == chosen.region, load_score(b, routing, slot_limit, local))
+    )
+    return others[:MAX_ALTERNATES]
+
 
 def pick(candidates: Sequence[Backend], fleet: Sequence[Backend]) -> list[Backend] | None:
-    """The best of ``candidates`` then alternates from the healthy ``fleet``; None if none.
-
-    ``candidates`` are the backends that may take the request now (gates passed, room left).
-    """
-    if not candidates:
-        return None
-    # min() keeps configured order on ties, so the local (first) region wins a tie.
-    best = min(candidates, key=lambda b: b.in_flight)
-    others = sorted(
-        (b for b in fleet if b.healthy and b is not best),
-        key=lambda b: (b.region == best.region, b.in_flight),
-    )
-    return [best, *others[:MAX_ALTERNATES]]
+    """``choose`` by load alone with default weights, one slot per backend (no prompt)."""
+    chosen = choose(candidates, fleet, None, Routing(), 1)
+    return None if chosen is None else chosen.backends

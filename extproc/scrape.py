@@ -4,15 +4,20 @@ The gateway scrapes every backend about ten times a second, so parsing must cost
 microseconds, not the milliseconds a generic Prometheus parser spends on a 50 KB page of
 histograms it does not need. :func:`parse_metrics` therefore runs one compiled regular
 expression whose literal prefix (``\nvllm:``) lets the C regex engine skip to candidate
-lines; only the sample lines of the five series it uses are matched and converted. Measured
+lines; only the sample lines of the six series it uses are matched and converted. Measured
 once on vLLM 0.32's real dump (52 KB, 634 lines; ``tests/extproc/data``): about 40 µs per
-page, against about 9-12 ms for ``prometheus_client``'s ``text_string_to_metric_families``
+page (about 45 µs since it also reads ``cache_config_info``, on a noisy shared machine),
+against about 9-12 ms for ``prometheus_client``'s ``text_string_to_metric_families``
 (a ``splitlines`` loop in Python was about 240 µs, one ``str.find`` per series about 140 µs
 because every miss rescans the page).
 
 Every series is summed over its ``engine`` label values (data-parallel engines of one
 server) and any other labels, except KV-cache usage, which is a fraction per engine and is
 averaged instead (a sum of fractions could exceed 1 and mean nothing).
+
+Two labels of the ``vllm:cache_config_info`` info metric, when present, size the
+picker's model of each server's prefix cache: ``block_size`` and ``num_gpu_blocks``
+(summed over engines). They are optional: a page without them still parses.
 
 Inter-token latency comes from the ``vllm:inter_token_latency_seconds`` histogram: only its
 cumulative ``_sum`` and ``_count`` are kept, and :func:`interval_itl` turns two scrapes into
@@ -31,6 +36,7 @@ KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
 ITL = "vllm:inter_token_latency_seconds"
 # vLLM before 0.11 exported the same histogram under this name (removed by 0.32).
 LEGACY_ITL = "vllm:time_per_output_token_seconds"
+CACHE_CONFIG = "vllm:cache_config_info"
 
 
 class MetricsError(ValueError):
@@ -53,6 +59,11 @@ class EngineMetrics:
     itl_sum_s: float
     itl_count: float
     scraped_at: float
+    block_size: int | None = None
+    """KV block size in tokens, from ``vllm:cache_config_info`` (None when not exported)."""
+    num_gpu_blocks: int | None = None
+    """KV blocks of all engines, from ``vllm:cache_config_info``: how much prefix the
+    server can hold (None when not exported or not yet known)."""
 
 
 # One C-level scan finds every sample line of the series above: ``\nNAME{labels} value`` or
@@ -60,17 +71,25 @@ class EngineMetrics:
 # ``vllm:num_requests_waiting_by_reason`` out of ``vllm:num_requests_waiting``; the label
 # block runs to the last ``}`` of the line because label values may hold spaces or braces.
 _SAMPLE = re.compile(
-    r"\n(vllm:(?:num_requests_(?:waiting|running)|kv_cache_usage_perc"
+    r"\n(vllm:(?:num_requests_(?:waiting|running)|kv_cache_usage_perc|cache_config_info"
     r"|(?:inter_token_latency|time_per_output_token)_seconds_(?:sum|count)))"
-    r"(?:\{[^\n]*\})?[ \t]+([^ \t\n]*)"
+    r"(\{[^\n]*\})?[ \t]+([^ \t\n]*)"
 )
+# Inside ``vllm:cache_config_info``'s label block (a leading ``{`` or ``,`` keeps
+# ``_block_size_resolved`` and ``num_gpu_blocks_override`` from matching).
+_BLOCK_SIZE = re.compile(r'[{,]block_size="(\d+)"')
+_NUM_GPU_BLOCKS = re.compile(r'[{,]num_gpu_blocks="(\d+)"')
 
 
 def parse_metrics(text: str, scraped_at: float) -> EngineMetrics:
     """The admission-relevant numbers of a vLLM ``/metrics`` page; ``MetricsError`` if garbage."""
     values: dict[str, list[float]] = {}
+    cache_configs: list[str] = []
     for match in _SAMPLE.finditer("\n" + text):  # the leading newline lets line 1 match too
-        values.setdefault(match[1], []).append(_number(match[1], match[2]))
+        if match[1] == CACHE_CONFIG:
+            cache_configs.append(match[2] or "")
+            continue
+        values.setdefault(match[1], []).append(_number(match[1], match[3]))
     itl = LEGACY_ITL if LEGACY_ITL + "_count" in values and ITL + "_count" not in values else ITL
     kv_values = _required(values, KV_CACHE_USAGE)
     kv = sum(kv_values) / len(kv_values)
@@ -83,7 +102,31 @@ def parse_metrics(text: str, scraped_at: float) -> EngineMetrics:
         itl_sum_s=sum(_required(values, itl + "_sum")),
         itl_count=sum(_required(values, itl + "_count")),
         scraped_at=scraped_at,
+        block_size=_block_size(cache_configs),
+        num_gpu_blocks=_num_gpu_blocks(cache_configs),
     )
+
+
+def _block_size(labels: list[str]) -> int | None:
+    """The engines' KV block size (tokens); None when no engine reports one."""
+    for block in labels:
+        found = _BLOCK_SIZE.search(block)
+        if found is not None and int(found[1]) > 0:
+            return int(found[1])
+    return None
+
+
+def _num_gpu_blocks(labels: list[str]) -> int | None:
+    """KV blocks over all engines of the server; None when none is known yet.
+
+    vLLM reports ``None`` until its memory profiling has sized the cache.
+    """
+    total = 0
+    for block in labels:
+        found = _NUM_GPU_BLOCKS.search(block)
+        if found is not None:
+            total += int(found[1])
+    return total or None
 
 
 def interval_itl(previous: EngineMetrics | None, current: EngineMetrics) -> float | None:

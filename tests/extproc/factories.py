@@ -34,6 +34,8 @@ class Request:
     prompt_tokens: int = 100
     max_tokens: int | None = 50
     stream: bool = False
+    prompt_text: str = ""
+    model: str | None = None
 
 
 class FakeClock:

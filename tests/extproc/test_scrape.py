@@ -59,6 +59,8 @@ def test_the_real_vllm_032_dump_parses_to_what_a_full_parser_reads() -> None:
         itl_sum_s=0.6315799129998823,
         itl_count=28.0,
         scraped_at=12.5,
+        block_size=128,
+        num_gpu_blocks=40,
     )
     full = generic_parse(SAMPLE)
     assert {field: getattr(metrics, field) for field in full} == full
@@ -99,6 +101,34 @@ def test_unlabelled_lines_timestamps_odd_label_values_and_the_first_line() -> No
     metrics = parse_metrics(text, 0.0)
     assert (metrics.waiting, metrics.running, metrics.kv_cache_usage) == (2.0, 3.0, 0.25)
     assert (metrics.itl_sum_s, metrics.itl_count) == (0.1, 4.0)
+
+
+def cache_config(engine: str, block_size: str, num_gpu_blocks: str) -> str:
+    return (
+        f'vllm:cache_config_info{{_block_size_resolved="True",block_size="{block_size}",'
+        f'engine="{engine}",num_gpu_blocks="{num_gpu_blocks}",'
+        f'num_gpu_blocks_override="999"}} 1.0\n'
+    )
+
+
+def test_cache_config_gives_block_size_and_blocks_summed_over_engines() -> None:
+    text = (
+        page(engine="0")
+        + cache_config("0", "16", "1000")
+        + page(engine="1")
+        + cache_config("1", "16", "500")
+    )
+    metrics = parse_metrics(text, 0.0)
+    assert (metrics.block_size, metrics.num_gpu_blocks) == (16, 1500)
+
+
+def test_cache_config_is_optional_and_unknown_values_stay_unknown() -> None:
+    assert (parse_metrics(page(), 0.0).block_size, parse_metrics(page(), 0.0).num_gpu_blocks) == (
+        None,
+        None,
+    )
+    profiling = parse_metrics(page() + cache_config("0", "128", "None"), 0.0)
+    assert (profiling.block_size, profiling.num_gpu_blocks) == (128, None)
 
 
 def test_older_vllm_time_per_output_token_histogram_is_the_fallback() -> None:

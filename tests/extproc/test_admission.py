@@ -9,6 +9,7 @@ from extproc.admission import Admission
 from extproc.errors import Rejection
 from extproc.gates import Gate
 from extproc.policy import Tier
+from extproc.prefix import PromptBlocks
 from tests.extproc.factories import (
     API,
     BATCH,
@@ -343,3 +344,43 @@ async def test_a_reservation_lingers_after_the_tiers_last_request() -> None:
         scraped(backend, clock)
     pool.capacity_changed()
     assert [t.granted for t in batch] == [True, True, True, True]
+
+
+SYSTEM = "You are a meticulous travel planner; list options with prices and times. " * 30
+
+
+async def test_each_granted_request_picks_its_backend_by_its_own_prompt() -> None:
+    admission, pool, _ = make_admission(limit=1, backends=2)
+    first, second = pool.backends
+    submit(admission, "other", Request(API, prompt_text="unrelated " * 100))
+    submit(admission, "trip", Request(API, prompt_text=SYSTEM + "Lisbon in May?"))
+    assert admission.backend_of("trip") is second  # the free one
+    # The grant recorded the prompt's blocks as held there.
+    assert second.prefix_cache.match(PromptBlocks(SYSTEM, "").blocks(16)) > 0
+    assert first.prefix_cache.match(PromptBlocks(SYSTEM, "").blocks(16)) == 0
+    # Both full: requests queue. Band-level eligibility still decides *whether* one goes;
+    # the backend is chosen for the popped request among the candidates there are then.
+    follow_up = submit(admission, "trip-2", Request(API, prompt_text=SYSTEM + "And Porto?"))
+    fresh = submit(admission, "fresh", Request(API, prompt_text="a new topic " * 100))
+    assert not follow_up.granted and not fresh.granted
+    admission.release("other")
+    assert admission.backend_of("trip-2") is first  # the only candidate: no waiting for 2nd
+    admission.release("trip")
+    assert admission.backend_of("fresh") is second
+    assert admission.picks[(first.address, "load")] == 1  # "other": both free, by load
+    assert admission.picks[(second.address, "only")] == 2  # "trip" and "fresh"
+    assert admission.picks[(first.address, "only")] == 1  # "trip-2"
+    admission.release("trip-2")
+    admission.release("fresh")
+    again = submit(admission, "trip-3", Request(API, prompt_text=SYSTEM + "Faro?"))
+    assert again.granted and admission.backend_of("trip-3") is first  # both hold it; tie
+    assert admission.picks[(first.address, "prefix")] == 1
+
+
+async def test_unhealthy_backends_are_not_candidates_even_for_a_removed_tier() -> None:
+    admission, pool, _ = make_admission(limit=2, backends=2)
+    pool.backends[0].healthy = False
+    assert admission._place(API.name) is not None
+    assert admission._place(API.name).backends == [pool.backends[1]]  # type: ignore[union-attr]
+    pool.backends[1].healthy = False
+    assert admission._place("gone") is None  # no tier: no gate, but health still counts

@@ -1,4 +1,5 @@
 import asyncio
+import dataclasses
 import logging
 
 import aiohttp
@@ -7,6 +8,7 @@ from aiohttp import web
 
 from extproc.backends import Backend, BackendPool, BackendSpec, parse_backend
 from extproc.gates import Gate, passes
+from extproc.prefix import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS
 from extproc.processes import free_port
 from extproc.scrape import EngineMetrics
 from loadtests.sim.server import SimConfig
@@ -232,3 +234,20 @@ async def test_garbage_down_and_hung_backends_are_saturated_while_a_good_one_kee
         unhang.set()
         for runner, _ in apps:
             await runner.cleanup()
+
+
+def test_scrapes_size_the_prefix_model_from_cache_config_info() -> None:
+    backend = Backend(BackendSpec("127.0.0.1", 1))
+    assert (backend.block_size, backend.prefix_cache.capacity) == (
+        DEFAULT_BLOCK_SIZE,
+        DEFAULT_CAPACITY_BLOCKS,
+    )
+    backend.prefix_cache.record(list(range(50)))
+    backend.record_scrape(_metrics(0, 0, 0), 0)  # no cache_config_info: defaults stay
+    assert len(backend.prefix_cache) == 50
+    sized = dataclasses.replace(_metrics(0, 0, 0), block_size=16, num_gpu_blocks=20)
+    backend.record_scrape(sized, 0)
+    assert backend.prefix_cache.capacity == 20 and len(backend.prefix_cache) == 20
+    cpu = dataclasses.replace(sized, block_size=128)  # blocks cut differently: forget all
+    backend.record_scrape(cpu, 0)
+    assert backend.block_size == 128 and len(backend.prefix_cache) == 0

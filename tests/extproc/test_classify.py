@@ -360,3 +360,31 @@ def test_prompt_shapes(body: dict[str, Any], at_least: int) -> None:
 def test_bad_prompt_shapes_are_400(policy: Policy, body: dict[str, Any], param: str) -> None:
     rej = rejection(policy, request(body=body))
     assert (rej.status, rej.param) == (400, param)
+
+
+@pytest.mark.parametrize(
+    ("body", "text"),
+    [
+        (
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hi"},
+                ]
+            },
+            "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n",
+        ),
+        ({"prompt": "one two"}, "one two"),
+        ({"prompt": ["only one"]}, "only one"),
+        ({"prompt": ["two", "prompts"]}, ""),
+        ({"prompt": [1, 2, 3]}, ""),
+        ({"input": "respond"}, "respond"),
+        ({}, ""),
+    ],
+)
+def test_prompt_text_is_the_rendered_prompt_the_picker_hashes(
+    policy: Policy, body: dict[str, Any], text: str
+) -> None:
+    request_class = run(policy, request(body={"model": "m", **body}))
+    assert request_class.prompt_text == text
+    assert request_class.prompt_tokens == prompt_tokens(body)

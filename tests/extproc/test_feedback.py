@@ -1,8 +1,9 @@
 """Completion feedback: response size -> output tokens, and settling a finished request."""
 
+from extproc.backends import COOL_OFF_S, FAILURES_TO_COOL_OFF
 from extproc.feedback import estimate_output_tokens, settle
 from extproc.messages import Completion
-from tests.extproc.factories import API, Request, make_admission
+from tests.extproc.factories import API, Request, make_admission, scraped
 
 
 def test_streamed_responses_are_about_224_bytes_a_token() -> None:
@@ -30,3 +31,36 @@ async def test_settle_releases_the_slot_and_ignores_unknown_ids() -> None:
     admission.submit("r2", Request(API))  # type: ignore[arg-type]
     assert settle(admission, Completion("r2", 503, "127.0.0.1:9000", 0.1, 0))  # failed: 0 output
     assert admission.in_flight == 0
+
+
+async def test_failing_completions_cool_the_answering_backend_off() -> None:
+    admission, pool, clock = make_admission(limit=4, backends=2)
+    first, second = pool.backends
+    for i in range(FAILURES_TO_COOL_OFF):
+        admission.submit(f"f{i}", Request(API))  # type: ignore[arg-type]
+        # The upstream Envoy names is blamed, whichever backend was asked first.
+        settle(admission, Completion(f"f{i}", 503, second.address, 0.1, 0))
+    assert first.healthy and not second.healthy
+    admission.submit("busy", Request(API))  # type: ignore[arg-type]
+    admission.submit("next", Request(API))  # type: ignore[arg-type]
+    assert admission.backend_of("next") is first  # the idle second is cooling off
+    clock.now += COOL_OFF_S + 0.1
+    assert second.healthy
+    for backend in pool.backends:
+        scraped(backend, clock)  # fresh metrics after the wait, or no gate passes
+    admission.submit("later", Request(API))  # type: ignore[arg-type]
+    assert admission.backend_of("later") is second
+
+
+async def test_client_hang_ups_mid_response_and_4xx_are_not_backend_failures() -> None:
+    admission, pool, _ = make_admission(limit=4)
+    backend = pool.backends[0]
+    for i in range(2 * FAILURES_TO_COOL_OFF):
+        admission.submit(f"r{i}", Request(API))  # type: ignore[arg-type]
+        status, sent = (0, 5_000) if i % 2 else (400, 120)
+        settle(admission, Completion(f"r{i}", status, backend.address, 0.1, sent))
+    assert backend.healthy and backend.failures == 0
+    for i in range(FAILURES_TO_COOL_OFF):  # nothing came back at all: a dead connection
+        admission.submit(f"d{i}", Request(API))  # type: ignore[arg-type]
+        settle(admission, Completion(f"d{i}", 0, "", 0.1, 0))  # no upstream: the one asked
+    assert not backend.healthy

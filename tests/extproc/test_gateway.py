@@ -16,10 +16,12 @@ from tests.extproc.factories import FakeClock, scraped
 CHAT = "/v1/chat/completions"
 
 
-def make_gateway(limit: int = 4, policy_path: Path = DEFAULT_POLICY_PATH) -> Gateway:
+def make_gateway(
+    limit: int = 4, policy_path: Path = DEFAULT_POLICY_PATH, regions: tuple[str, str] = ("a", "b")
+) -> Gateway:
     """The default policy over two idle backends with ``limit`` slots each."""
     clock = FakeClock()
-    specs = [BackendSpec("127.0.0.1", 8101, "a"), BackendSpec("127.0.0.1", 8102, "b")]
+    specs = [BackendSpec("127.0.0.1", 8100 + i, region) for i, region in enumerate(regions, 1)]
     pool = BackendPool(specs, clock=clock)
     for backend in pool.backends:
         scraped(backend, clock)
@@ -159,3 +161,45 @@ async def test_hedged_tiers_ask_envoy_to_hedge_and_others_do_not() -> None:
     batch = gateway.handle(request(key="sk-batch-demo", request_id="b"))
     assert isinstance(batch, Forward)
     assert not any(name.startswith("x-envoy-") for name in batch.set_headers)
+
+
+SUPPORT = "You are ACME's support assistant. Answer in two sentences, cite the manual. " * 40
+
+
+def chat(request_id: str, *messages: tuple[str, str]) -> RequestInfo:
+    body = {"model": "m", "messages": [{"role": r, "content": c} for r, c in messages]}
+    return request(body=body, request_id=request_id)
+
+
+def endpoint(gateway: Gateway, info: RequestInfo) -> str:
+    decision = gateway.handle(info)
+    assert isinstance(decision, Forward)
+    return decision.endpoints[0]
+
+
+async def test_a_conversation_stays_on_its_backend_while_unrelated_requests_spread() -> None:
+    gateway = make_gateway(regions=("r", "r"))
+    one, two = "127.0.0.1:8101", "127.0.0.1:8102"
+    assert endpoint(gateway, chat("u1", ("user", "What is the capital of France?"))) == one
+    first_turn = [("system", SUPPORT), ("user", "My order 1234 has not arrived.")]
+    assert endpoint(gateway, chat("c1", *first_turn)) == two  # the idle one: by load
+    # Both now carry one request. By load alone the tie goes to 8101; the conversation's
+    # second turn shares its long prefix with the first and stays on 8102.
+    second_turn = [*first_turn, ("assistant", "Sorry to hear that."), ("user", "Any update?")]
+    decision = gateway.handle(chat("c2", *second_turn))
+    assert isinstance(decision, Forward) and decision.endpoints == (two, one)
+    # Unrelated requests keep going where the load is lowest.
+    assert endpoint(gateway, chat("u2", ("user", "Write a haiku about rain."))) == one
+    assert gateway.admission.picks[(two, "prefix")] == 1
+    assert gateway.admission.picks[(one, "load")] == 2
+
+
+async def test_a_new_conversation_with_the_same_system_prompt_joins_its_backend() -> None:
+    gateway = make_gateway(regions=("r", "r"))
+    gateway.handle(chat("u1", ("user", "unrelated")))
+    alice = [("system", SUPPORT), ("user", "Where is my parcel?")]
+    assert endpoint(gateway, chat("a1", *alice)) == "127.0.0.1:8102"
+    gateway.completed(Completion("u1", 200, "127.0.0.1:8101", 0.5, 900))
+    gateway.completed(Completion("a1", 200, "127.0.0.1:8102", 0.5, 900))
+    bob = [("system", SUPPORT), ("user", "How do I return a lamp?")]
+    assert endpoint(gateway, chat("b1", *bob)) == "127.0.0.1:8102"

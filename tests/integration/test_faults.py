@@ -167,6 +167,26 @@ async def gateway_metrics_answer(stack: Stack) -> bool:
         return False
 
 
+async def wait_gateway_idle(stack: Stack, timeout: float = 5) -> float:
+    """Until no backend has a request in flight by the gateway's count; what is left."""
+    url = f"http://127.0.0.1:{stack.metrics_port}/metrics"
+    deadline = time.monotonic() + timeout
+    busy = -1.0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session:
+        while time.monotonic() < deadline:
+            async with session.get(url) as r:
+                text = await r.text()
+            busy = sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("fairlane_backend_in_flight{")
+            )
+            if busy == 0:
+                break
+            await asyncio.sleep(0.1)
+    return busy
+
+
 # ----------------------------------------------------------------------------- the tests
 
 
@@ -239,6 +259,8 @@ async def test_killed_backend_costs_no_non_streamed_request(tmp_path: Path) -> N
         for o in late:
             endpoints = on_survivor[o.test_id]["headers"]["x-gateway-destination-endpoint"]
             assert victim not in endpoints.split(","), (o, endpoints)
+        # Every slot came back: retried requests and the cut stream were all released.
+        assert await wait_gateway_idle(stack) == 0
 
 
 async def test_region_fails_over_and_traffic_returns(tmp_path: Path) -> None:
@@ -289,6 +311,7 @@ async def test_region_fails_over_and_traffic_returns(tmp_path: Path) -> None:
             outcome = await send(session, stack, f"home-{n}")
             assert outcome.status == 200, outcome
             assert set(where(stack, outcome.test_id)) <= region_a, outcome
+        assert await wait_gateway_idle(stack) == 0
 
 
 async def test_slow_backend_is_hedged_for_interactive_only(tmp_path: Path) -> None:
@@ -326,6 +349,7 @@ async def test_slow_backend_is_hedged_for_interactive_only(tmp_path: Path) -> No
         assert outcome.status == 200, outcome
         assert where(stack, "batch") == [slow]
         assert outcome.elapsed_s >= SLOW_S - 0.1, outcome
+        assert await wait_gateway_idle(stack) == 0  # hedged-away attempts hold no slot
 
 
 async def test_garbage_or_hanging_metrics_backends_are_never_picked(tmp_path: Path) -> None:

@@ -8,9 +8,12 @@ and field.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import subprocess
 import sys
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +24,13 @@ from extproc import cli, render_envoy
 from extproc.deployment import DeploymentError, load_deployment, parse_deployment
 from extproc.envoy_config import (
     BACKEND_CLUSTER,
+    DESTINATION_HEADER,
     EXTPROC_CLUSTER,
     EnvoyConfigError,
+    envoy_argv,
     render_bootstrap,
 )
+from extproc.processes import ProcessGroup, free_port, wait_http_ready
 from extproc.render_envoy import (
     TypedCheckError,
     envoy_validate,
@@ -399,3 +405,178 @@ def test_envoy_data_plane_stays_out_of_the_request_path() -> None:
         "assert 'envoy_data_plane' not in sys.modules and 'betterproto2' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+# --------------------------------------------------------------------------- real Envoy
+
+
+class _RoutingDouble:
+    """The service's routing contract, nothing else: per request, ``x-test-endpoints`` is the
+    endpoint list (first = chosen, rest = alternates) and ``x-test-hedge-ms`` makes the
+    request hedged the way extproc/gateway.py does for tiers with ``hedge_after_ms``."""
+
+    def __init__(self) -> None:
+        from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+
+        double = self
+
+        class Servicer(external_processor_pb2_grpc.ExternalProcessorServicer):
+            async def Process(  # grpc's method name
+                self, request_iterator: AsyncIterator[Any], context: Any
+            ) -> AsyncIterator[Any]:
+                async for response in double._process(request_iterator):
+                    yield response
+
+        self.servicer = Servicer()
+
+    async def _process(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        from envoy.config.core.v3 import base_pb2
+        from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+        def hvo(key: str, value: str) -> Any:
+            return base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=key, raw_value=value.encode())
+            )
+
+        headers: dict[str, str] = {}
+        async for request in requests:
+            if request.WhichOneof("request") == "request_headers":
+                headers = {
+                    h.key: h.raw_value.decode() for h in request.request_headers.headers.headers
+                }
+                yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+                continue
+            mutation = [hvo(DESTINATION_HEADER, headers["x-test-endpoints"])]
+            if "x-test-hedge-ms" in headers:
+                mutation += [
+                    hvo("x-envoy-upstream-rq-per-try-timeout-ms", headers["x-test-hedge-ms"]),
+                    hvo("x-envoy-hedge-on-per-try-timeout", "true"),
+                ]
+            yield pb.ProcessingResponse(
+                request_body=pb.BodyResponse(
+                    response=pb.CommonResponse(
+                        header_mutation=pb.HeaderMutation(set_headers=mutation)
+                    )
+                )
+            )
+
+
+async def _upstream(name: str, port: int, hits: list[str], delay_s: float, status: int) -> Any:
+    """A backend that answers ``status`` after ``delay_s`` and logs each request it got
+    (``/health`` always answers 200 at once, so Envoy's health checks pass)."""
+    from aiohttp import web
+
+    async def handle(request: web.Request) -> web.Response:
+        if request.path == "/health":
+            return web.Response(text="ok")
+        await request.read()
+        hits.append(name)
+        await asyncio.sleep(delay_s)
+        return web.json_response({"backend": name}, status=status)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+@pytest.mark.integration
+async def test_real_envoy_hedges_and_retries_as_documented(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """On the real Envoy with the rendered route: a hedged request is answered by the
+    alternate when the first engine is slow (and both engines got it: the duplicated work);
+    without the hedge headers it waits; 503 is retried on the alternate; 500 is not;
+    a connection failure is retried."""
+    import aiohttp
+    import grpc
+
+    ports = {name: free_port() for name in ("listen", "admin", "extproc")}
+    behaviour = {  # name -> (delay_s, status)
+        "slow": (3.0, 200),
+        "fast": (0.0, 200),
+        "unavailable": (0.0, 503),
+        "broken": (0.0, 500),
+    }
+    upstream_ports = {name: free_port() for name in [*behaviour, "dead"]}
+    address = {name: f"127.0.0.1:{port}" for name, port in upstream_ports.items()}
+    deployment = parse_deployment(
+        f"listen: {{port: {ports['listen']}}}\n"
+        f"admin: {{port: {ports['admin']}}}\n"
+        f"service: {{port: {ports['extproc']}}}\n"
+        f"policy: {POLICY}\n"
+        "backends:\n"
+        + "".join(
+            f"  - {{url: http://{address[name]}, region: {'a' if i % 2 == 0 else 'b'}}}\n"
+            for i, name in enumerate(upstream_ports)
+        ),
+        "integration.yaml",
+    )
+    rendered = render(deployment)
+    config = tmp_path / "envoy.yaml"
+    config.write_text(rendered.text)
+
+    double = _RoutingDouble()
+    server = grpc.aio.server()
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+
+    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(double.servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{ports['extproc']}")
+    await server.start()
+    hits: list[str] = []
+    runners = [
+        await _upstream(name, upstream_ports[name], hits, delay, status)
+        for name, (delay, status) in behaviour.items()
+    ]
+    try:
+        envoy = processes.start("envoy", envoy_argv(config, concurrency=2))
+        await asyncio.to_thread(
+            wait_http_ready, f"http://127.0.0.1:{ports['admin']}/ready", envoy, 20
+        )
+        url = f"http://127.0.0.1:{ports['listen']}/v1/chat/completions"
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+        async def ask(endpoints: list[str], hedge_ms: int | None = None) -> tuple[int, Any, float]:
+            headers = {"x-test-endpoints": ",".join(address[e] for e in endpoints)}
+            if hedge_ms is not None:
+                headers["x-test-hedge-ms"] = str(hedge_ms)
+            hits.clear()
+            started = time.monotonic()
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(url, json=body, headers=headers) as response,
+            ):
+                payload = await response.json(content_type=None)
+                return response.status, payload, time.monotonic() - started
+
+        # hedged (interactive): the alternate answers after the per-try timeout
+        status, payload, elapsed = await ask(["slow", "fast"], hedge_ms=300)
+        assert (status, payload["backend"]) == (200, "fast"), payload
+        assert 0.3 <= elapsed < 2.5, elapsed  # not the slow engine's 3 s
+        assert hits == ["slow", "fast"]  # both engines got the request: duplicated work
+
+        # not hedged (api/batch): the slow engine's answer, however long it takes
+        status, payload, elapsed = await ask(["slow", "fast"])
+        assert (status, payload["backend"]) == (200, "slow")
+        assert elapsed >= 3.0 and hits == ["slow"]
+
+        # 503 (gateway-error) is retried on the next listed endpoint
+        status, payload, _ = await ask(["unavailable", "fast"])
+        assert (status, payload["backend"]) == (200, "fast")
+        assert hits == ["unavailable", "fast"]
+
+        # 500 is not retried: the client gets it, the alternate never sees the request
+        status, payload, _ = await ask(["broken", "fast"])
+        assert (status, payload["backend"]) == (500, "broken")
+        assert hits == ["broken"]
+
+        # a connection failure is retried on the next listed endpoint
+        status, payload, _ = await ask(["dead", "fast"])
+        assert (status, payload["backend"]) == (200, "fast")
+    finally:
+        processes.stop()
+        for runner in runners:
+            await runner.cleanup()
+        await server.stop(grace=None)

@@ -44,6 +44,7 @@ from extproc.envoy_config import (
     NUM_RETRIES,
     RETRY_ON,
     EnvoyConfigError,
+    backend_cluster,
     extproc_cluster,
     render_bootstrap,
     render_mesh_snippet,
@@ -256,6 +257,9 @@ def report(deployment: Deployment, rendered: Rendered, validated: bool) -> str:
     """A human summary of what Envoy will do (stderr, so stdout stays pure YAML)."""
     params = deployment.params
     extproc_limit = extproc_cluster(params)["circuit_breakers"]["thresholds"][0]["max_requests"]
+    backends = backend_cluster(params)
+    check = backends["health_checks"][0]
+    outlier = backends["outlier_detection"]
     lines = [
         f"deployment {_shown(deployment.source)} (policy {_shown(deployment.policy_path)})",
         f"  listener {params.listen_host}:{params.listen_port}, admin "
@@ -288,7 +292,10 @@ def report(deployment: Deployment, rendered: Rendered, validated: bool) -> str:
                 f"{target}{ratio}"
             )
     lines += [
-        "  health checks: /health every 5s (no_traffic_interval 5s); outlier detection on",
+        f"  health checks: {check['http_health_check']['path']} every {check['interval']} "
+        f"(no_traffic_interval {check['no_traffic_interval']}); outlier detection: "
+        f"{outlier['consecutive_5xx']} consecutive 5xx or {outlier['consecutive_gateway_failure']}"
+        " gateway failures eject a host",
         f"  circuit breakers: backends max_retries {BACKEND_MAX_RETRIES}; ext_proc max_requests "
         f"{extproc_limit} (policy queues hold {params.max_held_requests})",
         f"  longest hold {params.longest_hold_s:g}s, max body {params.max_body_bytes} bytes",

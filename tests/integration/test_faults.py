@@ -216,7 +216,9 @@ async def test_killed_backend_costs_no_non_streamed_request(tmp_path: Path) -> N
         async def worker(w: int) -> None:
             n = 0
             while time.monotonic() < stop_at:
-                outcomes.append(await send(session, stack, f"w{w}-{n}", max_tokens=8))
+                # ~0.8 s each: the picker spreads ~10 running requests over both backends,
+                # so several are mid-generation on the victim when it dies
+                outcomes.append(await send(session, stack, f"w{w}-{n}", max_tokens=120))
                 n += 1
                 await asyncio.sleep(0.1)
 
@@ -242,16 +244,22 @@ async def test_killed_backend_costs_no_non_streamed_request(tmp_path: Path) -> N
         await asyncio.gather(*workers)
         failed = [o for o in outcomes if o.status != 200]
         assert not failed, failed[:5]
-        assert len(outcomes) > 50  # a real trickle ran across the kill
+        assert len(outcomes) > 30  # a real trickle ran across the kill
 
         after = [o for o in outcomes if o.sent_at > killed_at]
-        assert len(after) > 20
+        assert len(after) > 15
         logs = requests_by_backend(stack)
         on_survivor = {r["headers"].get("x-test-id"): r for r in logs[survivor]}
         on_victim = {r["headers"].get("x-test-id") for r in logs[victim]}
         for o in after:
             assert o.test_id in on_survivor, o
             assert o.test_id not in on_victim, o
+        # Requests the victim had received and was generating when it died were retried
+        # (Envoy: reset before response headers) and answered by the survivor.
+        cut_and_retried = [
+            o for o in outcomes if o.test_id in on_victim and o.test_id in on_survivor
+        ]
+        assert cut_and_retried, "no request was in flight on the victim when it died"
         # Within ~2 s of the kill the service no longer lists the dead backend at all
         # (failed scrapes at once, failed /health within a second).
         late = [o for o in after if o.sent_at > killed_at + 2.0]

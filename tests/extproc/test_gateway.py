@@ -5,11 +5,13 @@ import json
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc.admission import Admission
 from extproc.backends import BackendPool, BackendSpec
 from extproc.gateway import Gateway, Pending
 from extproc.messages import Completion, Forward, RequestInfo, Respond
+from extproc.metrics import GatewayCollector
 from extproc.policy import DEFAULT_POLICY_PATH, PolicyStore
 from tests.extproc.factories import FakeClock, scraped
 
@@ -203,3 +205,15 @@ async def test_a_new_conversation_with_the_same_system_prompt_joins_its_backend(
     gateway.completed(Completion("a1", 200, "127.0.0.1:8102", 0.5, 900))
     bob = [("system", SUPPORT), ("user", "How do I return a lamp?")]
     assert endpoint(gateway, chat("b1", *bob)) == "127.0.0.1:8102"
+
+
+async def test_picks_are_exported_per_backend_and_reason() -> None:
+    gateway = make_gateway(regions=("r", "r"))
+    gateway.handle(chat("a", ("system", SUPPORT), ("user", "first")))
+    gateway.completed(Completion("a", 200, "127.0.0.1:8101", 0.5, 900))
+    gateway.handle(chat("b", ("system", SUPPORT), ("user", "second")))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(GatewayCollector(gateway.admission, gateway.outcomes))
+    text = generate_latest(registry).decode()
+    assert 'fairlane_picks_total{backend="127.0.0.1:8101",reason="load"} 1.0' in text
+    assert 'fairlane_picks_total{backend="127.0.0.1:8101",reason="prefix"} 1.0' in text

@@ -1,5 +1,7 @@
 """Chained block hashes and the per-backend LRU that models a backend's prefix cache."""
 
+import random
+
 import pytest
 
 from extproc.prefix import CHARS_PER_TOKEN, PrefixLRU, PromptBlocks, prefix_blocks
@@ -77,3 +79,21 @@ def test_lru_is_bounded_and_resizes_down() -> None:
     assert len(lru) == 3
     with pytest.raises(ValueError):
         PrefixLRU(0)
+
+
+def test_what_is_held_of_a_chain_stays_a_prefix_so_match_may_bisect() -> None:
+    rng = random.Random(7)
+    lru = PrefixLRU(40)
+    trunk = [rng.randrange(1000) for _ in range(16 * 8)]  # shared heads, as system prompts
+    chains = [
+        prefix_blocks(trunk[: 16 * rng.randrange(8)] + [rng.randrange(1000) for _ in range(96)], 16)
+        for _ in range(30)
+    ]
+    for _ in range(500):
+        chain = rng.choice(chains)
+        lru.record(chain[: rng.randrange(1, len(chain) + 1)])
+        for probe in chains:
+            held = [block in lru._blocks for block in probe]
+            linear = held.index(False) if False in held else len(held)
+            assert held == [True] * linear + [False] * (len(held) - linear)
+            assert lru.match(probe) == linear

@@ -1,5 +1,9 @@
 """Prefix-cache hit rate of a fleet over the measured window, from the backends' /metrics.
 
+(Also where the requests went: each backend's finished requests and preemptions over the
+same window, which show whether a picker spread the load, concentrated it, or kept it off
+a bad backend.)
+
 vLLM (and ``fairlane sim``) count prefix-cache lookups in **tokens**:
 ``vllm:prefix_cache_queries_total`` grows by a request's prompt tokens when it is admitted,
 ``vllm:prefix_cache_hits_total`` by the tokens found cached. The fleet's hit rate over a
@@ -17,17 +21,23 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"
+FINISHED = "vllm:request_success_total"  # every finished_reason (abort too): requests served
+PREEMPTIONS = "vllm:num_preemptions_total"
 
 
 @dataclass(frozen=True)
 class PrefixCounters:
-    """One backend's cumulative prefix-cache counters (tokens)."""
+    """One backend's cumulative prefix-cache counters (tokens), finished requests and
+    preemptions."""
 
     queries: float
     hits: float
+    finished: float = 0.0
+    preemptions: float = 0.0
 
 
 def parse_prefix_counters(text: str) -> PrefixCounters:
@@ -37,9 +47,9 @@ def parse_prefix_counters(text: str) -> PrefixCounters:
     Raises ValueError when the queries counter is missing: a backend that does not export
     it cannot be measured, and reading it as 0 would silently skew the fleet's rate."""
     queries: float | None = None
-    hits = 0.0
+    hits = finished = preemptions = 0.0
     for line in text.splitlines():
-        if not line.startswith("vllm:prefix_cache_"):
+        if not line.startswith("vllm:"):
             continue
         name, _, rest = line.partition("{")
         if not rest:  # a series without labels: "name value"
@@ -54,9 +64,13 @@ def parse_prefix_counters(text: str) -> PrefixCounters:
             queries = (queries or 0.0) + value
         elif name == HITS:
             hits += value
+        elif name == FINISHED:
+            finished += value
+        elif name == PREEMPTIONS:
+            preemptions += value
     if queries is None:
         raise ValueError(f"no {QUERIES} in the metrics")
-    return PrefixCounters(queries, hits)
+    return PrefixCounters(queries, hits, finished, preemptions)
 
 
 @dataclass(frozen=True)
@@ -68,18 +82,22 @@ class PrefixWindow:
     backends: int
     """Backends both of whose scrapes succeeded (the others are left out, and said so)."""
     missing: int
+    per_backend: tuple[dict[str, float | None], ...] = ()
+    """Per backend (configured order; None where it could not be measured): finished
+    requests, preemptions and hit rate over the window."""
 
     @property
     def hit_rate(self) -> float | None:
         return self.hits / self.queries if self.queries > 0 else None
 
-    def to_json(self) -> dict[str, float | int | None]:
+    def to_json(self) -> dict[str, Any]:
         return {
             "prefix_queries": self.queries,
             "prefix_hits": self.hits,
             "prefix_hit_rate": self.hit_rate,
             "prefix_backends": self.backends,
             "prefix_backends_missing": self.missing,
+            "per_backend": list(self.per_backend),
         }
 
 
@@ -92,18 +110,35 @@ def window_hit_rate(
     so that backend is left out like a failed scrape."""
     queries = hits = 0.0
     used = missing = 0
+    unknown: dict[str, float | None] = {"finished": None, "preemptions": None, "hit_rate": None}
+    per_backend: list[dict[str, float | None]] = []
     for before, after in zip(start, end, strict=True):
         if before is None or after is None:
             missing += 1
+            per_backend.append(dict(unknown))
             continue
-        dq, dh = after.queries - before.queries, after.hits - before.hits
-        if dq < 0 or dh < 0 or not (math.isfinite(dq) and math.isfinite(dh)):
+        deltas = [
+            after.queries - before.queries,
+            after.hits - before.hits,
+            after.finished - before.finished,
+            after.preemptions - before.preemptions,
+        ]
+        if any(d < 0 or not math.isfinite(d) for d in deltas):
             missing += 1
+            per_backend.append(dict(unknown))
             continue
+        dq, dh, finished, preemptions = deltas
         queries += dq
         hits += dh
         used += 1
-    return PrefixWindow(queries, hits, used, missing)
+        per_backend.append(
+            {
+                "finished": finished,
+                "preemptions": preemptions,
+                "hit_rate": dh / dq if dq > 0 else None,
+            }
+        )
+    return PrefixWindow(queries, hits, used, missing, tuple(per_backend))
 
 
 __all__ = [

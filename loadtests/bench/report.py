@@ -321,6 +321,12 @@ def _hit_rate_text(arm: Mapping[str, Any]) -> str:
     return text
 
 
+def _per_backend_text(arm: Mapping[str, Any], key: str) -> str:
+    """``a / b / c / d`` in backend order (from the simulators' own counters)."""
+    rows = (arm["summary"].get("prefix_cache") or {}).get("per_backend") or []
+    return " / ".join(fmt(r.get(key)) for r in rows) or "-"
+
+
 def _fleet_text(arm: Mapping[str, Any]) -> str:
     return "balanced" if arm.get("balanced") else "as configured"
 
@@ -426,6 +432,14 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         ]
         + [
             ["prefix-cache hit rate (tokens)", *(_hit_rate_text(arms[n]) for n in names)],
+            [
+                "requests finished per backend (window)",
+                *(_per_backend_text(arms[n], "finished") for n in names),
+            ],
+            [
+                "preemptions per backend (window)",
+                *(_per_backend_text(arms[n], "preemptions") for n in names),
+            ],
             ["fleet", *(_fleet_text(arms[n]) for n in names)],
         ],
     )

@@ -14,7 +14,7 @@ import yaml
 from extproc import envoy_config
 from extproc.backends import BackendSpec
 from extproc.prompt import render_chat, tokenize
-from loadtests.bench import report
+from loadtests.bench import cpu, report
 from loadtests.bench.arms import envoy_only_bootstrap, sim_argv
 from loadtests.bench.cachestats import PrefixCounters, parse_prefix_counters, window_hit_rate
 from loadtests.bench.client import RequestRecord
@@ -199,12 +199,15 @@ vllm:prefix_cache_queries_created{{engine="0",model_name="m"}} 1.7e+09
 # TYPE vllm:prefix_cache_hits_total counter
 vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {h}
 vllm:external_prefix_cache_hits_total{{engine="0",model_name="m"}} 99.0
+vllm:request_success_total{{engine="0",finished_reason="stop",model_name="m"}} 3.0
+vllm:request_success_total{{engine="0",finished_reason="length",model_name="m"}} 4.0
+vllm:num_preemptions_total{{engine="0",model_name="m"}} 2.0
 """
 
 
 def test_parse_prefix_counters() -> None:
     assert parse_prefix_counters(METRICS.format(q="1200.0", h="300.0")) == PrefixCounters(
-        1200.0, 300.0
+        1200.0, 300.0, finished=7.0, preemptions=2.0
     )
     with pytest.raises(ValueError, match="prefix_cache_queries_total"):
         parse_prefix_counters("vllm:num_requests_running 1\n")
@@ -213,12 +216,20 @@ def test_parse_prefix_counters() -> None:
 def test_hit_rate_from_two_snapshots_sums_over_backends() -> None:
     """Token-weighted over the fleet: Δhits / Δqueries summed, not a mean of rates; a failed
     scrape or a restarted backend (counter went down) is left out and counted as missing."""
-    start = [PrefixCounters(1000, 100), PrefixCounters(0, 0), PrefixCounters(50, 0), None]
-    end = [PrefixCounters(3000, 1700), PrefixCounters(1000, 100), PrefixCounters(10, 0), None]
+    start = [PrefixCounters(1000, 100, 5), PrefixCounters(0, 0), PrefixCounters(50, 0), None]
+    end = [
+        PrefixCounters(3000, 1700, 25, 3),
+        PrefixCounters(1000, 100, 10),
+        PrefixCounters(10, 0),
+        None,
+    ]
     window = window_hit_rate(start, end)
     assert (window.queries, window.hits) == (3000, 1700)
     assert window.hit_rate == pytest.approx(1700 / 3000)
     assert (window.backends, window.missing) == (2, 2)
+    per = window.to_json()["per_backend"]
+    assert [b["finished"] for b in per] == [20, 10, None, None]
+    assert per[0]["preemptions"] == 3 and per[0]["hit_rate"] == pytest.approx(0.8)
     assert window_hit_rate([], []).hit_rate is None
 
 
@@ -286,3 +297,46 @@ def test_shipped_picking_scenarios_load() -> None:
     unbalanced = load_scenario("unbalanced")
     assert any(a.balanced for a in unbalanced.arms)
     assert dataclasses.replace(unbalanced, arms=()).backends.overrides
+
+
+def test_report_shows_fleet_rows(tmp_path: Path) -> None:
+    scenario = load_scenario("unbalanced")
+    window = window_hit_rate(
+        [PrefixCounters(0, 0, 0), PrefixCounters(0, 0, 0)],
+        [PrefixCounters(1000, 250, 40, 7), PrefixCounters(3000, 750, 120)],
+    )
+    summary = report.arm_summary(scenario, [_record(100, 110, 10)])
+    summary["prefix_cache"] = window.to_json()
+    arm = {
+        "kind": "fairlane",
+        "balanced": True,
+        "groups": ["chat"],
+        "pids": {},
+        "capped": False,
+        "wall_s": 1.0,
+        "cpu": cpu.CpuUsage(1.0, {}, 0.5, 2).to_json(),
+        "summary": summary,
+    }
+    results = {
+        "scenario": {
+            "name": "unbalanced",
+            "description": "d",
+            "duration_s": 600,
+            "speedup": 20,
+            "warmup_s": 60,
+            "seed": 1,
+            "max_requests": 10,
+            "policy": "p.yaml",
+            "backends": {"count": 2, "profile": "x", "flags": [], "overrides": {"0": ["--a"]}},
+        },
+        "arms": {"fairlane-balanced": arm},
+        "failed_arms": {},
+        "targets": [],
+    }
+    text = report.render_markdown(results)
+    assert "| prefix-cache hit rate (tokens) | 25.0% (1,000 of 4,000) |" in text
+    assert "| requests finished per backend (window) | 40 / 120 |" in text
+    assert "| preemptions per backend (window) | 7 / 0 |" in text
+    assert "| fleet | balanced |" in text
+    assert "backend 0: `--a`" in text
+    assert "| throughput (completed req/s) |" in text and "| TTFT p90 (s) |" in text

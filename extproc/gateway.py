@@ -160,11 +160,17 @@ class Gateway:
         }
         if request.path != info.path:
             set_headers[":path"] = request.path
-        if request.tier.hedge_after_ms is not None:
+        # Retries and hedges go only to the endpoints the picker listed: past the list,
+        # Envoy's fallback load balancer would pick any host its own health check passes,
+        # including one the service left out (garbage metrics, cooling off, saturated).
+        alternates = len(grant.endpoints) - 1
+        set_headers["x-envoy-max-retries"] = str(alternates)
+        if request.tier.hedge_after_ms is not None and alternates:
             # Envoy's router reads these from a trusted filter (mutation_rules allow_envoy)
             # and strips any a client sends: hedge on the per-try timeout, to the next
             # endpoint listed in x-gateway-destination-endpoint.
-            set_headers["x-envoy-upstream-rq-per-try-timeout-ms"] = str(request.tier.hedge_after_ms)
+            hedge_ms = str(request.tier.hedge_after_ms)
+            set_headers["x-envoy-upstream-rq-per-try-timeout-ms"] = hedge_ms
             set_headers["x-envoy-hedge-on-per-try-timeout"] = "true"
         if request_id != info.request_id:
             set_headers["x-request-id"] = request_id

@@ -124,9 +124,11 @@ def alternates(
     """Up to ``MAX_ALTERNATES`` healthy others: another region first, then least loaded.
 
     Alternates need not pass the gates: a retry or hedge goes out only when the first
-    attempt failed or is late, and then any healthy engine beats none.
+    attempt failed or is late, and then any healthy engine beats none. They must have been
+    scraped at least once: a backend whose first scrape is still pending (service start)
+    counts as healthy but has not shown it answers.
     """
-    others = [b for b in fleet if b is not chosen and b.healthy]
+    others = [b for b in fleet if b is not chosen and b.healthy and b.metrics is not None]
     others.sort(
         key=lambda b: (b.region == chosen.region, load_score(b, routing, slot_limit, local))
     )

@@ -48,7 +48,7 @@ async def test_failing_completions_cool_the_answering_backend_off() -> None:
     assert second.healthy
     for backend in pool.backends:
         scraped(backend, clock)  # fresh metrics after the wait, or no gate passes
-    admission.submit("later", Request(API))  # type: ignore[arg-type]
+    admission.submit("later", Request(API))
     assert admission.backend_of("later") is second
 
 

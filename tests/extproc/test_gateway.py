@@ -160,9 +160,11 @@ async def test_hedged_tiers_ask_envoy_to_hedge_and_others_do_not() -> None:
     assert isinstance(chat, Forward)
     assert chat.set_headers["x-envoy-upstream-rq-per-try-timeout-ms"] == "1000"
     assert chat.set_headers["x-envoy-hedge-on-per-try-timeout"] == "true"
+    assert chat.set_headers["x-envoy-max-retries"] == str(len(chat.endpoints) - 1)
     batch = gateway.handle(request(key="sk-batch-demo", request_id="b"))
     assert isinstance(batch, Forward)
-    assert not any(name.startswith("x-envoy-") for name in batch.set_headers)
+    assert "x-envoy-hedge-on-per-try-timeout" not in batch.set_headers
+    assert batch.set_headers["x-envoy-max-retries"] == str(len(batch.endpoints) - 1)
 
 
 SUPPORT = "You are ACME's support assistant. Answer in two sentences, cite the manual. " * 40

@@ -17,8 +17,16 @@ def fleet(*loads: tuple[str, int, bool]) -> list[Backend]:
         backend = Backend(BackendSpec("127.0.0.1", 9000 + i, region))
         backend.in_flight = in_flight
         backend.healthy = healthy
+        scraped(backend, FakeClock())
         backends.append(backend)
     return backends
+
+
+def test_a_backend_never_scraped_is_no_alternate() -> None:
+    backends = fleet(("a", 0, True), ("b", 0, True))
+    unscraped = Backend(BackendSpec("127.0.0.1", 9100, "c"))
+    chosen = pick(backends[:1], [*backends, unscraped])
+    assert chosen is not None and unscraped not in chosen
 
 
 def scraped_fleet(*regions: str, clock: FakeClock | None = None) -> list[Backend]:

@@ -399,13 +399,6 @@ async def test_garbage_or_hanging_metrics_backends_are_never_picked(tmp_path: Pa
         assert service.alive()
 
 
-@pytest.mark.xfail(
-    reason="known bug: with a single listed endpoint, Envoy's hedge (and any retry past the "
-    "list) goes to the override_host fallback LB, which picks among Envoy-healthy hosts, "
-    "including one the service excluded; the gateway should hedge only when it lists an "
-    "alternate and cap x-envoy-max-retries at the alternates it lists",
-    strict=False,
-)
 async def test_hedge_never_reaches_a_backend_the_service_excluded(tmp_path: Path) -> None:
     """The only pickable backend is slow (1 s); the other one's /metrics is garbage (its
     /health is fine). The interactive request waits for the slow one: the excluded backend

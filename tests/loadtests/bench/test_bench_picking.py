@@ -147,11 +147,11 @@ def test_envoy_only_arms_render_a_config_envoy_accepts(kind: str, tmp_path: Path
 
 def test_overrides_reach_one_backend_and_balanced_arms_drop_them() -> None:
     scenario = load_scenario("unbalanced")
-    assert dict(scenario.backends.overrides) == {0: ("--num-gpu-blocks", "400")}
+    assert dict(scenario.backends.overrides) == {0: ("--num-gpu-blocks", "200")}
     slow = sim_argv(scenario, 9000, "priority", index=0)
     fast = sim_argv(scenario, 9001, "priority", index=1)
     balanced = sim_argv(scenario, 9000, "priority", index=0, balanced=True)
-    assert slow[-2:] == ["--num-gpu-blocks", "400"]
+    assert slow[-2:] == ["--num-gpu-blocks", "200"]
     assert "--num-gpu-blocks" not in fast and "--num-gpu-blocks" not in balanced
     arms = {a.name: a for a in scenario.arms}
     assert arms["fairlane-balanced"].balanced and not arms["fairlane-unbalanced"].balanced

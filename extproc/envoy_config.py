@@ -220,6 +220,42 @@ def render_mesh_snippet(params: EnvoyParams) -> dict[str, Any]:
     }
 
 
+def wrap_snippet(snippet: dict[str, Any]) -> dict[str, Any]:
+    """A minimal bootstrap around the mesh snippet, as a user would paste it: one listener
+    with the snippet's settings, filter and route, plus the snippet's clusters."""
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network."
+        "http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "mesh",
+        **snippet["http_connection_manager_settings"],
+        "route_config": {
+            "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": snippet["routes"]}]
+        },
+        "http_filters": [
+            *snippet["http_filters"],
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                },
+            },
+        ],
+    }
+    listener = {
+        "name": "mesh",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": 10000}},
+        **snippet["listener_settings"],
+        "filter_chains": [
+            {
+                "filters": [
+                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                ]
+            }
+        ],
+    }
+    return {"static_resources": {"listeners": [listener], "clusters": snippet["clusters"]}}
+
+
 def render_mesh_snippet_yaml(params: EnvoyParams, generated_by: str | None = None) -> str:
     """:func:`render_mesh_snippet` as YAML, with paste instructions in the header comment.
 

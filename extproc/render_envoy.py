@@ -51,6 +51,7 @@ from extproc.envoy_config import (
     render_mesh_snippet_yaml,
     render_yaml,
     validate,
+    wrap_snippet,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -164,42 +165,6 @@ def typed_check(bootstrap: dict[str, Any]) -> Any:
 
 
 # --------------------------------------------------------------------------- rendering
-
-
-def wrap_snippet(snippet: dict[str, Any]) -> dict[str, Any]:
-    """A minimal bootstrap around the mesh snippet, as a user would paste it: one listener
-    with the snippet's settings, filter and route, plus the snippet's clusters."""
-    hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network."
-        "http_connection_manager.v3.HttpConnectionManager",
-        "stat_prefix": "mesh",
-        **snippet["http_connection_manager_settings"],
-        "route_config": {
-            "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": snippet["routes"]}]
-        },
-        "http_filters": [
-            *snippet["http_filters"],
-            {
-                "name": "envoy.filters.http.router",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-                },
-            },
-        ],
-    }
-    listener = {
-        "name": "mesh",
-        "address": {"socket_address": {"address": "127.0.0.1", "port_value": 10000}},
-        **snippet["listener_settings"],
-        "filter_chains": [
-            {
-                "filters": [
-                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
-                ]
-            }
-        ],
-    }
-    return {"static_resources": {"listeners": [listener], "clusters": snippet["clusters"]}}
 
 
 def render(deployment: Deployment, snippet: bool = False) -> Rendered:

@@ -34,6 +34,7 @@ from extproc.envoy_config import (
     render_mesh_snippet_yaml,
     render_yaml,
     validate,
+    wrap_snippet,
 )
 from extproc.processes import ProcessGroup, free_port, wait_http_ready
 
@@ -99,41 +100,6 @@ def _route(bootstrap: dict[str, Any]) -> dict[str, Any]:
     return route
 
 
-def _wrap_snippet(snippet: dict[str, Any]) -> dict[str, Any]:
-    """A minimal bootstrap around the mesh snippet, as a user would paste it."""
-    hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network."
-        "http_connection_manager.v3.HttpConnectionManager",
-        "stat_prefix": "mesh",
-        **snippet["http_connection_manager_settings"],
-        "route_config": {
-            "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": snippet["routes"]}]
-        },
-        "http_filters": [
-            *snippet["http_filters"],
-            {
-                "name": "envoy.filters.http.router",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-                },
-            },
-        ],
-    }
-    listener = {
-        "name": "mesh",
-        "address": {"socket_address": {"address": "127.0.0.1", "port_value": 10000}},
-        **snippet["listener_settings"],
-        "filter_chains": [
-            {
-                "filters": [
-                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
-                ]
-            }
-        ],
-    }
-    return {"static_resources": {"listeners": [listener], "clusters": snippet["clusters"]}}
-
-
 # --------------------------------------------------------------------------- validation
 
 
@@ -146,7 +112,7 @@ def test_shipped_files_exist() -> None:
 def test_shipped_file_validates(path: Path, tmp_path: Path) -> None:
     if path == MESH_SNIPPET:  # not a bootstrap: wrap it the way a user pastes it
         wrapped = tmp_path / "wrapped.yaml"
-        wrapped.write_text(yaml.safe_dump(_wrap_snippet(yaml.safe_load(path.read_text()))))
+        wrapped.write_text(yaml.safe_dump(wrap_snippet(yaml.safe_load(path.read_text()))))
         validate(wrapped)
     else:
         validate(path)

@@ -29,6 +29,7 @@ from extproc.envoy_config import (
     EnvoyConfigError,
     envoy_argv,
     render_bootstrap,
+    wrap_snippet,
 )
 from extproc.processes import ProcessGroup, free_port, wait_http_ready
 from extproc.render_envoy import (
@@ -37,7 +38,6 @@ from extproc.render_envoy import (
     render,
     report,
     typed_check,
-    wrap_snippet,
 )
 
 REPO = Path(__file__).resolve().parents[2]

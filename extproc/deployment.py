@@ -32,12 +32,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
-from yaml.constructor import SafeConstructor
-from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+from yaml.nodes import MappingNode, Node, SequenceNode
 
 from extproc.backends import BackendSpec
 from extproc.envoy_config import MAX_MESSAGE_TIMEOUT_S, EnvoyConfigError, EnvoyParams
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyError, load_policy
+from extproc.yamlfile import LocatedReader
 
 # Seconds added to the policy's longest queue deadline for Envoy's hold cap (what
 # ``fairlane up`` does): a request released at its deadline still gets forwarded.
@@ -122,7 +122,7 @@ def parse_deployment(
         line = mark.line + 1 if mark is not None else 1
         problem = " ".join(str(p) for p in (exc.context, exc.problem) if p)
         raise DeploymentError([f"{filename}:{line}: YAML syntax error: {problem}"]) from None
-    reader = _Reader(filename)
+    reader = LocatedReader(filename)
     if root is None:
         reader.error(None, "", "the deployment is empty (it needs at least `backends`)")
         raise DeploymentError(reader.errors)
@@ -133,68 +133,6 @@ def parse_deployment(
 
 
 # --------------------------------------------------------------------------- reading
-
-
-class _Reader:
-    """Turns nodes into values, recording located errors instead of stopping at the first."""
-
-    def __init__(self, filename: str) -> None:
-        self.filename = filename
-        self.errors: list[str] = []
-        self._constructor = SafeConstructor()
-
-    def error(self, node: Node | None, path: str, message: str) -> None:
-        line = node.start_mark.line + 1 if node is not None else 1
-        where = f"{path}: " if path else ""
-        self.errors.append(f"{self.filename}:{line}: {where}{message}")
-
-    def mapping(self, node: Node, path: str, keys: tuple[str, ...]) -> dict[str, Node]:
-        if not isinstance(node, MappingNode):
-            self.error(node, path or "(top level)", f"must be a mapping, not {_kind(node)}")
-            return {}
-        items: dict[str, Node] = {}
-        for key_node, value_node in node.value:
-            key = self._scalar(key_node) if isinstance(key_node, ScalarNode) else None
-            sub = f"{path}.{key}" if path else str(key)
-            if not isinstance(key, str):
-                self.error(key_node, path, "keys must be strings")
-            elif key not in keys:
-                self.error(key_node, sub, f"unknown key (known: {', '.join(keys)})")
-            elif key in items:
-                self.error(key_node, sub, "is given twice")
-            else:
-                items[key] = value_node
-        return items
-
-    def value(self, node: Node, path: str, kind: type, check: Callable[[Any], str | None]) -> Any:
-        """A scalar of type ``kind`` that passes ``check`` (which returns a complaint)."""
-        value = self._scalar(node) if isinstance(node, ScalarNode) else None
-        if isinstance(value, bool) or not isinstance(value, kind):
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            else:
-                wanted = {int: "an integer", float: "a number", str: "a string"}[kind]
-                self.error(node, path, f"must be {wanted}, not {_kind(node)}")
-                return None
-        complaint = check(value)
-        if complaint:
-            self.error(node, path, complaint)
-            return None
-        return value
-
-    def _scalar(self, node: Node) -> Any:
-        return self._constructor.construct_object(node, deep=True)
-
-
-def _kind(node: Node) -> str:
-    if isinstance(node, MappingNode):
-        return "a mapping"
-    if isinstance(node, SequenceNode):
-        return "a list"
-    tag = node.tag.rsplit(":", 1)[-1]
-    return {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean"}.get(
-        tag, "null" if tag == "null" else tag
-    )
 
 
 def _port(allow_zero: bool) -> Callable[[Any], str | None]:
@@ -216,7 +154,7 @@ def _hold_range(value: Any) -> str | None:
     return f"must be in (0, {MAX_MESSAGE_TIMEOUT_S:.0f}] (ext_proc's max_message_timeout)"
 
 
-def _read(reader: _Reader, root: Node, base_dir: Path) -> Deployment | None:
+def _read(reader: LocatedReader, root: Node, base_dir: Path) -> Deployment | None:
     top = reader.mapping(root, "", _TOP_KEYS)
     if not isinstance(root, MappingNode):
         return None
@@ -264,7 +202,7 @@ def _read(reader: _Reader, root: Node, base_dir: Path) -> Deployment | None:
     return Deployment(reader.filename, policy_path, policy, params)
 
 
-def _read_backends(reader: _Reader, node: Node) -> tuple[BackendSpec, ...]:
+def _read_backends(reader: LocatedReader, node: Node) -> tuple[BackendSpec, ...]:
     if not isinstance(node, SequenceNode) or not node.value:
         reader.error(node, "backends", "must be a non-empty list of {url, region, weight}")
         return ()
@@ -322,7 +260,7 @@ def _read_backends(reader: _Reader, node: Node) -> tuple[BackendSpec, ...]:
 
 
 def _read_policy(
-    reader: _Reader, node: Node | None, base_dir: Path
+    reader: LocatedReader, node: Node | None, base_dir: Path
 ) -> tuple[Path | None, Policy | None]:
     if node is None:
         path = DEFAULT_POLICY_PATH

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from extproc.gates import Gate
@@ -28,6 +27,7 @@ from extproc.policy.model import (
     Tenant,
     Tier,
 )
+from extproc.yamlfile import LocatedReader, join_path, kind_of
 
 # --------------------------------------------------------------------------- parsing
 
@@ -82,167 +82,9 @@ _NUMBER_OPS = ("gt", "ge", "lt", "le")
 T = TypeVar("T")
 
 
-class _Reader:
-    """Walks the YAML node tree, turning nodes into values and collecting located errors.
-
-    Each accessor returns the value, or ``None`` after recording an error, so one pass over
-    the file finds every problem instead of stopping at the first.
-    """
-
-    def __init__(self, filename: str) -> None:
-        self.filename = filename
-        self.errors: list[str] = []
-        self._constructor = SafeConstructor()
-
-    def error(self, node: Node | None, path: str, message: str) -> None:
-        line = node.start_mark.line + 1 if node is not None else 1
-        where = f"{path}: " if path else ""
-        self.errors.append(f"{self.filename}:{line}: {where}{message}")
-
-    def scalar(self, node: Node) -> Any:
-        return self._constructor.construct_object(node, deep=True)
-
-    def mapping(self, node: Node, path: str, keys: tuple[str, ...] | None) -> dict[str, Node]:
-        """A mapping's items by key; ``keys`` lists the allowed ones (``None``: any)."""
-        if not isinstance(node, MappingNode):
-            self.error(node, path, f"must be a mapping, not {_kind(node)}")
-            return {}
-        own = {id(key_node) for key_node, _ in node.value}
-        self._constructor.flatten_mapping(node)  # resolve `<<: *anchor` merges
-        items: dict[str, Node] = {}
-        merged: set[str] = set()  # keys from a merge, which the mapping's own keys override
-        for key_node, value_node in node.value:
-            key = self.scalar(key_node) if isinstance(key_node, ScalarNode) else None
-            if not isinstance(key, str):
-                self.error(key_node, path, "keys must be strings")
-                continue
-            sub = _join(path, key)
-            if keys is not None and key not in keys:
-                self.error(key_node, sub, f"unknown field (expected one of: {', '.join(keys)})")
-            elif key in items and key not in merged:
-                self.error(key_node, sub, "duplicate field")
-            else:
-                items[key] = value_node
-                merged.discard(key)
-                if id(key_node) not in own:
-                    merged.add(key)
-        return items
-
-    def sequence(self, node: Node, path: str) -> list[Node]:
-        if not isinstance(node, SequenceNode):
-            self.error(node, path, f"must be a list, not {_kind(node)}")
-            return []
-        return list(node.value)
-
-    def typed(self, node: Node, path: str, kind: type[T] | tuple[type, ...], what: str) -> T | None:
-        value = self.scalar(node) if isinstance(node, ScalarNode) else None
-        if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _types(kind)):
-            self.error(node, path, f"must be {what}, not {_kind(node)}")
-            return None
-        return value  # type: ignore[return-value]
-
-    def string(self, node: Node, path: str, pattern: re.Pattern[str] | None = None) -> str | None:
-        value = self.typed(node, path, str, "a string")
-        if value is None:
-            return None
-        if not value:
-            self.error(node, path, "must not be empty")
-            return None
-        if pattern is not None and not pattern.fullmatch(value):
-            self.error(node, path, f"{value!r} is not a valid name (pattern {pattern.pattern})")
-            return None
-        return value
-
-    def integer(self, node: Node, path: str, minimum: int | None = None) -> int | None:
-        value = self.typed(node, path, int, "an integer")
-        if value is not None and minimum is not None and value < minimum:
-            self.error(node, path, f"must be >= {minimum}, not {value}")
-            return None
-        return value
-
-    def positive(self, node: Node, path: str) -> float | None:
-        value = self.typed(node, path, (int, float), "a number")
-        if value is not None and not value > 0:
-            self.error(node, path, f"must be > 0, not {value}")
-            return None
-        return None if value is None else float(value)
-
-    def number(
-        self, node: Node, path: str, minimum: float = 0.0, maximum: float | None = None
-    ) -> float | None:
-        """A number in ``[minimum, maximum]``."""
-        value = self.typed(node, path, (int, float), "a number")
-        if value is None:
-            return None
-        if not minimum <= value or (maximum is not None and value > maximum):
-            bound = f"in [{minimum:g}, {maximum:g}]" if maximum is not None else f">= {minimum:g}"
-            self.error(node, path, f"must be {bound}, not {value}")
-            return None
-        return float(value)
-
-    def strings(self, node: Node, path: str, pattern: re.Pattern[str] | None = None) -> list[str]:
-        """A list of distinct strings, each element checked (and located) on its own."""
-        return [value for _, _, value in self.located_strings(node, path, pattern)]
-
-    def located_strings(
-        self, node: Node, path: str, pattern: re.Pattern[str] | None = None
-    ) -> list[tuple[str, Node, str]]:
-        """Like ``strings`` but each valid value comes with its path and node, for later
-        cross-checks that must point at the exact line."""
-        found: list[tuple[str, Node, str]] = []
-        for i, item in enumerate(self.sequence(node, path)):
-            item_path = f"{path}[{i}]"
-            value = self.string(item, item_path, pattern)
-            if value is None:
-                continue
-            if any(value == seen for _, _, seen in found):
-                self.error(item, item_path, f"{_shown(value, path)} is listed twice")
-            else:
-                found.append((item_path, item, value))
-        return found
-
-    def regex(self, node: Node, path: str) -> re.Pattern[str] | None:
-        text = self.string(node, path)
-        if text is None:
-            return None
-        try:
-            return re.compile(text)
-        except re.error as exc:
-            self.error(node, path, f"invalid regular expression: {exc}")
-            return None
-
-
-def _types(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _shown(value: str, path: str) -> str:
-    """Never echo an API key into logs or terminals; show its start only."""
-    return key_hint(value) if "api_keys" in path else repr(value)
-
-
 def key_hint(key: str) -> str:
     """Enough of an API key to tell keys apart in messages, never enough to use one."""
     return f"{key[: min(4, len(key) // 3)]}…"
-
-
-def _kind(node: Node) -> str:
-    if isinstance(node, MappingNode):
-        return "a mapping"
-    if isinstance(node, SequenceNode):
-        return "a list"
-    tag = node.tag.rsplit(":", 1)[-1]
-    return {
-        "str": "a string",
-        "int": "an integer",
-        "float": "a number",
-        "bool": "a boolean",
-        "null": "null",
-    }.get(tag, tag)
 
 
 def parse_policy(text: str, filename: str = "<policy>") -> Policy:
@@ -256,7 +98,7 @@ def parse_policy(text: str, filename: str = "<policy>") -> Policy:
         raise PolicyError([f"{filename}:{line}: YAML syntax error: {problem}"]) from None
     except yaml.YAMLError as exc:
         raise PolicyError([f"{filename}:1: YAML error: {exc}"]) from None
-    reader = _Reader(filename)
+    reader = LocatedReader(filename)
     if root is None:
         reader.error(None, "", "the policy is empty (it needs at least `tiers` and `tenants`)")
         raise PolicyError(reader.errors)
@@ -280,7 +122,7 @@ def _parse_bytes(data: bytes, filename: str) -> Policy:
     return parse_policy(text, filename)
 
 
-def _read_policy(reader: _Reader, root: Node) -> Policy | None:
+def _read_policy(reader: LocatedReader, root: Node) -> Policy | None:
     top = reader.mapping(root, "", _TOP_KEYS)
     if not isinstance(root, MappingNode):
         return None
@@ -304,7 +146,7 @@ def _read_policy(reader: _Reader, root: Node) -> Policy | None:
     )
 
 
-def _check_reserved_shares(reader: _Reader, node: Node | None, tiers: list[Tier]) -> None:
+def _check_reserved_shares(reader: LocatedReader, node: Node | None, tiers: list[Tier]) -> None:
     """Reservations are shares of one fleet: together they cannot exceed all of it."""
     total = sum(tier.reserved_share for tier in tiers)
     if total > 1.0 + 1e-9:
@@ -312,7 +154,7 @@ def _check_reserved_shares(reader: _Reader, node: Node | None, tiers: list[Tier]
         reader.error(node, "tiers", f"reserved_share adds up to {total:g} (> 1): {shares}")
 
 
-def _read_settings(reader: _Reader, top: dict[str, Node]) -> dict[str, Any]:
+def _read_settings(reader: LocatedReader, top: dict[str, Node]) -> dict[str, Any]:
     settings: dict[str, Any] = {}
     if "max_body_bytes" in top:
         settings["max_body_bytes"] = reader.integer(top["max_body_bytes"], "max_body_bytes", 1)
@@ -339,7 +181,7 @@ def _read_settings(reader: _Reader, top: dict[str, Node]) -> dict[str, Any]:
     return settings
 
 
-def _read_routing(reader: _Reader, node: Node) -> Routing:
+def _read_routing(reader: LocatedReader, node: Node) -> Routing:
     items = reader.mapping(node, "routing", _ROUTING_KEYS)
     values: dict[str, float] = {}
     for key, item in items.items():
@@ -349,7 +191,7 @@ def _read_routing(reader: _Reader, node: Node) -> Routing:
     return Routing(**values)
 
 
-def _read_fairness(reader: _Reader, node: Node) -> Fairness:
+def _read_fairness(reader: LocatedReader, node: Node) -> Fairness:
     items = reader.mapping(node, "fairness", _FAIRNESS_KEYS)
     values: dict[str, Any] = {}
     if "flow" in items:
@@ -368,7 +210,7 @@ def _read_fairness(reader: _Reader, node: Node) -> Fairness:
     return Fairness(**{k: v for k, v in values.items() if v is not None})
 
 
-def _read_backpressure(reader: _Reader, node: Node) -> Backpressure:
+def _read_backpressure(reader: LocatedReader, node: Node) -> Backpressure:
     items = reader.mapping(node, "backpressure", _BACKPRESSURE_KEYS)
     values: dict[str, float] = {}
     for key in _BACKPRESSURE_KEYS:
@@ -389,14 +231,16 @@ def _read_backpressure(reader: _Reader, node: Node) -> Backpressure:
     return Backpressure(**values)
 
 
-def _required(reader: _Reader, node: Node, items: dict[str, Node], path: str, *keys: str) -> bool:
+def _required(
+    reader: LocatedReader, node: Node, items: dict[str, Node], path: str, *keys: str
+) -> bool:
     missing = [key for key in keys if key not in items]
     for key in missing:
-        reader.error(node, _join(path, key), "is required")
+        reader.error(node, join_path(path, key), "is required")
     return not missing
 
 
-def _read_tiers(reader: _Reader, node: Node) -> tuple[list[Tier], dict[str, int]]:
+def _read_tiers(reader: LocatedReader, node: Node) -> tuple[list[Tier], dict[str, int]]:
     """The valid tiers, and the names of invalid ones (so that tenants and rules naming
     them are not also reported as naming an unknown tier)."""
     tiers: list[Tier] = []
@@ -435,7 +279,7 @@ def _scalar_field(node: Node, key: str) -> object:
     return None
 
 
-def _read_tier(reader: _Reader, node: Node, path: str, rank: int) -> Tier | None:
+def _read_tier(reader: LocatedReader, node: Node, path: str, rank: int) -> Tier | None:
     items = reader.mapping(node, path, _TIER_KEYS)
     errors_before = len(reader.errors)
     _required(reader, node, items, path, "name", "priority", "queue_limit", "queue_deadline_s")
@@ -453,7 +297,7 @@ def _read_tier(reader: _Reader, node: Node, path: str, rank: int) -> Tier | None
     return Tier(rank=rank, **fields)
 
 
-def _read_aging(reader: _Reader, node: Node, path: str) -> dict[str, float]:
+def _read_aging(reader: LocatedReader, node: Node, path: str) -> dict[str, float]:
     """``aging: {seconds_per_rank: S, max_ranks: N}``: climb one rank per S s, at most N."""
     items = reader.mapping(node, path, _AGING_KEYS)
     if not _required(reader, node, items, path, "seconds_per_rank", "max_ranks"):
@@ -465,7 +309,7 @@ def _read_aging(reader: _Reader, node: Node, path: str) -> dict[str, float]:
     return {"aging_rate": 1.0 / per_rank, "aging_cap": cap}
 
 
-def _read_gate(reader: _Reader, node: Node, path: str) -> Gate | None:
+def _read_gate(reader: LocatedReader, node: Node, path: str) -> Gate | None:
     """The tier's backpressure bounds; a key left out keeps ``Gate``'s default, ``null``
     removes that bound."""
     items = reader.mapping(node, path, _GATE_KEYS)
@@ -489,7 +333,7 @@ def _read_gate(reader: _Reader, node: Node, path: str) -> Gate | None:
 
 
 _NULLABLE_TIER_FIELDS = ("slo_ttft_ms", "slo_latency_s", "early_shed_from", "hedge_after_ms")
-_TIER_FIELDS: dict[str, Callable[[_Reader, Node, str], Any]] = {
+_TIER_FIELDS: dict[str, Callable[[LocatedReader, Node, str], Any]] = {
     "reserved_share": lambda r, n, p: r.number(n, p, 0.0, 1.0),
     "reserved_idle_s": lambda r, n, p: r.number(n, p, 0.0),
     "hedge_after_ms": lambda r, n, p: r.integer(n, p, 1),
@@ -508,7 +352,7 @@ def _is_null(node: Node) -> bool:
     return isinstance(node, ScalarNode) and node.tag.endswith(":null")
 
 
-def _read_tenants(reader: _Reader, node: Node, tier_ranks: dict[str, int]) -> list[Tenant]:
+def _read_tenants(reader: LocatedReader, node: Node, tier_ranks: dict[str, int]) -> list[Tenant]:
     tenants: list[Tenant] = []
     key_owner: dict[str, str] = {}
     items = reader.sequence(node, "tenants")
@@ -527,7 +371,7 @@ def _read_tenants(reader: _Reader, node: Node, tier_ranks: dict[str, int]) -> li
 
 
 def _read_tenant(
-    reader: _Reader,
+    reader: LocatedReader,
     node: Node,
     path: str,
     tier_ranks: dict[str, int],
@@ -563,13 +407,13 @@ def _read_tenant(
 
 
 def _read_api_keys(
-    reader: _Reader, node: Node, path: str, owner: str, key_owner: dict[str, str]
+    reader: LocatedReader, node: Node, path: str, owner: str, key_owner: dict[str, str]
 ) -> list[str]:
     """The tenant's keys; a key may belong to one tenant only, or identity is ambiguous."""
     if isinstance(node, SequenceNode) and not node.value:
         reader.error(node, path, "must list at least one key")
     keys: list[str] = []
-    for key_path, key_node, key in reader.located_strings(node, path):
+    for key_path, key_node, key in reader.located_strings(node, path, shown=key_hint):
         if any(ch.isspace() for ch in key):
             reader.error(key_node, key_path, "must not contain whitespace")
         elif key in key_owner:
@@ -585,7 +429,7 @@ def _read_api_keys(
 
 
 def _read_tier_refs(
-    reader: _Reader, node: Node, path: str, tier_ranks: dict[str, int]
+    reader: LocatedReader, node: Node, path: str, tier_ranks: dict[str, int]
 ) -> list[str]:
     if isinstance(node, SequenceNode) and not node.value:
         reader.error(node, path, "must list at least one tier")
@@ -602,7 +446,7 @@ def _unknown_tier(name: str, tier_ranks: dict[str, int]) -> str:
     return f"unknown tier {name!r} (tiers are: {', '.join(tier_ranks) or 'none'})"
 
 
-def _read_rules(reader: _Reader, node: Node, tier_ranks: dict[str, int]) -> list[Rule]:
+def _read_rules(reader: LocatedReader, node: Node, tier_ranks: dict[str, int]) -> list[Rule]:
     rules: list[Rule] = []
     names: set[str] = set()
     for i, rule_node in enumerate(reader.sequence(node, "rules")):
@@ -617,7 +461,9 @@ def _read_rules(reader: _Reader, node: Node, tier_ranks: dict[str, int]) -> list
     return rules
 
 
-def _read_rule(reader: _Reader, node: Node, path: str, tier_ranks: dict[str, int]) -> Rule | None:
+def _read_rule(
+    reader: LocatedReader, node: Node, path: str, tier_ranks: dict[str, int]
+) -> Rule | None:
     items = reader.mapping(node, path, _RULE_KEYS)
     if not _required(reader, node, items, path, "name", "match"):
         return None
@@ -649,7 +495,7 @@ def _read_rule(reader: _Reader, node: Node, path: str, tier_ranks: dict[str, int
     return Rule(name, match, tier, workload, strip, add)
 
 
-def _read_path_prefix(reader: _Reader, node: Node, path: str) -> str | None:
+def _read_path_prefix(reader: LocatedReader, node: Node, path: str) -> str | None:
     value = reader.string(node, path)
     if value is not None and not value.startswith("/"):
         reader.error(node, path, f"must start with '/', not {value!r}")
@@ -657,7 +503,7 @@ def _read_path_prefix(reader: _Reader, node: Node, path: str) -> str | None:
     return value
 
 
-def _read_match(reader: _Reader, node: Node, path: str) -> Match | None:
+def _read_match(reader: LocatedReader, node: Node, path: str) -> Match | None:
     items = reader.mapping(node, path, _MATCH_KEYS)
     if isinstance(node, MappingNode) and not items:
         reader.error(node, path, "must test something (an empty match would match every request)")
@@ -680,12 +526,12 @@ def _read_match(reader: _Reader, node: Node, path: str) -> Match | None:
 
 
 def _read_conditions(
-    reader: _Reader, node: Node, path: str, ops: tuple[str, ...]
+    reader: LocatedReader, node: Node, path: str, ops: tuple[str, ...]
 ) -> Iterator[Condition]:
     """``field: value`` (equals), ``field: [a, b]`` (in) or ``field: {op: operand, ...}``."""
     is_headers = ops is _HEADER_OPS
     for name, value_node in reader.mapping(node, path, None).items():
-        sub = _join(path, name)
+        sub = join_path(path, name)
         if is_headers and not _HEADER_NAME.fullmatch(name):
             reader.error(value_node, sub, "header names must be lower-case tokens")
             continue
@@ -702,7 +548,7 @@ def _read_conditions(
 
 
 def _read_condition(
-    reader: _Reader, node: Node, path: str, field: str, op: str, is_headers: bool
+    reader: LocatedReader, node: Node, path: str, field: str, op: str, is_headers: bool
 ) -> Condition | None:
     operand: Any
     if op == "present":
@@ -724,12 +570,12 @@ def _read_condition(
     return Condition(field, op, operand)  # type: ignore[arg-type]
 
 
-def _read_operand(reader: _Reader, node: Node, path: str, is_headers: bool) -> Any:
+def _read_operand(reader: LocatedReader, node: Node, path: str, is_headers: bool) -> Any:
     """A value to compare with: header values are strings; body values any JSON scalar."""
     if is_headers:
         value = reader.typed(node, path, str, "a string (quote numbers and booleans)")
         return value
     if not isinstance(node, ScalarNode) or _is_null(node):
-        reader.error(node, path, f"must be a string, number or boolean, not {_kind(node)}")
+        reader.error(node, path, f"must be a string, number or boolean, not {kind_of(node)}")
         return None
     return reader.scalar(node)

@@ -362,7 +362,7 @@ def test_deployment_errors_name_file_line_and_field(tmp_path: Path) -> None:
         (10, "max_body_bytes"),
     ):
         assert any(f"deploy.yaml:{line}: {field}:" in e for e in errors), (line, field, text)
-    assert "IP address" in text and "unknown key" in text and "already backends[0]" in text
+    assert "IP address" in text and "unknown field" in text and "already backends[0]" in text
 
 
 @pytest.mark.parametrize(
@@ -395,7 +395,7 @@ def test_cli_reports_deployment_errors(tmp_path: Path, capsys: pytest.CaptureFix
     path.write_text("backends: [{url: http://127.0.0.1:8101, wieght: 2}]\n")
     assert cli.main(["render-envoy", str(path)]) == 1
     err = capsys.readouterr().err
-    assert f"{path}:1: backends[0].wieght: unknown key" in err
+    assert f"{path}:1: backends[0].wieght: unknown field" in err
 
 
 def test_envoy_data_plane_stays_out_of_the_request_path() -> None:

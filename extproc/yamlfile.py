@@ -1,0 +1,192 @@
+"""Reading a YAML file whose every mistake is reported with its line.
+
+Policies and deployments are edited by hand, so a mistake must come back as
+``file:line: field.path: message`` for each problem in the file, not the first only.
+``LocatedReader`` walks PyYAML's node tree (which keeps each node's position), turns nodes
+into values and collects located errors; the policy and deployment parsers build on it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from yaml.constructor import SafeConstructor
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+T = TypeVar("T")
+
+
+class LocatedReader:
+    """Walks the YAML node tree, turning nodes into values and collecting located errors.
+
+    Each accessor returns the value, or ``None`` after recording an error, so one pass over
+    the file finds every problem instead of stopping at the first.
+    """
+
+    def __init__(self, filename: str) -> None:
+        self.filename = filename
+        self.errors: list[str] = []
+        self._constructor = SafeConstructor()
+
+    def error(self, node: Node | None, path: str, message: str) -> None:
+        line = node.start_mark.line + 1 if node is not None else 1
+        where = f"{path}: " if path else ""
+        self.errors.append(f"{self.filename}:{line}: {where}{message}")
+
+    def scalar(self, node: Node) -> Any:
+        return self._constructor.construct_object(node, deep=True)
+
+    def mapping(self, node: Node, path: str, keys: tuple[str, ...] | None) -> dict[str, Node]:
+        """A mapping's items by key; ``keys`` lists the allowed ones (``None``: any)."""
+        if not isinstance(node, MappingNode):
+            self.error(node, path, f"must be a mapping, not {kind_of(node)}")
+            return {}
+        own = {id(key_node) for key_node, _ in node.value}
+        self._constructor.flatten_mapping(node)  # resolve `<<: *anchor` merges
+        items: dict[str, Node] = {}
+        merged: set[str] = set()  # keys from a merge, which the mapping's own keys override
+        for key_node, value_node in node.value:
+            key = self.scalar(key_node) if isinstance(key_node, ScalarNode) else None
+            if not isinstance(key, str):
+                self.error(key_node, path, "keys must be strings")
+                continue
+            sub = join_path(path, key)
+            if keys is not None and key not in keys:
+                self.error(key_node, sub, f"unknown field (expected one of: {', '.join(keys)})")
+            elif key in items and key not in merged:
+                self.error(key_node, sub, "duplicate field")
+            else:
+                items[key] = value_node
+                merged.discard(key)
+                if id(key_node) not in own:
+                    merged.add(key)
+        return items
+
+    def sequence(self, node: Node, path: str) -> list[Node]:
+        if not isinstance(node, SequenceNode):
+            self.error(node, path, f"must be a list, not {kind_of(node)}")
+            return []
+        return list(node.value)
+
+    def typed(self, node: Node, path: str, kind: type[T] | tuple[type, ...], what: str) -> T | None:
+        value = self.scalar(node) if isinstance(node, ScalarNode) else None
+        if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _types(kind)):
+            self.error(node, path, f"must be {what}, not {kind_of(node)}")
+            return None
+        return value  # type: ignore[return-value]
+
+    def string(self, node: Node, path: str, pattern: re.Pattern[str] | None = None) -> str | None:
+        value = self.typed(node, path, str, "a string")
+        if value is None:
+            return None
+        if not value:
+            self.error(node, path, "must not be empty")
+            return None
+        if pattern is not None and not pattern.fullmatch(value):
+            self.error(node, path, f"{value!r} is not a valid name (pattern {pattern.pattern})")
+            return None
+        return value
+
+    def integer(self, node: Node, path: str, minimum: int | None = None) -> int | None:
+        value = self.typed(node, path, int, "an integer")
+        if value is not None and minimum is not None and value < minimum:
+            self.error(node, path, f"must be >= {minimum}, not {value}")
+            return None
+        return value
+
+    def positive(self, node: Node, path: str) -> float | None:
+        value = self.typed(node, path, (int, float), "a number")
+        if value is not None and not value > 0:
+            self.error(node, path, f"must be > 0, not {value}")
+            return None
+        return None if value is None else float(value)
+
+    def number(
+        self, node: Node, path: str, minimum: float = 0.0, maximum: float | None = None
+    ) -> float | None:
+        """A number in ``[minimum, maximum]``."""
+        value = self.typed(node, path, (int, float), "a number")
+        if value is None:
+            return None
+        if not minimum <= value or (maximum is not None and value > maximum):
+            bound = f"in [{minimum:g}, {maximum:g}]" if maximum is not None else f">= {minimum:g}"
+            self.error(node, path, f"must be {bound}, not {value}")
+            return None
+        return float(value)
+
+    def strings(self, node: Node, path: str, pattern: re.Pattern[str] | None = None) -> list[str]:
+        """A list of distinct strings, each element checked (and located) on its own."""
+        return [value for _, _, value in self.located_strings(node, path, pattern)]
+
+    def located_strings(
+        self,
+        node: Node,
+        path: str,
+        pattern: re.Pattern[str] | None = None,
+        shown: Callable[[str], str] = repr,
+    ) -> list[tuple[str, Node, str]]:
+        """Like ``strings`` but each valid value comes with its path and node, for later
+        cross-checks that must point at the exact line. ``shown`` renders a value in a
+        message (secrets such as API keys must not be echoed whole)."""
+        found: list[tuple[str, Node, str]] = []
+        for i, item in enumerate(self.sequence(node, path)):
+            item_path = f"{path}[{i}]"
+            value = self.string(item, item_path, pattern)
+            if value is None:
+                continue
+            if any(value == seen for _, _, seen in found):
+                self.error(item, item_path, f"{shown(value)} is listed twice")
+            else:
+                found.append((item_path, item, value))
+        return found
+
+    def regex(self, node: Node, path: str) -> re.Pattern[str] | None:
+        text = self.string(node, path)
+        if text is None:
+            return None
+        try:
+            return re.compile(text)
+        except re.error as exc:
+            self.error(node, path, f"invalid regular expression: {exc}")
+            return None
+
+    def value(self, node: Node, path: str, kind: type, check: Callable[[Any], str | None]) -> Any:
+        """A scalar of type ``kind`` that passes ``check`` (which returns a complaint)."""
+        value = self.scalar(node) if isinstance(node, ScalarNode) else None
+        if isinstance(value, bool) or not isinstance(value, kind):
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            else:
+                wanted = {int: "an integer", float: "a number", str: "a string"}[kind]
+                self.error(node, path, f"must be {wanted}, not {kind_of(node)}")
+                return None
+        complaint = check(value)
+        if complaint:
+            self.error(node, path, complaint)
+            return None
+        return value
+
+
+def _types(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def join_path(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def kind_of(node: Node) -> str:
+    if isinstance(node, MappingNode):
+        return "a mapping"
+    if isinstance(node, SequenceNode):
+        return "a list"
+    tag = node.tag.rsplit(":", 1)[-1]
+    return {
+        "str": "a string",
+        "int": "an integer",
+        "float": "a number",
+        "bool": "a boolean",
+        "null": "null",
+    }.get(tag, tag)

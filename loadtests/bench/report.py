@@ -518,10 +518,13 @@ def render_markdown(results: Mapping[str, Any]) -> str:
 def write(
     out_dir: Path, results: Mapping[str, Any], records: Mapping[str, Sequence[RequestRecord]]
 ) -> tuple[Path, Path]:
-    """Write ``report.md`` and ``results.json`` (summary + every request record)."""
+    """Write ``report.md`` (with its PNG plots) and ``results.json`` (summary + every request
+    record)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     md = out_dir / "report.md"
-    md.write_text(render_markdown(results))
+    from loadtests.bench import plots  # PNGs next to report.md, embedded in it
+
+    md.write_text(plots.add_plots(render_markdown(results), out_dir, results, records))
     data = dict(results)
     data["records"] = {arm: [r.to_json() for r in recs] for arm, recs in records.items()}
     js = out_dir / "results.json"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,10 @@ def test_bench_smoke_runs_both_arms_and_stops_everything(
 
     report_md = (out / "report.md").read_text()
     assert "| fifo | fairlane |" in report_md
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", report_md)
+    assert {"queue_depth.png", "throughput.png", "service_share.png"} <= set(images)
+    for image in images:
+        assert (out / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", image
     data = json.loads((out / "results.json").read_text())
     assert data["failed_arms"] == {}
     assert set(data["arms"]) == {"fifo", "fairlane"}

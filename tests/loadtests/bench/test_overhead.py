@@ -1,0 +1,85 @@
+"""The overhead runner's statistics, report and its instant backend + load generator
+(no timed assertions: speed is measured by ``python -m loadtests.overhead``, not here)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from extproc.processes import free_port
+from extproc.scrape import parse_metrics
+from loadtests import overhead
+
+
+def test_percentile_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert overhead.percentile(values, 50) == 50.0
+    assert overhead.percentile(values, 99) == 99.0
+    assert overhead.percentile(values, 100) == 100.0
+    assert overhead.percentile([3.0], 99) == 3.0
+    assert overhead.percentile([], 50) is None
+
+
+def _run(service_cpu: float | None = 2.0) -> overhead.RunResult:
+    run = overhead.RunResult("rate", 100.0, 10.0, latencies_ms=[1.0] * 99 + [5.0])
+    run.cpu_s = {"envoy": 1.0} if service_cpu is None else {"envoy": 1.0, "service": service_cpu}
+    run.loadgen_cpu_s = 0.5
+    run.machine_busy_fraction = 0.25
+    return run
+
+
+def test_summarize_rates_and_cores() -> None:
+    row = overhead.summarize(_run())
+    assert row["achieved_rps"] == 10.0
+    assert row["p50_ms"] == 1.0 and row["p99_ms"] == 1.0
+    assert row["cpu_cores"] == {"envoy": 0.1, "service": 0.2}
+    assert row["loadgen_cores"] == 0.05
+    assert row["rps_per_service_core"] == 50.0
+    assert overhead.summarize(_run(None))["rps_per_service_core"] is None
+
+
+def test_added_latency_is_fairlane_minus_direct() -> None:
+    direct = {"p50_ms": 0.3, "p99_ms": 0.9}
+    assert overhead.added_latency(direct, {"p50_ms": 0.8, "p99_ms": 2.4}) == {
+        "p50_ms": 0.5,
+        "p99_ms": 1.5,
+    }
+    assert overhead.added_latency(direct, {"p50_ms": None, "p99_ms": 1.0})["p50_ms"] is None
+
+
+def test_report_lists_both_arms_and_the_per_core_rate() -> None:
+    direct = overhead.summarize(_run(None))
+    fair = overhead.summarize(_run())
+    saturated = dict(fair, mode="saturation", target_rps=None)
+    meta = {"loadgen": "gen", "backend": "instant", "cpus": 2, "duration_s": 10}
+    report = overhead.render_report(
+        {"direct": [direct, dict(direct, mode="saturation")], "fairlane": [fair, saturated]}, meta
+    )
+    assert "| 100 req/s | direct |" in report
+    assert "| 100 req/s | fairlane |" in report
+    assert "| saturation | fairlane |" in report
+    assert "50 req/s per service core" in report
+
+
+def test_backend_metrics_page_parses_as_an_idle_engine() -> None:
+    body = overhead._ANSWERS[b"/metrics"].split(b"\r\n\r\n", 1)[1].decode()
+    metrics = parse_metrics(body, 0.0)
+    assert metrics.waiting == 0 and metrics.kv_cache_usage == 0
+    assert metrics.block_size == 16
+
+
+def test_generator_against_the_instant_backend() -> None:
+    async def scenario() -> tuple[int, list[float], int]:
+        port = free_port()
+        server = asyncio.create_task(overhead.serve_backend(port))
+        await asyncio.sleep(0.2)
+        try:
+            gen = overhead.LoadGenerator(port)
+            status = await gen.one()
+            latencies, errors = await gen.open_loop(rate=200, duration=0.1)
+            return status, latencies, errors
+        finally:
+            server.cancel()
+
+    status, latencies, errors = asyncio.run(scenario())
+    assert status == 200
+    assert len(latencies) == 20 and errors == 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 
-from envoy.config.core.v3 import base_pb2
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
@@ -70,18 +69,22 @@ def body_of(message: pb.ProcessingRequest) -> tuple[bytes, bool]:
     return message.request_body.body, message.request_body.end_of_stream
 
 
-def _header_options(headers: Mapping[str, str]) -> Iterator[base_pb2.HeaderValueOption]:
-    # raw_value, not value: Envoy reads only raw_value (a `value` silently sets "").
-    for key, value in headers.items():
-        yield base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=key, raw_value=value.encode())
-        )
-
-
 def _mutation(set_headers: Mapping[str, str], remove: Iterable[str]) -> pb.HeaderMutation:
-    return pb.HeaderMutation(
-        set_headers=list(_header_options(set_headers)), remove_headers=list(remove)
-    )
+    mutation = pb.HeaderMutation()
+    _fill_mutation(mutation, set_headers, remove)
+    return mutation
+
+
+def _fill_mutation(
+    mutation: pb.HeaderMutation, set_headers: Mapping[str, str], remove: Iterable[str]
+) -> None:
+    # In place (add() on the repeated field): building each HeaderValueOption and copying
+    # the list in costs ~2x as much per header.
+    for key, value in set_headers.items():
+        header = mutation.set_headers.add().header
+        header.key = key
+        header.raw_value = value.encode()  # raw_value: Envoy reads only raw_value
+    mutation.remove_headers.extend(remove)
 
 
 def continue_headers() -> pb.ProcessingResponse:
@@ -114,12 +117,15 @@ def forward(decision: Forward, phase: str) -> pb.ProcessingResponse:
         # In BUFFERED mode the processor owns content-length; a stale one is a local 503.
         set_headers["content-length"] = str(len(decision.body))
         common.body_mutation.body = decision.body
-    common.header_mutation.CopyFrom(_mutation(set_headers, decision.remove_headers))
+    _fill_mutation(common.header_mutation, set_headers, decision.remove_headers)
+    # Filled field by field: Struct.update() walks the values in Python (~8 µs a request).
     metadata = struct_pb2.Struct()
     if endpoints:
-        metadata.update({LB_NAMESPACE: {ENDPOINT_HEADER: endpoints}})
+        metadata.fields[LB_NAMESPACE].struct_value.fields[ENDPOINT_HEADER].string_value = endpoints
     if decision.metadata:
-        metadata.update({FAIRLANE_NAMESPACE: dict(decision.metadata)})
+        fields = metadata.fields[FAIRLANE_NAMESPACE].struct_value.fields
+        for key, value in decision.metadata.items():
+            fields[key].string_value = value
     if phase == "request_body":
         return pb.ProcessingResponse(
             request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata

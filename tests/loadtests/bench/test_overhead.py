@@ -24,6 +24,7 @@ def _run(service_cpu: float | None = 2.0) -> overhead.RunResult:
     run.cpu_s = {"envoy": 1.0} if service_cpu is None else {"envoy": 1.0, "service": service_cpu}
     run.loadgen_cpu_s = 0.5
     run.machine_busy_fraction = 0.25
+    run.late_ms = [0.5] * 100
     return run
 
 
@@ -34,6 +35,7 @@ def test_summarize_rates_and_cores() -> None:
     assert row["cpu_cores"] == {"envoy": 0.1, "service": 0.2}
     assert row["loadgen_cores"] == 0.05
     assert row["rps_per_service_core"] == 50.0
+    assert row["send_late_p99_ms"] == 0.5
     assert overhead.summarize(_run(None))["rps_per_service_core"] is None
 
 
@@ -76,6 +78,7 @@ def test_generator_against_the_instant_backend() -> None:
             gen = overhead.LoadGenerator(port)
             status = await gen.one()
             latencies, errors = await gen.open_loop(rate=200, duration=0.1)
+            assert len(gen.late_ms) == 20
             return status, latencies, errors
         finally:
             server.cancel()

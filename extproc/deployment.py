@@ -31,13 +31,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import yaml
 from yaml.nodes import MappingNode, Node, SequenceNode
 
 from extproc.backends import BackendSpec
 from extproc.envoy_config import MAX_MESSAGE_TIMEOUT_S, EnvoyConfigError, EnvoyParams
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyError, load_policy
-from extproc.yamlfile import LocatedReader
+from extproc.yamlfile import LocatedReader, YamlSyntaxError, compose
 
 # Seconds added to the policy's longest queue deadline for Envoy's hold cap (what
 # ``fairlane up`` does): a request released at its deadline still gets forwarded.
@@ -116,12 +115,9 @@ def parse_deployment(
 ) -> Deployment:
     """Validate a deployment in ``text``; a relative ``policy`` is taken from ``base_dir``."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark is not None else 1
-        problem = " ".join(str(p) for p in (exc.context, exc.problem) if p)
-        raise DeploymentError([f"{filename}:{line}: YAML syntax error: {problem}"]) from None
+        root = compose(text, filename)
+    except YamlSyntaxError as exc:
+        raise DeploymentError([exc.message]) from None
     reader = LocatedReader(filename)
     if root is None:
         reader.error(None, "", "the deployment is empty (it needs at least `backends`)")

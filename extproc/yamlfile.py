@@ -12,10 +12,32 @@ import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import yaml
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 T = TypeVar("T")
+
+
+class YamlSyntaxError(ValueError):
+    """A file that is not YAML at all; ``message`` is its one ``file:line:`` line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def compose(text: str, filename: str) -> Node | None:
+    """The node tree of ``text`` (None for an empty file), keeping every node's line."""
+    try:
+        return yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark is not None else 1
+        problem = " ".join(str(p) for p in (exc.context, exc.problem) if p)
+        raise YamlSyntaxError(f"{filename}:{line}: YAML syntax error: {problem}") from None
+    except yaml.YAMLError as exc:
+        raise YamlSyntaxError(f"{filename}:1: YAML error: {exc}") from None
 
 
 class LocatedReader:

@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from extproc.gates import Gate
@@ -27,7 +26,7 @@ from extproc.policy.model import (
     Tenant,
     Tier,
 )
-from extproc.yamlfile import LocatedReader, join_path, kind_of
+from extproc.yamlfile import LocatedReader, YamlSyntaxError, compose, join_path, kind_of
 
 # --------------------------------------------------------------------------- parsing
 
@@ -90,14 +89,9 @@ def key_hint(key: str) -> str:
 def parse_policy(text: str, filename: str = "<policy>") -> Policy:
     """Validate the whole policy in ``text``; raise ``PolicyError`` listing every problem."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark is not None else 1
-        problem = " ".join(str(p) for p in (exc.context, exc.problem) if p)
-        raise PolicyError([f"{filename}:{line}: YAML syntax error: {problem}"]) from None
-    except yaml.YAMLError as exc:
-        raise PolicyError([f"{filename}:1: YAML error: {exc}"]) from None
+        root = compose(text, filename)
+    except YamlSyntaxError as exc:
+        raise PolicyError([exc.message]) from None
     reader = LocatedReader(filename)
     if root is None:
         reader.error(None, "", "the policy is empty (it needs at least `tiers` and `tenants`)")

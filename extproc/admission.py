@@ -59,6 +59,8 @@ class Grant:
     endpoints: tuple[str, ...]
     priority: int
     queued_s: float
+    flow: str
+    """The fairness unit charged for it (``Entry.flow``)."""
 
 
 @dataclass(slots=True)
@@ -130,6 +132,7 @@ class Ticket:
                 f"request waited {self.deadline_s:g}s in the {self.entry.band!r} queue "
                 "without a backend becoming free",
                 code="queue_deadline_exceeded",
+                tier=self.entry.band,
             ) from None
         except asyncio.CancelledError:
             self._admission.abandon(self.entry)
@@ -223,6 +226,7 @@ class Admission:
                 f"the {tier.name!r} queue is full ({full.limit} requests waiting); retry later",
                 code="queue_full",
                 headers={"retry-after": str(full.retry_after_s)},
+                tier=tier.name,
             ) from None
         except KeyError:  # classified under a policy that a reload just replaced
             raise Rejection(
@@ -230,6 +234,7 @@ class Admission:
                 f"tier {tier.name!r} was just removed from the policy; retry",
                 code="tier_removed",
                 headers={"retry-after": "1"},
+                tier=tier.name,
             ) from None
         self.dispatch()
         return Ticket(self, entry, tier.queue_deadline_s)
@@ -249,6 +254,7 @@ class Admission:
                 f"the {tier.name!r} queue is {fill:.0%} full; shedding early, retry later",
                 code="early_shed",
                 headers={"retry-after": str(self.scheduler.retry_after_s(tier.name))},
+                tier=tier.name,
             )
 
     # ----------------------------------------------------------------- dispatch
@@ -343,7 +349,9 @@ class Admission:
         self._in_flight_by_rank[where.rank] += 1
         now = self._clock()
         self._in_flight[entry.request_id] = InFlight(backend, user, entry, where.rank, now)
-        return Grant(tuple(b.address for b in pick.backends), priority, now - entry.enqueued_at)
+        return Grant(
+            tuple(b.address for b in pick.backends), priority, now - entry.enqueued_at, entry.flow
+        )
 
     # ----------------------------------------------------------------- the end of a request
 
@@ -388,6 +396,11 @@ class Admission:
             return None
         waiting: Waiting = record.entry.payload
         return waiting.request
+
+    def entry_of(self, request_id: str) -> Entry | None:
+        """The queue entry (tier band, flow) of an in-flight request."""
+        record = self._in_flight.get(request_id)
+        return None if record is None else record.entry
 
     def expire(self, max_age_s: float) -> int:
         """Reclaim slots whose completion never arrived (a lost access-log event)."""

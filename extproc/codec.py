@@ -155,11 +155,18 @@ def completions(entries: Iterable[accesslog_pb2.HTTPAccessLogEntry]) -> Iterator
         if common.HasField("upstream_remote_address"):
             socket = common.upstream_remote_address.socket_address
             upstream = f"{socket.address}:{socket.port_value}"
-        duration = common.duration.seconds + common.duration.nanos / 1e9
+        ttfb = None
+        if common.HasField("time_to_first_downstream_tx_byte"):
+            ttfb = _seconds(common.time_to_first_downstream_tx_byte)
         yield Completion(
             request_id=entry.request.request_id,
             status=entry.response.response_code.value,
             upstream=upstream,
-            duration_s=duration,
+            duration_s=_seconds(common.duration),
             response_bytes=entry.response.response_body_bytes,
+            ttfb_s=ttfb,
         )
+
+
+def _seconds(duration: duration_pb2.Duration) -> float:
+    return duration.seconds + duration.nanos / 1e9

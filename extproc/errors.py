@@ -44,6 +44,8 @@ class Rejection(Exception):
     code: str | None = None
     param: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    tier: str | None = None
+    """Set when a tier's queue turned the request away (load shedding, not a client error)."""
 
     def __post_init__(self) -> None:
         super().__init__(f"{self.status} {self.message}")

@@ -41,14 +41,16 @@ def estimate_output_tokens(response_bytes: int, stream: bool, max_tokens: int | 
     return tokens if max_tokens is None else min(tokens, max_tokens)
 
 
-def settle(admission: Admission, completion: Completion) -> bool:
+def settle(admission: Admission, completion: Completion) -> int | None:
     """Release ``completion``'s slot and correct its flow's output charge.
 
-    A request that failed (no status, or an error status) produced nothing billable.
+    Returns the output tokens settled (None when the request was not in flight: a request
+    the gateway answered itself, or a duplicate event). A request that failed (no status,
+    or an error status) produced nothing billable.
     """
     request = admission.request_of(completion.request_id)
     if request is None:
-        return False
+        return None
     backend = _answering_backend(admission, completion)
     if backend is not None:
         backend.note_outcome(ok=not failed(completion))
@@ -58,7 +60,8 @@ def settle(admission: Admission, completion: Completion) -> bool:
         )
     else:
         output = 0
-    return admission.release(completion.request_id, output_tokens=output)
+    admission.release(completion.request_id, output_tokens=output)
+    return output
 
 
 def failed(completion: Completion) -> bool:

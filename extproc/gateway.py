@@ -20,9 +20,9 @@ from extproc.classify import RequestClass, authenticate, classify, parse_body
 from extproc.errors import Rejection, error_body
 from extproc.feedback import settle
 from extproc.messages import Completion, Forward, RequestInfo, Respond
-from extproc.metrics import Outcomes
 from extproc.picker import choose
 from extproc.policy import PolicyStore
+from extproc.stats import GatewayStats
 
 log = logging.getLogger("fairlane.gateway")
 
@@ -96,7 +96,7 @@ class Gateway:
     def __init__(self, policies: PolicyStore, admission: Admission) -> None:
         self.policies = policies
         self.admission = admission
-        self.outcomes = Outcomes()
+        self.stats = GatewayStats()
 
     def handle(self, info: RequestInfo) -> Forward | Respond | Pending:
         try:
@@ -105,11 +105,14 @@ class Gateway:
             return self.respond_to(rejection)
         except Exception:  # a bug must cost one request, never the service
             log.exception("unexpected error handling %s %s", info.method, info.path)
-            self.outcomes.reject(500, "internal_error")
+            self.stats.reject(500, "internal_error")
             return Respond(500, error_body(500, "internal gateway error"))
 
     def respond_to(self, rejection: Rejection) -> Respond:
-        self.outcomes.reject(rejection.status, rejection.code)
+        if rejection.tier is not None:
+            self.stats.shed_request(rejection.tier, rejection.code or "other")
+        else:
+            self.stats.reject(rejection.status, rejection.code)
         return Respond(rejection.status, rejection.body, rejection.headers)
 
     def _handle(self, info: RequestInfo) -> Forward | Respond | Pending:
@@ -175,7 +178,9 @@ class Gateway:
         if request_id != info.request_id:
             set_headers["x-request-id"] = request_id
         strip = client_headers_to_strip(info.headers, overwritten=set_headers)
-        self.outcomes.forward(request.tier.name)
+        self.stats.admit(
+            request.tier.name, request.model, grant.flow, grant.queued_s, request.prompt_tokens
+        )
         return Forward(
             body=json.dumps(body, separators=(",", ":")).encode(),
             endpoints=grant.endpoints,
@@ -186,4 +191,9 @@ class Gateway:
 
     def completed(self, completion: Completion) -> None:
         """Envoy finished a request: free its backend slot, settle its fairness charge."""
-        settle(self.admission, completion)
+        entry = self.admission.entry_of(completion.request_id)
+        output = settle(self.admission, completion)
+        if entry is not None and output is not None:
+            self.stats.complete(
+                entry.band, entry.flow, completion.duration_s, completion.ttfb_s, output
+            )

@@ -62,4 +62,7 @@ class Completion:
     upstream: str
     """``ip:port`` of the backend that answered last, or "" when none did."""
     duration_s: float
+    """From the first byte Envoy received to the last it sent: queue time included."""
     response_bytes: int
+    ttfb_s: float | None = None
+    """From the first byte received to the first response byte sent (None: none was sent)."""

@@ -1,44 +1,76 @@
-"""The gateway's own Prometheus metrics, read from live state at scrape time.
+"""The gateway's own Prometheus metrics: live state read at scrape time, plus counters.
 
-Queue depths, in-flight counts and backend health are read from the admission state when
-Prometheus scrapes, so the request path pays nothing for them. Counters of outcomes are
-plain ``Counter`` increments on the request path. The endpoint runs on the service's own
-event loop (not prometheus_client's thread), so reading the state needs no locks.
+Queue depths, in-flight counts, backend state and the policy's SLOs are read from the
+admission state when Prometheus scrapes, so the request path pays nothing for them. What
+happened to requests (admitted, shed, rejected, waits, latencies, fairness shares) is counted
+on the request path by ``extproc.stats`` as plain Python and turned into metric families
+here. The endpoint runs on the service's own event loop (not prometheus_client's thread), so
+reading the state needs no locks; a scrape costs work proportional to the series, which are
+bounded: tiers and backends come from configuration, reasons from the code, and client-chosen
+values (users, models) from ``BoundedLabel``.
+
+The names, their labels and what they mean are listed in the README ("Operating fairlane").
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterator
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from extproc.admission import Admission
+from extproc.stats import GatewayStats, Histogram
+
+if TYPE_CHECKING:
+    from extproc.policy import PolicyStore
+
+BACKEND_LABELS = ["backend", "region"]
 
 
-class Outcomes:
-    """What happened to requests: forwarded per tier, rejected per reason."""
+def _counter(
+    name: str, doc: str, labels: list[str], values: Iterable[tuple[Sequence[str], int]]
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for key, count in values:
+        family.add_metric(list(key), count)
+    return family
 
-    def __init__(self) -> None:
-        self.forwarded: Counter[str] = Counter()
-        self.rejected: Counter[tuple[str, str]] = Counter()
 
-    def forward(self, tier: str) -> None:
-        self.forwarded[tier] += 1
-
-    def reject(self, status: int, reason: str | None) -> None:
-        self.rejected[(str(status), reason or "other")] += 1
+def _histogram(
+    name: str, doc: str, labels: list[str], histograms: Mapping[tuple[str, ...], Histogram]
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=labels)
+    for key, histogram in histograms.items():
+        family.add_metric(list(key), list(histogram.cumulative()), histogram.total)
+    return family
 
 
 class GatewayCollector(Collector):
-    def __init__(self, admission: Admission, outcomes: Outcomes) -> None:
+    def __init__(
+        self, admission: Admission, stats: GatewayStats, policies: PolicyStore | None = None
+    ) -> None:
         self.admission = admission
-        self.outcomes = outcomes
+        self.stats = stats
+        self.policies = policies
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._queues()
+        yield from self._slos()
+        yield from self._backends()
+        yield from self._outcomes()
+        yield from self._latencies()
+
+    def _queues(self) -> Iterable[Metric]:
         scheduler = self.admission.scheduler
         depth = GaugeMetricFamily(
             "fairlane_queue_depth",
@@ -53,8 +85,6 @@ class GatewayCollector(Collector):
         for tier, count in scheduler.depths().items():
             depth.add_metric([tier], count)
             oldest.add_metric([tier], scheduler.oldest_wait_s(tier))
-        yield depth
-        yield oldest
         by_tier = GaugeMetricFamily(
             "fairlane_tier_in_flight",
             "Requests released upstream and not yet seen to finish, per tier.",
@@ -62,46 +92,160 @@ class GatewayCollector(Collector):
         )
         for tier, count in self.admission.in_flight_by_tier().items():
             by_tier.add_metric([tier], count)
-        yield by_tier
-        in_flight = GaugeMetricFamily(
+        return (depth, oldest, by_tier)
+
+    def _slos(self) -> Iterable[Metric]:
+        """The policy's promises, so alerts and dashboards compare against them by tier."""
+        ttft = GaugeMetricFamily(
+            "fairlane_tier_slo_ttft_seconds",
+            "The tier's time-to-first-token objective from the policy (slo_ttft_ms).",
+            labels=["tier"],
+        )
+        latency = GaugeMetricFamily(
+            "fairlane_tier_slo_latency_seconds",
+            "The tier's end-to-end latency objective from the policy (slo_latency_s).",
+            labels=["tier"],
+        )
+        for tier in self.admission.policy.tiers:
+            if tier.slo_ttft_ms is not None:
+                ttft.add_metric([tier.name], tier.slo_ttft_ms / 1000)
+            if tier.slo_latency_s is not None:
+                latency.add_metric([tier.name], tier.slo_latency_s)
+        return (ttft, latency)
+
+    def _backends(self) -> Iterable[Metric]:
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=BACKEND_LABELS)
+
+        in_flight = gauge(
             "fairlane_backend_in_flight",
             "Requests released to a backend and not yet seen to finish.",
-            labels=["backend", "region"],
         )
-        healthy = GaugeMetricFamily(
+        healthy = gauge(
             "fairlane_backend_healthy",
-            "1 when the backend's health check passes.",
-            labels=["backend", "region"],
+            "1 when the backend may be picked: health check and last scrape passed, not "
+            "cooling off.",
         )
+        cooling = gauge(
+            "fairlane_backend_cooling_off",
+            "1 while the backend is set aside after failed completions in a row.",
+        )
+        waiting = gauge(
+            "fairlane_backend_waiting",
+            "The engine's waiting queue (vllm:num_requests_waiting) as last scraped.",
+        )
+        running = gauge(
+            "fairlane_backend_running",
+            "The engine's running batch (vllm:num_requests_running) as last scraped.",
+        )
+        kv = gauge(
+            "fairlane_backend_kv_cache_usage_ratio",
+            "The engine's KV-cache use, 0..1 (vllm:kv_cache_usage_perc), as last scraped.",
+        )
+        age = gauge(
+            "fairlane_backend_metrics_age_seconds",
+            "Seconds since the backend's last good metrics scrape (+Inf before the first).",
+        )
+        stale = gauge(
+            "fairlane_backend_metrics_stale",
+            "1 when the last good scrape is older than the policy's stale_after_s: every gate "
+            "then treats the backend as saturated.",
+        )
+        now = self.admission.pool.clock()
+        stale_after = self.admission.policy.backpressure.stale_after_s
         for backend in self.admission.pool.backends:
-            in_flight.add_metric([backend.address, backend.region], backend.in_flight)
-            healthy.add_metric([backend.address, backend.region], int(backend.healthy))
-        yield in_flight
-        yield healthy
-        forwarded = CounterMetricFamily(
-            "fairlane_requests_forwarded", "Requests released upstream, per tier.", labels=["tier"]
+            labels = [backend.address, backend.region]
+            in_flight.add_metric(labels, backend.in_flight)
+            healthy.add_metric(labels, int(backend.healthy))
+            cooling.add_metric(labels, int(backend.cooling_off))
+            metrics = backend.metrics
+            seconds = math.inf if metrics is None else max(0.0, now - metrics.scraped_at)
+            age.add_metric(labels, seconds)
+            stale.add_metric(labels, int(seconds > stale_after))
+            if metrics is not None:
+                waiting.add_metric(labels, metrics.waiting)
+                running.add_metric(labels, metrics.running)
+                kv.add_metric(labels, metrics.kv_cache_usage)
+        return (in_flight, healthy, cooling, waiting, running, kv, age, stale)
+
+    def _outcomes(self) -> Iterable[Metric]:
+        stats = self.stats
+        yield _counter(
+            "fairlane_requests_admitted",
+            "Requests released upstream, per tier and model (models past a bound are 'other').",
+            ["tier", "model"],
+            stats.admitted.items(),
         )
-        for tier, count in self.outcomes.forwarded.items():
-            forwarded.add_metric([tier], count)
-        yield forwarded
-        rejected = CounterMetricFamily(
+        yield _counter(
+            "fairlane_requests_shed",
+            "Requests a tier's queue turned away: queue_full, early_shed (429), "
+            "queue_deadline_exceeded, tier_removed (503).",
+            ["tier", "reason"],
+            stats.shed.items(),
+        )
+        yield _counter(
             "fairlane_requests_rejected",
-            "Requests the gateway answered itself, per HTTP status and reason.",
-            labels=["status", "reason"],
+            "Requests refused before any queue (bad key, bad JSON, ...), per status and reason.",
+            ["status", "reason"],
+            stats.rejected.items(),
         )
-        for (status, reason), count in self.outcomes.rejected.items():
-            rejected.add_metric([status, reason], count)
-        yield rejected
-        picks = CounterMetricFamily(
+        yield _counter(
             "fairlane_picks",
             "Requests sent to a backend, per backend and why it was chosen: prefix (it held "
             "the prompt's prefix within the sticky margin), load (best score), only (the one "
-            "candidate).",
-            labels=["backend", "reason"],
+            "candidate), failover (outside the local region).",
+            ["backend", "reason"],
+            self.admission.picks.items(),
         )
-        for (address, reason), count in self.admission.picks.items():
-            picks.add_metric([address, reason], count)
-        yield picks
+        yield _counter(
+            "fairlane_flow_requests",
+            "Requests admitted per fairness flow (tenant, or tenant/user; bounded, then 'other').",
+            ["tier", "flow"],
+            stats.flow_requests.items(),
+        )
+        yield _counter(
+            "fairlane_flow_tokens",
+            "Tokens served per fairness flow: input at admission, output estimated at completion.",
+            ["tier", "flow", "kind"],
+            stats.flow_tokens.items(),
+        )
+        reloads = self.policies.reloads if self.policies is not None else {}
+        yield _counter(
+            "fairlane_policy_reloads",
+            "Policy file changes: ok (swapped in) or error (refused, previous policy kept).",
+            ["result"],
+            (((result,), count) for result, count in reloads.items()),
+        )
+
+    def _latencies(self) -> Iterable[Metric]:
+        stats = self.stats
+        yield _histogram(
+            "fairlane_queue_wait_seconds",
+            "Time admitted requests waited in the gateway's queue, per tier.",
+            ["tier"],
+            stats.queue_wait.by_labels,
+        )
+        yield _histogram(
+            "fairlane_time_to_first_byte_seconds",
+            "Time to the first response byte sent to the client (Envoy's access log; queue "
+            "time included), per tier.",
+            ["tier"],
+            stats.time_to_first_byte.by_labels,
+        )
+        yield _histogram(
+            "fairlane_request_duration_seconds",
+            "Time from the request's first byte to the response's last, as the client saw it "
+            "(Envoy's access log), per tier.",
+            ["tier"],
+            stats.request_duration.by_labels,
+        )
+        yield _histogram(
+            "fairlane_service_processing_seconds",
+            "The service's own work per request (decode, classify, queue, pick, encode), "
+            "without time held in a queue or spent in grpc.",
+            [],
+            {(): stats.service_time},
+        )
 
 
 async def start_metrics_server(

@@ -35,9 +35,11 @@ from extproc.prefix import PromptBlocks
 
 MAX_ALTERNATES = 2
 
-PickReason = Literal["prefix", "load", "only"]
+PickReason = Literal["prefix", "load", "only", "failover"]
 """Why the first endpoint was chosen: it held the prompt's prefix within the sticky margin,
-it scored best, or it was the only candidate (bounded: a metric label)."""
+it scored best, or it was the only candidate; ``failover`` whenever it lies outside the
+local region (the local backends were down, gated, full or scored worse). Bounded: a metric
+label."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,8 @@ def choose(
         best, reason = usable[0], "only"
     else:
         best, reason = _best(usable, loads, prompt, routing)
+    if best.region != local:
+        reason = "failover"
     return Pick([best, *alternates(best, fleet, routing, slot_limit, local)], reason)
 
 

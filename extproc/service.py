@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from time import perf_counter
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
@@ -33,11 +34,14 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[codec.ProcessingResponse]:
         headers: codec.HeadersPart | None = None
+        busy_s = 0.0  # this request's own work here, without the time it is held
         async for message in request_iterator:
+            started = perf_counter()
             phase = codec.kind(message)
             if phase == "request_headers":
                 headers = codec.decode_headers(message)
                 if not headers.end_of_stream:
+                    busy_s += perf_counter() - started
                     yield codec.continue_headers()
                     continue
                 info = headers.request_info()
@@ -51,14 +55,18 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
                 continue
             outcome = self.gateway.handle(info)
             if isinstance(outcome, Pending):
+                busy_s += perf_counter() - started
                 yield codec.hold(outcome.hold_s)
                 # A client that disconnects now cancels this task (CancelledError), which
                 # takes the request out of its queue.
                 outcome = await outcome.outcome()
+                started = perf_counter()
             if isinstance(outcome, Forward):
-                yield codec.forward(outcome, phase)
+                response = codec.forward(outcome, phase)
             else:
-                yield codec.respond(outcome)
+                response = codec.respond(outcome)
+            self.gateway.stats.service_time.observe(busy_s + perf_counter() - started)
+            yield response
             return
 
 

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +38,8 @@ class PolicyStore:
         self.path = Path(path)
         self.poll_interval_s = poll_interval_s
         self._listeners: list[PolicyListener] = []
+        self.reloads: Counter[str] = Counter()
+        """ok | error -> file changes applied or refused (``fairlane_policy_reloads_total``)."""
         data = self.path.read_bytes()
         self._stamp = self._stat()
         self._digest = hashlib.sha256(data).digest()
@@ -71,8 +74,10 @@ class PolicyStore:
             policy = _parse_bytes(data, str(self.path))
         except PolicyError as exc:
             log.error("policy %s not reloaded, keeping the previous one: %s", self.path, exc)
+            self.reloads["error"] += 1
             return False
         self.current = policy
+        self.reloads["ok"] += 1
         log.info(
             "policy %s reloaded: %d tiers, %d tenants, %d rules",
             self.path,

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from extproc.admission import Admission
 from extproc.backends import Backend, BackendPool, BackendSpec
 from extproc.gates import Gate
-from extproc.policy import Policy, Tenant, Tier
+from extproc.gateway import Gateway
+from extproc.messages import RequestInfo
+from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyStore, Tenant, Tier
 from extproc.scrape import EngineMetrics
 
 OPEN = Gate(max_waiting=None, max_kv_cache_usage=None)
@@ -87,3 +91,43 @@ def make_admission(
 
 def with_gate(tier: Tier, gate: Gate) -> Tier:
     return dataclasses.replace(tier, gate=gate)
+
+
+CHAT = "/v1/chat/completions"
+
+
+def make_gateway(
+    limit: int = 4, policy_path: Path = DEFAULT_POLICY_PATH, regions: tuple[str, str] = ("a", "b")
+) -> Gateway:
+    """The default policy over two idle backends with ``limit`` slots each."""
+    clock = FakeClock()
+    specs = [BackendSpec("127.0.0.1", 8100 + i, region) for i, region in enumerate(regions, 1)]
+    pool = BackendPool(specs, clock=clock)
+    for backend in pool.backends:
+        scraped(backend, clock)
+    store = PolicyStore(policy_path)
+    policy = dataclasses.replace(store.current, max_in_flight_per_backend=limit)
+    store.current = policy
+    return Gateway(store, Admission(pool, policy, clock=clock))
+
+
+def request(
+    key: str = "sk-chat-demo",
+    body: object = None,
+    path: str = CHAT,
+    request_id: str = "rid-1",
+    **headers: str,
+) -> RequestInfo:
+    payload = (
+        body
+        if body is not None
+        else {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+    )
+    all_headers = {
+        ":method": "POST",
+        ":path": path,
+        "x-request-id": request_id,
+        "authorization": f"Bearer {key}",
+        **headers,
+    }
+    return RequestInfo("POST", path, all_headers, json.dumps(payload).encode(), request_id)

@@ -25,11 +25,11 @@ async def test_settle_releases_the_slot_and_ignores_unknown_ids() -> None:
     admission, pool, _ = make_admission(limit=1)
     admission.submit("r1", Request(API, stream=True))  # type: ignore[arg-type]
     assert pool.backends[0].in_flight == 1
-    assert settle(admission, Completion("r1", 200, "127.0.0.1:9000", 1.0, 11_592))
+    assert settle(admission, Completion("r1", 200, "127.0.0.1:9000", 1.0, 11_592)) == 50
     assert pool.backends[0].in_flight == 0
-    assert not settle(admission, Completion("r1", 200, "", 1.0, 0))  # already settled
+    assert settle(admission, Completion("r1", 200, "", 1.0, 0)) is None  # already settled
     admission.submit("r2", Request(API))  # type: ignore[arg-type]
-    assert settle(admission, Completion("r2", 503, "127.0.0.1:9000", 0.1, 0))  # failed: 0 output
+    assert settle(admission, Completion("r2", 503, "127.0.0.1:9000", 0.1, 0)) == 0  # failed
     assert admission.in_flight == 0
 
 

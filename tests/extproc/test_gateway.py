@@ -1,58 +1,14 @@
 """The per-request pipeline without sockets: real policy, real admission, plain objects."""
 
-import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from extproc.admission import Admission
-from extproc.backends import BackendPool, BackendSpec
 from extproc.gateway import Gateway, Pending
 from extproc.messages import Completion, Forward, RequestInfo, Respond
 from extproc.metrics import GatewayCollector
-from extproc.policy import DEFAULT_POLICY_PATH, PolicyStore
-from tests.extproc.factories import FakeClock, scraped
-
-CHAT = "/v1/chat/completions"
-
-
-def make_gateway(
-    limit: int = 4, policy_path: Path = DEFAULT_POLICY_PATH, regions: tuple[str, str] = ("a", "b")
-) -> Gateway:
-    """The default policy over two idle backends with ``limit`` slots each."""
-    clock = FakeClock()
-    specs = [BackendSpec("127.0.0.1", 8100 + i, region) for i, region in enumerate(regions, 1)]
-    pool = BackendPool(specs, clock=clock)
-    for backend in pool.backends:
-        scraped(backend, clock)
-    store = PolicyStore(policy_path)
-    policy = dataclasses.replace(store.current, max_in_flight_per_backend=limit)
-    store.current = policy
-    return Gateway(store, Admission(pool, policy, clock=clock))
-
-
-def request(
-    key: str = "sk-chat-demo",
-    body: object = None,
-    path: str = CHAT,
-    request_id: str = "rid-1",
-    **headers: str,
-) -> RequestInfo:
-    payload = (
-        body
-        if body is not None
-        else {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
-    )
-    all_headers = {
-        ":method": "POST",
-        ":path": path,
-        "x-request-id": request_id,
-        "authorization": f"Bearer {key}",
-        **headers,
-    }
-    return RequestInfo("POST", path, all_headers, json.dumps(payload).encode(), request_id)
+from tests.extproc.factories import CHAT, make_gateway, request
 
 
 async def test_forward_injects_priority_in_body_and_header_and_names_endpoints() -> None:
@@ -215,7 +171,7 @@ async def test_picks_are_exported_per_backend_and_reason() -> None:
     gateway.completed(Completion("a", 200, "127.0.0.1:8101", 0.5, 900))
     gateway.handle(chat("b", ("system", SUPPORT), ("user", "second")))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(GatewayCollector(gateway.admission, gateway.outcomes))
+    registry.register(GatewayCollector(gateway.admission, gateway.stats))
     text = generate_latest(registry).decode()
     assert 'fairlane_picks_total{backend="127.0.0.1:8101",reason="load"} 1.0' in text
     assert 'fairlane_picks_total{backend="127.0.0.1:8101",reason="prefix"} 1.0' in text

@@ -1,0 +1,74 @@
+"""The gateway's real Prometheus exposition, with a sample in every family.
+
+Dashboards and alert rules are checked against the names the service actually exports, not a
+hand-kept list: this drives one request of every outcome through the real ``Gateway``
+(admitted and completed, shed, rejected, a failover pick, a good and a bad policy reload) and
+renders the real ``GatewayCollector``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from extproc.messages import Completion, Forward, Respond
+from extproc.metrics import GatewayCollector
+from extproc.policy import DEFAULT_POLICY_PATH
+from tests.extproc.factories import make_gateway, request
+
+
+def gateway_exposition() -> str:
+    """``/metrics`` text of a gateway that has seen every kind of outcome."""
+    return asyncio.run(_drive())
+
+
+async def _drive() -> str:
+    with tempfile.TemporaryDirectory() as folder:
+        policy_file = Path(folder) / "policy.yaml"
+        shutil.copy(DEFAULT_POLICY_PATH, policy_file)
+        gateway = make_gateway(limit=1, policy_path=policy_file)
+        store = gateway.policies
+        local, remote = gateway.admission.pool.backends
+
+        admitted = gateway.handle(request("sk-chat-demo", request_id="chat-1"))
+        assert isinstance(admitted, Forward), admitted
+        gateway.completed(Completion("chat-1", 200, local.address, 0.8, 2_000, ttfb_s=0.05))
+
+        refused = gateway.handle(request("sk-wrong", request_id="bad-key"))
+        assert isinstance(refused, Respond) and refused.status == 401, refused
+
+        local.healthy = False  # the local region is down: the next pick fails over
+        failover = gateway.handle(request("sk-api-demo", request_id="api-1"))
+        assert isinstance(failover, Forward) and failover.endpoints[0] == remote.address
+        local.healthy = True
+
+        tiers = tuple(
+            dataclasses.replace(t, queue_limit=0) if t.name == "batch" else t
+            for t in store.current.tiers
+        )
+        gateway.admission.configure(dataclasses.replace(store.current, tiers=tiers))
+        shed = gateway.handle(request("sk-batch-demo", request_id="batch-1"))
+        assert isinstance(shed, Respond) and shed.status == 429, shed
+
+        policy_file.write_text(policy_file.read_text().replace("priority: 20", "priority: 21"))
+        _bump_mtime(policy_file)
+        assert store.reload()
+        policy_file.write_text("tiers: [\n")
+        _bump_mtime(policy_file)
+        assert not store.reload()
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(GatewayCollector(gateway.admission, gateway.stats, store))
+        return generate_latest(registry).decode()
+
+
+def _bump_mtime(path: Path) -> None:
+    """A rewrite within the filesystem's timestamp granularity must still count as a change."""
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))

@@ -46,6 +46,60 @@ class Child:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
+    @property
+    def label(self) -> str:
+        """How a person names this process in a message: "the service", "Envoy",
+        "the simulator sim-0"."""
+        if self.name == "envoy" or self.name.startswith("envoy-"):
+            return "Envoy"
+        if self.name.startswith("sim"):
+            return f"the simulator {self.name}"
+        return f"the {self.name}"
+
+
+def exit_text(returncode: int | None) -> str:
+    """``code 1`` or ``signal SIGKILL`` (Popen reports a signal as a negative code)."""
+    if returncode is not None and returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"code {returncode}"
+
+
+class ChildExited(RuntimeError):
+    """A child that stopped while it should have been serving: which one, how, and the end
+    of its log, so a crashed component is named instead of showing up as failed requests."""
+
+    def __init__(self, child: Child, during: str) -> None:
+        self.child = child
+        tail = child.log_tail(20) or "(empty)"
+        super().__init__(
+            f"{child.label} (pid {child.popen.pid}) exited with "
+            f"{exit_text(child.popen.returncode)} during {during}; last lines of its log "
+            f"({child.log_path}):\n{tail}"
+        )
+
+
+class PortInUse(OSError):
+    """A port the user fixed is taken; the message names the port and what wanted it."""
+
+
+def ensure_port_free(port: int, what: str, host: str = "127.0.0.1") -> None:
+    """Fail before starting anything if ``port`` (chosen by the user for ``what``) is
+    taken, instead of letting the process that needs it die with a bind error in its log.
+    (Ports the harness picks itself come from :func:`free_port`.)"""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # as Envoy and grpc do: only a live listener blocks, not old TIME_WAIT connections
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise PortInUse(
+                f"port {port} on {host} ({what}) is already in use ({exc.strerror}): stop "
+                "what holds it or choose another port"
+            ) from None
+
 
 class ProcessGroup:
     """A set of child processes that are stopped together."""
@@ -98,6 +152,12 @@ class ProcessGroup:
                 _signal(child, signal.SIGKILL)
                 child.popen.wait()
         self.children.clear()
+
+    def check_alive(self, during: str) -> None:
+        """Raise :class:`ChildExited` for the first child that is no longer running."""
+        for child in self.children:
+            if not child.alive():
+                raise ChildExited(child, during)
 
     def __enter__(self) -> ProcessGroup:
         return self

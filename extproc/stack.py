@@ -21,7 +21,14 @@ from types import FrameType
 from extproc import envoy_config
 from extproc.backends import BackendSpec
 from extproc.policy import DEFAULT_POLICY_PATH, load_policy
-from extproc.processes import Child, ProcessGroup, free_port, wait_http_ready, wait_port_open
+from extproc.processes import (
+    Child,
+    ProcessGroup,
+    ensure_port_free,
+    free_port,
+    wait_http_ready,
+    wait_port_open,
+)
 from extproc.server import add_backend_argument, add_policy_argument, backends_from_args
 
 DEFAULT_SIM_REGIONS = ("region-a", "region-b")
@@ -74,6 +81,7 @@ class Stack:
     def start(self) -> Stack:
         config = self.config
         policy = load_policy(config.policy_path)  # fail before starting anything
+        self._check_fixed_ports()
         self.backends = config.backends or self._start_simulators()
         self.service_port = config.service_port or free_port()
         self.metrics_port = config.metrics_port or free_port()
@@ -113,6 +121,19 @@ class Stack:
         )
         wait_http_ready(f"{self.admin_url}/ready", envoy, timeout=30)
         return self
+
+    def _check_fixed_ports(self) -> None:
+        """The ports a user fixed must be free now: a clear "port N (Envoy's listener,
+        --port) is already in use" beats Envoy dying with a bind error in its log."""
+        fixed = (
+            (self.config.port, "Envoy's client listener, --port"),
+            (self.config.admin_port, "Envoy's admin interface, --admin-port"),
+            (self.config.service_port, "the ext_proc service"),
+            (self.config.metrics_port, "the service's metrics"),
+        )
+        for port, what in fixed:
+            if port:
+                ensure_port_free(port, what)
 
     def _start_simulators(self) -> tuple[BackendSpec, ...]:
         specs = []

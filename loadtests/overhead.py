@@ -1,27 +1,19 @@
-"""``python -m loadtests.overhead``: what the gateway itself costs.
+"""The overhead measurement's parts: an instant backend, an open/closed-loop load generator
+and the per-phase statistics. ``fairlane bench overhead`` (``loadtests/bench/overhead_runner.py``)
+runs them; ``python -m loadtests.overhead`` is an alias for it.
 
-Two arms against the same instant backend, one after the other:
+The backend is :func:`serve_backend`: a raw asyncio HTTP/1.1 server (uvloop) that answers
+every POST at once with a 1-token chat completion and serves a static vLLM ``/metrics`` page
+(an empty engine) so the service's gates always pass. It is not the simulator on purpose: the
+simulator models engine steps and token timing, work this measurement must not include.
 
-* ``direct``: Envoy without ext_proc straight to the backend
-  (:func:`extproc.envoy_config.render_fifo_bootstrap`);
-* ``fairlane``: the same Envoy with the ext_proc filter and the completion access log, and one
-  fairlane service process whose policy (``loadtests/scenarios/policies/overhead.yaml``)
-  never holds a request.
+The load generator is :class:`LoadGenerator`, raw asyncio keep-alive connections in the
+caller's event loop (one core). Fixed rates are open loop (request *i* is sent at
+``t0 + i/rate`` whatever is still outstanding, on a new connection when all are busy, so a
+stall is not hidden by coordinated omission); latency counts from the actual send, and how
+late the timer sent is kept apart (``send_late_p99_ms``). Saturation is closed loop.
 
-Each arm is driven at fixed request rates (open loop: request *i* is sent at ``t0 + i/rate``
-whatever is still outstanding, on a new connection when all are busy, so a stall is not
-hidden by coordinated omission; latency counts from the actual send, and how late the
-generator's timer sent is reported separately, ``send_late_p99_ms``) and then
-closed-loop at saturation. The report gives p50/p99 per rate, fairlane minus direct, the
-maximum requests/s and every process's CPU (service cores at saturation -> req/s per core).
-
-The backend is :func:`serve_backend` below: a raw asyncio HTTP/1.1 server (uvloop) that
-answers every POST at once with a 1-token chat completion and serves a static vLLM
-``/metrics`` page (an empty engine) so the service's gates always pass. The load generator is
-:class:`LoadGenerator`, raw asyncio keep-alive connections in this process (one core), its CPU
-recorded and warned about like the bench harness's (``loadtests/bench/cpu.py``).
-
-``python -m loadtests.overhead --rates 100,500,1000 --duration 10``
+``python -m loadtests.overhead [--rates 100,500 --duration 10 --concurrency 32 --arms ...]``
 ``python -m loadtests.overhead backend --port 8000`` (the instant backend alone)
 """
 
@@ -29,25 +21,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
-import math
-import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import yaml
+from loadtests.bench.report import percentile
 
-from extproc import envoy_config
-from extproc.backends import BackendSpec
-from extproc.processes import ProcessGroup, free_port, wait_http_ready
-from extproc.stack import Stack, StackConfig
-from loadtests.bench.cpu import machine_busy_seconds, process_cpu_seconds, self_cpu_seconds
-
-POLICY = Path(__file__).parent / "scenarios" / "policies" / "overhead.yaml"
 API_KEY = "sk-overhead"
 BODY = json.dumps(
     {
@@ -215,8 +199,12 @@ class LoadGenerator:
         return protocol
 
     async def one(self) -> int:
-        """Send one request; the response's status (0 on a connection error)."""
-        conn = await self._connection()
+        """Send one request; the response's status (0 on a connection error: a dead Envoy
+        is counted as failed requests, and the runner names the process that died)."""
+        try:
+            conn = await self._connection()
+        except OSError:
+            return 0
         loop = asyncio.get_running_loop()
         conn.waiter = loop.create_future()
         assert conn.transport is not None
@@ -288,15 +276,6 @@ class LoadGenerator:
 # --------------------------------------------------------------------------- statistics
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (``q`` in 0..100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
-
-
 def summarize(run: RunResult) -> dict[str, Any]:
     """The reported numbers of one phase."""
     done = len(run.latencies_ms)
@@ -334,171 +313,14 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def render_report(results: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str:
-    """report.md: per phase, both arms' p50/p99, the added latency, CPU per process."""
-    lines = [
-        "# fairlane overhead: Envoy direct vs Envoy + fairlane ext_proc",
-        "",
-        f"- load generator: {meta['loadgen']}",
-        f"- backend: {meta['backend']}",
-        f"- machine: {meta['cpus']} cores; phase duration {meta['duration_s']} s",
-        "",
-        "| phase | arm | req/s | p50 ms | p99 ms | added p50 | added p99 | errors "
-        "| service cores | envoy cores | backend cores | loadgen cores | machine busy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    direct = results.get("direct", [])
-    fairlane = results.get("fairlane", [])
-    for index in range(max(len(direct), len(fairlane))):
-        for arm, rows in (("direct", direct), ("fairlane", fairlane)):
-            if index >= len(rows):
-                continue
-            row = rows[index]
-            phase = f"{row['target_rps']:g} req/s" if row["mode"] == "rate" else "saturation"
-            added: dict[str, float | None] = {"p50_ms": None, "p99_ms": None}
-            if arm == "fairlane" and index < len(direct):
-                added = added_latency(direct[index], row)
-            cores = row["cpu_cores"]
-            lines.append(
-                f"| {phase} | {arm} | {row['achieved_rps']} | {row['p50_ms']} | {row['p99_ms']}"
-                f" | {_fmt(added['p50_ms'])} | {_fmt(added['p99_ms'])} | {row['errors']}"
-                f" | {_fmt(cores.get('service'))} | {_fmt(cores.get('envoy'))}"
-                f" | {_fmt(cores.get('backend'))} | {row['loadgen_cores']}"
-                f" | {row['machine_busy']} |"
-            )
-    for row in fairlane:
-        if row["mode"] == "saturation":
-            lines += [
-                "",
-                f"Saturation through fairlane: {row['achieved_rps']} req/s with the service at "
-                f"{_fmt(row['cpu_cores'].get('service'))} cores = "
-                f"{_fmt(row['rps_per_service_core'])} req/s per service core.",
-            ]
-    warnings = []
-    for arm, rows in results.items():
-        for row in rows:
-            if row["loadgen_cores"] > 0.85:
-                warnings.append(f"{arm}: load generator at {row['loadgen_cores']} cores")
-            if (row.get("send_late_p99_ms") or 0) > 2:
-                warnings.append(f"{arm}: sends {row['send_late_p99_ms']} ms late at p99")
-            if row["machine_busy"] > 0.9:
-                warnings.append(f"{arm}: machine {row['machine_busy']:.0%} busy")
-    if warnings:
-        lines += ["", "Warnings (numbers at these phases measure the machine too):", ""]
-        lines += [f"- {w}" for w in warnings]
-    return "\n".join(lines) + "\n"
+T = TypeVar("T")
 
 
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:g}"
-
-
-# --------------------------------------------------------------------------- arms
-
-
-def start_backend(group: ProcessGroup) -> BackendSpec:
-    port = free_port()
-    child = group.start(
-        "backend", [sys.executable, "-m", "loadtests.overhead", "backend", "--port", str(port)]
-    )
-    spec = BackendSpec("127.0.0.1", port, "local")
-    wait_http_ready(f"{spec.url}/health", child, timeout=30)
-    return spec
-
-
-def start_arm(arm: str, group: ProcessGroup) -> tuple[int, dict[str, int]]:
-    """Start ``arm``'s processes; (Envoy's client port, pids by role)."""
-    backend = start_backend(group)
-    if arm == "direct":
-        port, admin = free_port(), free_port()
-        params = envoy_config.EnvoyParams(listen_port=port, admin_port=admin, backends=(backend,))
-        path = group.log_dir / "envoy-direct.yaml"
-        path.write_text(yaml.safe_dump(envoy_config.render_fifo_bootstrap(params), sort_keys=False))
-        envoy = group.start("envoy", envoy_config.envoy_argv(path))
-        wait_http_ready(f"http://127.0.0.1:{admin}/ready", envoy, timeout=30)
-    else:
-        port = free_port()
-        Stack(StackConfig(port=port, policy_path=POLICY, backends=(backend,)), group).start()
-    pids = {child.name: child.popen.pid for child in group.children}
-    return port, pids
-
-
-async def _measure(
-    gen: LoadGenerator, pids: dict[str, int], mode: str, rate: float | None, args: Any
-) -> RunResult:
-    before = {name: process_cpu_seconds(pid) or 0.0 for name, pid in pids.items()}
-    self_before = self_cpu_seconds()
-    busy0, total0 = machine_busy_seconds()
-    start = time.monotonic()
-    if mode == "rate":
-        assert rate is not None
-        latencies, errors = await gen.open_loop(rate, args.duration)
-        late = gen.late_ms
-    else:
-        latencies, errors = await gen.closed_loop(args.concurrency, args.duration)
-    elapsed = time.monotonic() - start
-    busy1, total1 = machine_busy_seconds()
-    result = RunResult(mode, rate, elapsed if mode != "rate" else max(elapsed, args.duration))
-    result.latencies_ms, result.errors = latencies, errors
-    if mode == "rate":
-        result.late_ms = late
-    for name, pid in pids.items():
-        after = process_cpu_seconds(pid)
-        if after is not None:
-            result.cpu_s[name] = after - before[name]
-    result.loadgen_cpu_s = self_cpu_seconds() - self_before
-    result.machine_busy_fraction = (busy1 - busy0) / max(total1 - total0, 1e-9)
-    return result
-
-
-async def _drive(port: int, pids: dict[str, int], args: Any) -> list[dict[str, Any]]:
-    gen = LoadGenerator(port)
-    for _ in range(200):  # warm up: connections, Envoy's upstream pool, the service's stream
-        await gen.one()
-    rows = []
-    for rate in args.rates:
-        rows.append(summarize(await _measure(gen, pids, "rate", rate, args)))
-        print(f"  {rows[-1]}", flush=True)
-    if args.concurrency > 0:
-        rows.append(summarize(await _measure(gen, pids, "saturation", None, args)))
-        print(f"  {rows[-1]}", flush=True)
-    return rows
-
-
-def run(args: argparse.Namespace) -> int:
-    out = args.out or Path("/tmp/fairlane-bench") / f"overhead-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, list[dict[str, Any]]] = {}
-    for arm in args.arms:
-        print(f"arm {arm}", flush=True)
-        with ProcessGroup(out / "logs" / arm) as group:
-            port, pids = start_arm(arm, group)
-            pids = {_role(name): pid for name, pid in pids.items()}
-            results[arm] = _run_loop(_drive(port, pids, args))
-    meta = {
-        "loadgen": "in-process asyncio (uvloop) raw HTTP/1.1 keep-alive client, one core; "
-        "open loop at fixed rates, closed loop at saturation "
-        f"({args.concurrency} connections)",
-        "backend": "loadtests/overhead.py instant backend (1-token completion, no delay)",
-        "cpus": os.cpu_count(),
-        "duration_s": args.duration,
-    }
-    (out / "results.json").write_text(json.dumps({"meta": meta, "arms": results}, indent=2))
-    report = render_report(results, meta)
-    (out / "report.md").write_text(report)
-    print(report)
-    print(f"written to {out}")
-    return 0
-
-
-def _role(name: str) -> str:
-    return "backend" if name.startswith("backend") else name
-
-
-def _run_loop(coro: Any) -> Any:
+def run_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on uvloop (the generator's timers and sockets are cheaper there)."""
     try:
         import uvloop
-    except ImportError:  # pragma: no cover
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         return asyncio.run(coro)
     return uvloop.run(coro)
 
@@ -508,22 +330,42 @@ def _rates(text: str) -> list[float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``backend`` alone, or an alias for ``fairlane bench overhead`` with its old flags."""
     parser = argparse.ArgumentParser(prog="python -m loadtests.overhead", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     backend = sub.add_parser("backend", help="the instant backend alone")
     backend.add_argument("--port", type=int, required=True)
-    parser.add_argument("--rates", type=_rates, default=[100.0, 500.0, 1000.0])
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds per phase")
+    parser.add_argument("--rates", type=_rates, default=None, help="req/s list, e.g. 100,500")
+    parser.add_argument("--duration", type=float, default=None, help="wall seconds per phase")
     parser.add_argument(
-        "--concurrency", type=int, default=32, help="connections at saturation (0: skip)"
+        "--concurrency", type=int, default=None, help="connections at saturation (0: skip)"
     )
-    parser.add_argument("--arms", type=lambda s: s.split(","), default=["direct", "fairlane"])
+    parser.add_argument("--arms", type=lambda s: s.split(","), default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.command == "backend":
-        _run_loop(serve_backend(args.port))
+        run_loop(serve_backend(args.port))
         return 0
-    return run(args)
+    from loadtests.bench import overhead_runner
+    from loadtests.bench.overhead_scenario import parse_overhead
+    from loadtests.bench.scenario import ScenarioError, read_document
+
+    try:
+        scenario = parse_overhead(read_document("overhead")).with_overrides(
+            duration_s=args.duration, arms=args.arms
+        )
+    except ScenarioError as exc:
+        print(f"python -m loadtests.overhead: {exc}", file=sys.stderr)
+        return 1
+    changes: dict[str, Any] = {}
+    if args.rates is not None:
+        changes["rates"] = tuple(args.rates)
+        changes["targets"] = tuple(
+            t for t in scenario.targets if t.rate is None or t.rate in args.rates
+        )
+    if args.concurrency is not None:
+        changes["saturation_connections"] = max(0, args.concurrency)
+    return overhead_runner.run_scenario(dataclasses.replace(scenario, **changes), args.out)
 
 
 if __name__ == "__main__":

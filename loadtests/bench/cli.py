@@ -26,7 +26,13 @@ from loadtests.bench import cpu, report
 from loadtests.bench.arms import start_arm
 from loadtests.bench.cachestats import window_hit_rate
 from loadtests.bench.client import RequestRecord, run_load
-from loadtests.bench.scenario import Scenario, ScenarioError, load_scenario
+from loadtests.bench.scenario import (
+    Document,
+    Scenario,
+    ScenarioError,
+    load_scenario,
+    read_document,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--duration",
         type=float,
         default=None,
-        help="simulated seconds (overrides the scenario's duration_s)",
+        help="simulated seconds (overrides the scenario's duration_s; for overhead: wall "
+        "seconds per phase)",
     )
     parser.add_argument(
         "--speedup",
@@ -213,7 +220,10 @@ def print_summary(results: dict[str, Any], out: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        document = read_document(args.scenario)
         arms = args.arms.split(",") if args.arms else None
+        if document.kind == "overhead":
+            return _run_overhead(args, document, arms)
         scenario = load_scenario(args.scenario).with_overrides(
             duration_s=args.duration, speedup=args.speedup, arms=arms
         )
@@ -246,6 +256,24 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     print_summary(results, out)
     return 1 if results["failed_arms"] else 0
+
+
+def _run_overhead(args: argparse.Namespace, document: Document, arms: list[str] | None) -> int:
+    """A ``kind: overhead`` scenario: wall-clock time against an instant backend, so the
+    fleet options mean nothing there and are refused rather than ignored."""
+    from loadtests.bench import overhead_runner
+    from loadtests.bench.overhead_scenario import parse_overhead
+
+    scenario = parse_overhead(document).with_overrides(duration_s=args.duration, arms=arms)
+    for option, value in (("--speedup", args.speedup),):
+        if value:
+            print(
+                f"fairlane bench: {option}: {scenario.name} runs in wall-clock time against "
+                "its own instant backend; the option is for A/B scenarios",
+                file=sys.stderr,
+            )
+            return 1
+    return overhead_runner.run(args, scenario)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 
@@ -259,24 +261,81 @@ def resolve(name_or_path: str) -> Path:
     )
 
 
-def load_scenario(name_or_path: str | Path) -> Scenario:
+@dataclass(frozen=True)
+class Document:
+    """A scenario file as read: its data, and its node tree for the lines of errors."""
+
+    path: Path
+    data: Any
+    node: Node | None = None
+
+    @property
+    def kind(self) -> str:
+        """``ab`` (arms compared on a simulated fleet, the default) or ``overhead``."""
+        kind = self.data.get("kind", "ab") if isinstance(self.data, Mapping) else "ab"
+        return kind if isinstance(kind, str) else "ab"
+
+
+def read_document(name_or_path: str | Path) -> Document:
+    """Read (not validate) a scenario file; YAML syntax errors as ``file:line:``."""
+    from extproc.yamlfile import YamlSyntaxError, compose
+
     path = resolve(str(name_or_path))
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ScenarioError(f"{path}: not valid YAML: {exc}") from exc
+        text = path.read_text()
     except OSError as exc:
         raise ScenarioError(f"{path}: cannot read: {exc}") from exc
-    return parse_scenario(data, path)
+    try:
+        node = compose(text, str(path))
+    except YamlSyntaxError as exc:
+        raise ScenarioError(exc.message) from None
+    return Document(path, yaml.safe_load(text), node)
 
 
-def parse_scenario(data: Any, path: Path) -> Scenario:
-    """Validate the whole document; raise one :class:`ScenarioError` listing every problem."""
+def load_scenario(name_or_path: str | Path) -> Scenario:
+    document = read_document(name_or_path)
+    if document.kind != "ab":
+        raise ScenarioError(
+            f"{document.path}: kind {document.kind!r}: not an A/B scenario (run it with "
+            "`fairlane bench`)"
+        )
+    return parse_scenario(document.data, document.path, document.node)
+
+
+def parse_scenario(data: Any, path: Path, node: Node | None = None) -> Scenario:
+    """Validate the whole document; raise one :class:`ScenarioError` listing every problem
+    (with its line when ``node``, the document's YAML node tree, is given)."""
     reader = _Reader(path)
     scenario = reader.scenario(data)
     if reader.errors or scenario is None:
-        raise ScenarioError("\n".join(f"{path}: {e}" for e in reader.errors))
+        raise reader.failure(node)
     return scenario
+
+
+def line_of(node: Node | None, where: str) -> int | None:
+    """The line of field ``where`` (``groups[1].rate``) in the YAML node tree: the field's
+    own key, else the closest enclosing one that exists (a missing field's mapping)."""
+    if node is None:
+        return None
+    line = node.start_mark.line + 1
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", where):
+        if part.startswith("[") and isinstance(node, SequenceNode):
+            index = int(part[1:-1])
+            if index >= len(node.value):
+                break
+            node = node.value[index]
+            line = node.start_mark.line + 1
+        elif isinstance(node, MappingNode):
+            found = next(
+                ((k, v) for k, v in node.value if isinstance(k, ScalarNode) and k.value == part),
+                None,
+            )
+            if found is None:
+                break
+            line, node = found[0].start_mark.line + 1, found[1]
+        else:
+            break
+    return line
 
 
 T = TypeVar("T")
@@ -287,10 +346,20 @@ class _Reader:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.errors: list[str] = []
+        self.errors: list[tuple[str, str]] = []
 
     def error(self, where: str, message: str) -> None:
-        self.errors.append(f"{where}: {message}")
+        self.errors.append((where, message))
+
+    def failure(self, node: Node | None = None) -> ScenarioError:
+        """Every recorded error as ``file:line: field: message``, one a line (no line when
+        the node tree is unknown: data built in code)."""
+        lines = []
+        for where, message in self.errors:
+            line = line_of(node, "" if where == "(top level)" else where)
+            at = f"{self.path}:{line}" if line is not None else f"{self.path}"
+            lines.append(f"{at}: {where}: {message}")
+        return ScenarioError("\n".join(lines))
 
     def mapping(self, data: Any, where: str, allowed: Sequence[str]) -> Mapping[str, Any] | None:
         if not isinstance(data, Mapping):
@@ -328,6 +397,7 @@ class _Reader:
             data,
             "",
             (
+                "kind",
                 "name",
                 "description",
                 "seed",
@@ -346,6 +416,7 @@ class _Reader:
         )
         if top is None:
             return None
+        self.get(top, "", "kind", _choice("ab", "overhead"), "ab or overhead", "ab")
         name = self.get(top, "", "name", _text, "a non-empty string")
         description = self.get(top, "", "description", _str, "a string", "")
         seed = self.get(top, "", "seed", _int(0), "an integer >= 0", 0)
@@ -822,12 +893,15 @@ __all__ = [
     "Arm",
     "Backends",
     "Dist",
+    "Document",
     "Group",
     "Scenario",
     "ScenarioError",
     "SharedPrefix",
     "Target",
+    "line_of",
     "load_scenario",
     "parse_scenario",
+    "read_document",
     "resolve",
 ]

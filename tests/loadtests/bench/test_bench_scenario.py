@@ -106,7 +106,7 @@ def test_load_by_path_and_not_valid_yaml(tmp_path: Path) -> None:
     assert load_scenario(str(good)).name == "t"
     bad = tmp_path / "broken.yaml"
     bad.write_text("name: [unclosed\n")
-    with pytest.raises(ScenarioError, match=r"broken\.yaml: not valid YAML"):
+    with pytest.raises(ScenarioError, match=r"broken\.yaml:2: YAML syntax error"):
         load_scenario(str(bad))
     with pytest.raises(ScenarioError, match="no such scenario"):
         load_scenario("no-such-scenario")

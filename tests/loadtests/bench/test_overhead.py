@@ -1,5 +1,5 @@
-"""The overhead runner's statistics, report and its instant backend + load generator
-(no timed assertions: speed is measured by ``python -m loadtests.overhead``, not here)."""
+"""The overhead measurement's statistics, its instant backend and load generator (no timed
+assertions: speed is measured by ``fairlane bench overhead``, not here)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,6 @@ import asyncio
 from extproc.processes import free_port
 from extproc.scrape import parse_metrics
 from loadtests import overhead
-
-
-def test_percentile_nearest_rank() -> None:
-    values = [float(v) for v in range(1, 101)]
-    assert overhead.percentile(values, 50) == 50.0
-    assert overhead.percentile(values, 99) == 99.0
-    assert overhead.percentile(values, 100) == 100.0
-    assert overhead.percentile([3.0], 99) == 3.0
-    assert overhead.percentile([], 50) is None
 
 
 def _run(service_cpu: float | None = 2.0) -> overhead.RunResult:
@@ -46,20 +37,6 @@ def test_added_latency_is_fairlane_minus_direct() -> None:
         "p99_ms": 1.5,
     }
     assert overhead.added_latency(direct, {"p50_ms": None, "p99_ms": 1.0})["p50_ms"] is None
-
-
-def test_report_lists_both_arms_and_the_per_core_rate() -> None:
-    direct = overhead.summarize(_run(None))
-    fair = overhead.summarize(_run())
-    saturated = dict(fair, mode="saturation", target_rps=None)
-    meta = {"loadgen": "gen", "backend": "instant", "cpus": 2, "duration_s": 10}
-    report = overhead.render_report(
-        {"direct": [direct, dict(direct, mode="saturation")], "fairlane": [fair, saturated]}, meta
-    )
-    assert "| 100 req/s | direct |" in report
-    assert "| 100 req/s | fairlane |" in report
-    assert "| saturation | fairlane |" in report
-    assert "50 req/s per service core" in report
 
 
 def test_backend_metrics_page_parses_as_an_idle_engine() -> None:

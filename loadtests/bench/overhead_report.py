@@ -1,0 +1,238 @@
+"""The overhead run's verdicts and ``report.md``: targets PASS/FAIL with their numbers, the
+phases side by side, the saturation figures and whether the load generator or the machine
+was the bottleneck (then the numbers measure the harness, and the report says so)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from loadtests.bench import cpu
+from loadtests.bench.overhead_scenario import SATURATION_METRICS, OverheadScenario
+
+SEND_LATE_LIMIT_MS = 2.0
+"""Open loop: p99 send lateness above this means the generator's timer could not keep up."""
+SECTION_PHASES = "## Latency per phase"
+SECTION_SATURATION = "## Saturation"
+
+Row = Mapping[str, Any]
+
+
+@dataclass
+class TargetResult:
+    name: str
+    metric: str
+    bound: float
+    op: str
+    rate: float | None
+    measured: float | None
+    passed: bool | None
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def phase_row(rows: Sequence[Row], rate: float | None) -> Row | None:
+    """The row of the phase at ``rate`` (None: the saturation phase)."""
+    mode = "saturation" if rate is None else "rate"
+    return next((r for r in rows if r["mode"] == mode and r["target_rps"] == rate), None)
+
+
+def added(direct: Row | None, fairlane: Row | None, key: str) -> float | None:
+    """fairlane minus direct for ``key`` (``p50_ms``, ``p99_ms``) at one phase."""
+    if direct is None or fairlane is None:
+        return None
+    a, b = direct.get(key), fairlane.get(key)
+    return None if a is None or b is None else round(b - a, 3)
+
+
+def loadgen_warnings(row: Row) -> list[str]:
+    """Why the load generator may have limited a phase (then it measures the harness)."""
+    found = []
+    if row["loadgen_cores"] > cpu.LOADGEN_LIMIT_CORES:
+        found.append(
+            f"load generator at {row['loadgen_cores']:.2f} of its core "
+            f"(> {cpu.LOADGEN_LIMIT_CORES:.0%})"
+        )
+    late = row.get("send_late_p99_ms")
+    if late is not None and late > SEND_LATE_LIMIT_MS:
+        found.append(f"requests sent {late:g} ms late at p99 (> {SEND_LATE_LIMIT_MS:g} ms)")
+    return found
+
+
+def row_warnings(row: Row) -> list[str]:
+    """Why a phase's numbers may measure the harness or the machine instead of the gateway."""
+    found = loadgen_warnings(row)
+    if row["machine_busy"] > cpu.MACHINE_LIMIT_FRACTION:
+        found.append(f"machine {row['machine_busy']:.0%} busy (> {cpu.MACHINE_LIMIT_FRACTION:.0%})")
+    return found
+
+
+def evaluate(scenario: OverheadScenario, arms: Mapping[str, Sequence[Row]]) -> list[TargetResult]:
+    direct, fairlane = arms.get("direct", ()), arms.get("fairlane", ())
+    results = []
+    for target in scenario.targets:
+        note = ""
+        if target.metric in SATURATION_METRICS:
+            row = phase_row(fairlane, None)
+            rows = [row]
+            key = "achieved_rps" if target.metric == "saturation_rps" else "rps_per_service_core"
+            measured = None if row is None else row.get(key)
+            if row is None:
+                note = "no saturation phase of the fairlane arm"
+        else:
+            d, f = phase_row(direct, target.rate), phase_row(fairlane, target.rate)
+            rows = [d, f]
+            measured = added(d, f, "p50_ms" if target.metric == "added_p50_ms" else "p99_ms")
+            if measured is None:
+                note = "needs the direct and the fairlane arm at this rate"
+        passed = None
+        if measured is not None:
+            passed = measured <= target.bound if target.op == "max" else measured >= target.bound
+        noisy = [w for r in rows if r is not None for w in row_warnings(r)]
+        if noisy and measured is not None:
+            note = f"suspect: {'; '.join(noisy)}"
+        results.append(
+            TargetResult(
+                target.name,
+                target.metric,
+                target.bound,
+                target.op,
+                target.rate,
+                measured,
+                passed,
+                note,
+            )
+        )
+    return results
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def _phase(row: Row) -> str:
+    return f"{row['target_rps']:g} req/s" if row["mode"] == "rate" else "saturation"
+
+
+def bottleneck_lines(results: Mapping[str, Any]) -> list[str]:
+    """Whether the load generator, or the machine's CPU, limited any phase, with numbers."""
+    rows = [(arm, r) for arm, rs in results["arms"].items() for r in rs]
+    if not rows:
+        return ["- load generator the bottleneck? no phase ran"]
+    arm, worst = max(rows, key=lambda ar: ar[1]["loadgen_cores"])
+    late = max((r.get("send_late_p99_ms") or 0.0 for _, r in rows), default=0.0)
+    limited = [f"{a} {_phase(r)}" for a, r in rows if loadgen_warnings(r)]
+    busy = [
+        f"{a} {_phase(r)} {r['machine_busy']:.0%}"
+        for a, r in rows
+        if r["machine_busy"] > cpu.MACHINE_LIMIT_FRACTION
+    ]
+    verdict = f"**yes** in {', '.join(limited)}" if limited else "**no**"
+    return [
+        f"- load generator the bottleneck? {verdict}: at most {worst['loadgen_cores']:.2f} of "
+        f"its one core ({arm} {_phase(worst)}; warning above {cpu.LOADGEN_LIMIT_CORES:.2f}), "
+        f"sends at most {late:g} ms late at p99 (warning above {SEND_LATE_LIMIT_MS:g} ms)",
+        "- machine CPU-bound? "
+        + (
+            f"**yes** in {', '.join(busy)} busy (> {cpu.MACHINE_LIMIT_FRACTION:.0%}: the "
+            "processes compete for the cores; at saturation that is expected on a small "
+            "machine)"
+            if busy
+            else f"**no** (every phase below {cpu.MACHINE_LIMIT_FRACTION:.0%} busy)"
+        ),
+    ]
+
+
+def render_markdown(results: Mapping[str, Any]) -> str:
+    scenario, meta = results["scenario"], results["meta"]
+    lines = [
+        "# fairlane bench overhead: Envoy direct vs Envoy + fairlane ext_proc",
+        "",
+        scenario["description"].strip(),
+        "",
+        f"- scenario: `{scenario['path']}`; policy `{scenario['policy']}`",
+        f"- load generator: {meta['loadgen']} ({meta['saturation_connections']} connections "
+        "at saturation)",
+        *bottleneck_lines(results),
+        f"- backend: {meta['backend']}",
+        f"- machine: {meta['cpus']} cores, shared by the load generator, Envoy, the service, "
+        "the backend and anything else running on it",
+        f"- {scenario['duration_s']:g} wall seconds per phase, "
+        f"{scenario['warmup_requests']} warm-up requests per arm",
+        "",
+        "## Targets",
+        "",
+    ]
+    for t in results["targets"]:
+        verdict = {True: "PASS", False: "FAIL", None: "N/A"}[t["passed"]]
+        sign = "≤" if t["op"] == "max" else "≥"
+        note = f" ({t['note']})" if t["note"] else ""
+        lines.append(
+            f"- **{verdict}** {t['name']}: {_fmt(t['measured'])} {sign} {t['bound']:g}{note}"
+        )
+    for arm, error in results["failed_arms"].items():
+        lines += ["", f"**Arm {arm} failed**:", "", "```", error, "```"]
+    lines += [
+        "",
+        SECTION_PHASES,
+        "",
+        "| phase | arm | req/s | p50 ms | p99 ms | added p50 | added p99 | errors "
+        "| service cores | Envoy cores | backend cores | loadgen cores | send late p99 ms "
+        "| machine busy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    direct = results["arms"].get("direct", [])
+    for arm, rows in results["arms"].items():
+        for row in rows:
+            extra: dict[str, float | None] = {"p50_ms": None, "p99_ms": None}
+            if arm == "fairlane":
+                base = phase_row(direct, row["target_rps"] if row["mode"] == "rate" else None)
+                extra = {k: added(base, row, k) for k in extra}
+            cores = row["cpu_cores"]
+            lines.append(
+                f"| {_phase(row)} | {arm} | {row['achieved_rps']:g} | {_fmt(row['p50_ms'])} "
+                f"| {_fmt(row['p99_ms'])} | {_fmt(extra['p50_ms'])} | {_fmt(extra['p99_ms'])} "
+                f"| {row['errors']} | {_fmt(cores.get('service'))} | {_fmt(cores.get('envoy'))} "
+                f"| {_fmt(cores.get('backend'))} | {row['loadgen_cores']:g} "
+                f"| {_fmt(row.get('send_late_p99_ms'))} | {row['machine_busy']:.0%} |"
+            )
+    lines += ["", SECTION_SATURATION, ""]
+    for arm, rows in results["arms"].items():
+        row = phase_row(rows, None)
+        if row is None:
+            continue
+        cores = ", ".join(f"{p} {c:.2f}" for p, c in row["cpu_cores"].items())
+        per_core = (
+            f" = {_fmt(row['rps_per_service_core'])} req/s per service core"
+            if row.get("rps_per_service_core")
+            else ""
+        )
+        lines.append(
+            f"- {arm}: {row['achieved_rps']:g} req/s{per_core}; p50/p99 "
+            f"{_fmt(row['p50_ms'])}/{_fmt(row['p99_ms'])} ms; CPU cores: {cores}, load "
+            f"generator {row['loadgen_cores']:.2f}; machine {row['machine_busy']:.0%} busy"
+        )
+    warnings = [
+        f"- {arm} {_phase(r)}: {w}"
+        for arm, rs in results["arms"].items()
+        for r in rs
+        for w in row_warnings(r)
+    ]
+    if warnings:
+        lines += ["", "## Warnings", "", "Numbers at these phases measure the machine too:", ""]
+        lines += warnings
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: Path, results: Mapping[str, Any]) -> Path:
+    """report.md with the plots embedded (a plotting failure is noted, never fatal)."""
+    from loadtests.bench.overhead_plots import add_plots
+
+    markdown = add_plots(render_markdown(results), out, results)
+    path = out / "report.md"
+    path.write_text(markdown)
+    return path

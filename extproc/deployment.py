@@ -17,6 +17,18 @@ Shape (``deploy/fairlane.yaml`` is the shipped example)::
       - {url: http://10.1.0.11:8000, region: us-west-2}
     # optional, default from the policy:
     # max_body_bytes, longest_hold_s, max_held_requests, message_timeout_s, access_log_path
+    # optional: what Envoy does when the service is down (default closed: 503, never forwarded)
+    failure_mode: closed                       # the catch-all route (generation)
+    routes:                                    # extra routes, matched before the catch-all
+      - {name: models, prefix: /v1/models, failure_mode: open}
+
+Backends must be IP addresses: Envoy's override_host matches the ``ip:port`` strings the
+service sends against the cluster's host addresses, and the service names backends by the
+address it was given. A DNS name would be resolved by Envoy (STRICT_DNS) to addresses the
+service never sends, so every request would fall through to the fallback load balancer. Give
+backends fixed addresses instead (in docker-compose: ``ipv4_address`` on a network with a
+fixed subnet, see ``deploy/compose/``). The service itself may be a DNS name: nothing matches
+strings against the ext_proc cluster, which is rendered as STRICT_DNS then.
 
 Every problem in the file is reported at once, as ``file:line: field.path: message`` (line
 numbers from PyYAML's node marks), like the policy parser does.
@@ -34,7 +46,13 @@ from urllib.parse import urlsplit
 from yaml.nodes import MappingNode, Node, SequenceNode
 
 from extproc.backends import BackendSpec
-from extproc.envoy_config import MAX_MESSAGE_TIMEOUT_S, EnvoyConfigError, EnvoyParams
+from extproc.envoy_config import (
+    CATCH_ALL_ROUTE,
+    MAX_MESSAGE_TIMEOUT_S,
+    EnvoyConfigError,
+    EnvoyParams,
+    RouteSpec,
+)
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyError, load_policy
 from extproc.yamlfile import LocatedReader, YamlSyntaxError, compose
 
@@ -53,9 +71,14 @@ _TOP_KEYS = (
     "max_held_requests",
     "message_timeout_s",
     "access_log_path",
+    "failure_mode",
+    "routes",
 )
 _ADDRESS_KEYS = ("host", "port")
 _BACKEND_KEYS = ("url", "region", "weight")
+_ROUTE_KEYS = ("name", "prefix", "path", "failure_mode")
+FAILURE_MODES = {"closed": False, "open": True}
+"""``failure_mode`` values -> ext_proc ``failure_mode_allow``."""
 
 
 class DeploymentError(ValueError):
@@ -168,6 +191,10 @@ def _read(reader: LocatedReader, root: Node, base_dir: Path) -> Deployment | Non
                 kwargs[port_field] = reader.value(
                     address["port"], f"{key}.port", int, _port(allow_zero)
                 )
+    if "failure_mode" in top:
+        kwargs["failure_mode_allow"] = _read_failure_mode(reader, top["failure_mode"], "")
+    if "routes" in top:
+        kwargs["routes"] = _read_routes(reader, top["routes"])
     if "backends" in top:
         kwargs["backends"] = _read_backends(reader, top["backends"])
     else:
@@ -196,6 +223,59 @@ def _read(reader: LocatedReader, root: Node, base_dir: Path) -> Deployment | Non
         reader.error(root, "", str(exc))
         return None
     return Deployment(reader.filename, policy_path, policy, params)
+
+
+def _read_failure_mode(reader: LocatedReader, node: Node, path: str) -> bool | None:
+    field_path = f"{path}.failure_mode" if path else "failure_mode"
+    value = reader.value(
+        node,
+        field_path,
+        str,
+        lambda v: None if v in FAILURE_MODES else f"must be one of {sorted(FAILURE_MODES)}",
+    )
+    return None if value is None else FAILURE_MODES[value]
+
+
+def _read_routes(reader: LocatedReader, node: Node) -> tuple[RouteSpec, ...]:
+    """Extra routes with their failure mode; the catch-all ``/`` route always comes last."""
+    if not isinstance(node, SequenceNode):
+        reader.error(node, "routes", "must be a list of {name, prefix|path, failure_mode}")
+        return ()
+    specs: list[RouteSpec] = []
+    seen: set[str] = set()
+    for index, item in enumerate(node.value):
+        path = f"routes[{index}]"
+        fields = reader.mapping(item, path, _ROUTE_KEYS)
+        if not isinstance(item, MappingNode):
+            continue
+        matches = [key for key in ("prefix", "path") if key in fields]
+        if len(matches) != 1:
+            reader.error(item, path, "needs exactly one of `prefix` and `path`")
+            continue
+        match = reader.value(
+            fields[matches[0]],
+            f"{path}.{matches[0]}",
+            str,
+            lambda v: None if v.startswith("/") else "must start with '/'",
+        )
+        name = (
+            reader.value(fields["name"], f"{path}.name", str, _non_empty)
+            if "name" in fields
+            else f"fairlane_route_{index}"
+        )
+        allow = (
+            _read_failure_mode(reader, fields["failure_mode"], path)
+            if "failure_mode" in fields
+            else False
+        )
+        if match is None or name is None or allow is None:
+            continue
+        if name in seen or name == CATCH_ALL_ROUTE:
+            reader.error(fields.get("name", item), f"{path}.name", f"{name!r} is already taken")
+            continue
+        seen.add(name)
+        specs.append(RouteSpec(name=name, failure_mode_allow=allow, **{matches[0]: match}))
+    return tuple(specs)
 
 
 def _read_backends(reader: LocatedReader, node: Node) -> tuple[BackendSpec, ...]:
@@ -241,7 +321,12 @@ def _read_backends(reader: LocatedReader, node: Node) -> tuple[BackendSpec, ...]
         try:
             spec = BackendSpec(parts.hostname, port, region.strip(), weight)
         except ValueError as exc:
-            reader.error(fields["url"], f"{path}.url", str(exc))
+            hint = (
+                "; give the backend a fixed address (docker-compose: ipv4_address) and use it"
+                if "IP address" in str(exc)
+                else ""
+            )
+            reader.error(fields["url"], f"{path}.url", f"{exc}{hint}")
             continue
         if spec.address in seen:
             reader.error(

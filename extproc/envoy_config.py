@@ -100,6 +100,49 @@ def _check_port(name: str, port: int, allow_zero: bool) -> None:
         raise EnvoyConfigError(f"{name} must be in [{low}, 65535], got {port}")
 
 
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+EXT_PROC_PER_ROUTE_TYPE = (
+    "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+)
+CATCH_ALL_ROUTE = "fairlane_llm"
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """An extra route, matched before the catch-all ``/`` route, with its own failure mode.
+
+    Every route goes through the ext_proc service in the same way; what differs is what
+    Envoy does when the service is down, wedged or unreachable. Fail-closed (the default,
+    and always the ext_proc filter's own setting) answers the client ``status_on_error``
+    (503; 504 for a message timeout) and never forwards a request the scheduler did not
+    admit. Fail-open (``failure_mode_allow`` via ``ExtProcPerRoute.overrides``) forwards it
+    unprocessed: no authentication, no queueing, no vLLM priority, Envoy's fallback load
+    balancer picks the backend. That only makes sense for cheap, idempotent paths such as
+    ``GET /v1/models`` or a health route, never for generation.
+    """
+
+    name: str
+    prefix: str | None = None
+    path: str | None = None
+    failure_mode_allow: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.name or self.name == CATCH_ALL_ROUTE:
+            raise EnvoyConfigError(f"route name must be set and not {CATCH_ALL_ROUTE!r}")
+        if (self.prefix is None) == (self.path is None):
+            raise EnvoyConfigError(f"route {self.name}: exactly one of prefix and path")
+        match = self.prefix if self.prefix is not None else self.path
+        if not match or not match.startswith("/"):
+            raise EnvoyConfigError(f"route {self.name}: the match must start with '/'")
+
+    @property
+    def match(self) -> dict[str, str]:
+        """The Envoy ``RouteMatch``."""
+        if self.prefix is not None:
+            return {"prefix": self.prefix}
+        return {"path": self.path or "/"}
+
+
 DEFAULT_BACKENDS: tuple[BackendSpec, ...] = (
     BackendSpec("127.0.0.1", 8101, "region-a"),
     BackendSpec("127.0.0.1", 8102, "region-b"),
@@ -124,6 +167,11 @@ class EnvoyParams:
     max_held_requests: int = 10_000
     message_timeout_s: float = 2.0
     access_log_path: str | None = None
+    # Extra routes before the catch-all, each fail-open or fail-closed (RouteSpec).
+    routes: tuple[RouteSpec, ...] = ()
+    # The catch-all route's failure mode when the service is down: False = fail-closed
+    # (503), the only safe choice for generation (see RouteSpec).
+    failure_mode_allow: bool = False
 
     def __post_init__(self) -> None:
         for name in ("listen_port", "admin_port", "extproc_port"):
@@ -146,6 +194,10 @@ class EnvoyParams:
             raise EnvoyConfigError("max_held_requests must be positive")
         if not 0 < self.message_timeout_s <= MAX_MESSAGE_TIMEOUT_S:
             raise EnvoyConfigError(f"message_timeout_s must be in (0, {MAX_MESSAGE_TIMEOUT_S:.0f}]")
+        names = [spec.name for spec in self.routes]
+        for name in names:
+            if names.count(name) > 1:
+                raise EnvoyConfigError(f"route {name} is listed twice")
 
     @property
     def regions(self) -> tuple[str, ...]:
@@ -215,7 +267,7 @@ def render_mesh_snippet(params: EnvoyParams) -> dict[str, Any]:
         "listener_settings": {"per_connection_buffer_limit_bytes": params.buffer_limit_bytes},
         "http_connection_manager_settings": _hcm_settings(params),
         "http_filters": [ext_proc_filter(params)],
-        "routes": [route(params)],
+        "routes": routes(params),
         "clusters": [extproc_cluster(params), backend_cluster(params)],
     }
 
@@ -277,7 +329,7 @@ def render_mesh_snippet_yaml(params: EnvoyParams, generated_by: str | None = Non
 def ext_proc_filter(params: EnvoyParams) -> dict[str, Any]:
     """The ext_proc HTTP filter: one gRPC stream per request to the fairlane service."""
     return {
-        "name": "envoy.filters.http.ext_proc",
+        "name": EXT_PROC_FILTER,
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3."
             "ExternalProcessor",
@@ -324,12 +376,39 @@ def ext_proc_filter(params: EnvoyParams) -> dict[str, Any]:
     }
 
 
-def route(params: EnvoyParams) -> dict[str, Any]:
-    """The catch-all route to the backends: no timeouts that a hold or a long generation hits,
-    a retry policy for connection failures, and the x-fairlane-* response headers."""
+def routes(params: EnvoyParams) -> list[dict[str, Any]]:
+    """Every route, in match order: the deployment's extra routes, then the catch-all."""
+    return [*(route(params, spec) for spec in params.routes), route(params)]
+
+
+def failure_mode_override(allow: bool) -> dict[str, Any]:
+    """``typed_per_filter_config`` that sets the ext_proc failure mode for one route."""
     return {
-        "name": "fairlane_llm",
-        "match": {"prefix": "/"},
+        EXT_PROC_FILTER: {
+            "@type": EXT_PROC_PER_ROUTE_TYPE,
+            "overrides": {"failure_mode_allow": allow},
+        }
+    }
+
+
+def route(params: EnvoyParams, spec: RouteSpec | None = None) -> dict[str, Any]:
+    """A route to the backends: no timeouts that a hold or a long generation hits, a retry
+    policy for connection failures, and the x-fairlane-* response headers.
+
+    Without ``spec`` it is the catch-all ``/`` route; with one, the spec's name and match.
+    A fail-open route (or catch-all) carries an ``ExtProcPerRoute`` override; fail-closed
+    routes carry none, since the filter itself is fail-closed."""
+    allow = params.failure_mode_allow if spec is None else spec.failure_mode_allow
+    rendered = _route(params, spec)
+    if allow:
+        rendered["typed_per_filter_config"] = failure_mode_override(True)
+    return rendered
+
+
+def _route(params: EnvoyParams, spec: RouteSpec | None) -> dict[str, Any]:
+    return {
+        "name": CATCH_ALL_ROUTE if spec is None else spec.name,
+        "match": {"prefix": "/"} if spec is None else spec.match,
         "route": {
             "cluster": BACKEND_CLUSTER,
             # 0 = no limit: non-streamed generations may take minutes. (The route timer starts
@@ -565,7 +644,7 @@ def _listener(params: EnvoyParams) -> dict[str, Any]:
         **_hcm_settings(params),
         "route_config": {
             "name": "fairlane",
-            "virtual_hosts": [{"name": "fairlane", "domains": ["*"], "routes": [route(params)]}],
+            "virtual_hosts": [{"name": "fairlane", "domains": ["*"], "routes": routes(params)}],
         },
         "http_filters": [
             ext_proc_filter(params),

@@ -41,6 +41,7 @@ import yaml
 from extproc.deployment import Deployment, DeploymentError, load_deployment
 from extproc.envoy_config import (
     BACKEND_MAX_RETRIES,
+    CATCH_ALL_ROUTE,
     NUM_RETRIES,
     RETRY_ON,
     EnvoyConfigError,
@@ -192,6 +193,10 @@ def render(deployment: Deployment, snippet: bool = False) -> Rendered:
     return Rendered(text, bootstrap, bootstrap_text, _count_typed_configs(bootstrap))
 
 
+def _match_text(match: dict[str, str]) -> str:
+    return " ".join(f"{kind} {value}" for kind, value in match.items())
+
+
 def _shown(path: str | os.PathLike[str]) -> str:
     """``path`` relative to the working directory when it is below it (shorter headers)."""
     try:
@@ -264,6 +269,13 @@ def report(deployment: Deployment, rendered: Rendered, validated: bool) -> str:
         f"  circuit breakers: backends max_retries {BACKEND_MAX_RETRIES}; ext_proc max_requests "
         f"{extproc_limit} (policy queues hold {params.max_held_requests})",
         f"  longest hold {params.longest_hold_s:g}s, max body {params.max_body_bytes} bytes",
+        "  when the service is down (closed: 503 from Envoy, open: forwarded unprocessed):",
+        *(
+            f"    {spec.name} {_match_text(spec.match)}: "
+            f"{'open' if spec.failure_mode_allow else 'closed'}"
+            for spec in params.routes
+        ),
+        f"    {CATCH_ALL_ROUTE} prefix /: {'open' if params.failure_mode_allow else 'closed'}",
         f"  typed check: OK (envoy-data-plane Bootstrap, {rendered.typed_configs} typed configs)",
         "  envoy --mode validate: " + ("OK" if validated else "skipped (--no-validate)"),
     ]

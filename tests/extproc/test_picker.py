@@ -191,6 +191,17 @@ def test_reason_is_only_for_a_single_candidate() -> None:
     assert chosen is not None and chosen.reason == "only" and ports(chosen) == [9000, 9001]
 
 
+def test_a_pick_outside_the_local_region_is_a_failover() -> None:
+    local, remote = scraped_fleet("home", "away")
+    local.healthy = False
+    chosen = choose([local, remote], [local, remote], conversation("x"), ROUTING, SLOTS)
+    assert chosen is not None and chosen.reason == "failover" and ports(chosen) == [9001]
+    local.healthy = True
+    local.in_flight = 40  # far worse than the region penalty: spilled over, same label
+    chosen = choose([local, remote], [local, remote], conversation("x"), ROUTING, SLOTS)
+    assert chosen is not None and chosen.reason == "failover"
+
+
 # ---------------------------------------------------------------- completion failures
 
 

@@ -1,0 +1,135 @@
+"""The gateway's Prometheus exposition, rendered from the real gateway without sockets."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.gateway import Gateway, Pending
+from extproc.messages import Completion, Forward, Respond
+from extproc.metrics import GatewayCollector
+from tests.exported_metrics import gateway_exposition
+from tests.extproc.factories import FakeClock, make_gateway, request
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    return samples(text)[(name, frozenset(labels.items()))]
+
+
+def exposition(gateway: Gateway) -> str:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(GatewayCollector(gateway.admission, gateway.stats, gateway.policies))
+    return generate_latest(registry).decode()
+
+
+def test_every_outcome_is_counted_where_an_operator_looks_for_it() -> None:
+    text = gateway_exposition()
+    assert value(text, "fairlane_requests_admitted_total", tier="interactive", model="m") == 1
+    assert value(text, "fairlane_requests_shed_total", tier="batch", reason="queue_full") == 1
+    assert (
+        value(text, "fairlane_requests_rejected_total", status="401", reason="invalid_api_key") == 1
+    )
+    assert value(text, "fairlane_picks_total", backend="127.0.0.1:8102", reason="failover") == 1
+    assert value(text, "fairlane_policy_reloads_total", result="ok") == 1
+    assert value(text, "fairlane_policy_reloads_total", result="error") == 1
+    assert value(text, "fairlane_tier_slo_ttft_seconds", tier="interactive") == 0.5
+    assert value(text, "fairlane_request_duration_seconds_count", tier="interactive") == 1
+    assert value(text, "fairlane_request_duration_seconds_sum", tier="interactive") == 0.8
+    assert (
+        value(text, "fairlane_time_to_first_byte_seconds_bucket", tier="interactive", le="0.05")
+        == 1
+    )
+    assert (
+        value(text, "fairlane_time_to_first_byte_seconds_bucket", tier="interactive", le="0.025")
+        == 0
+    )
+    assert (
+        value(
+            text, "fairlane_flow_tokens_total", tier="interactive", flow="chat-app", kind="output"
+        )
+        > 0
+    )
+
+
+async def test_a_request_past_its_queue_deadline_is_shed_by_its_tier() -> None:
+    gateway = make_gateway(limit=1)
+    policy = gateway.policies.current
+    tiers = tuple(
+        dataclasses.replace(t, queue_deadline_s=0.05) if t.name == "api" else t
+        for t in policy.tiers
+    )
+    gateway.policies.current = dataclasses.replace(policy, tiers=tiers, max_in_flight_per_backend=1)
+    gateway.admission.configure(gateway.policies.current)
+    for i in range(2):  # both backends busy
+        assert isinstance(gateway.handle(request("sk-api-demo", request_id=f"busy-{i}")), Forward)
+    held = gateway.handle(request("sk-api-demo", request_id="late"))
+    assert isinstance(held, Pending)
+    outcome = await held.outcome()
+    assert isinstance(outcome, Respond) and outcome.status == 503
+    text = exposition(gateway)
+    assert (
+        value(text, "fairlane_requests_shed_total", tier="api", reason="queue_deadline_exceeded")
+        == 1
+    )
+    assert (
+        "fairlane_requests_rejected_total",
+        frozenset({("status", "503"), ("reason", "queue_deadline_exceeded")}),
+    ) not in samples(text)
+
+
+async def test_backend_state_shows_staleness_and_never_scraped_engines() -> None:
+    gateway = make_gateway()
+    first, second = gateway.admission.pool.backends
+    clock = gateway.admission.pool.clock
+    assert isinstance(clock, FakeClock)
+    second.metrics = None  # as at start-up, before its first scrape
+    clock.now += 2.5  # past the default policy's stale_after_s of 1 s
+    text = exposition(gateway)
+    labels = {"backend": first.address, "region": first.region}
+    assert value(text, "fairlane_backend_metrics_age_seconds", **labels) == 2.5
+    assert value(text, "fairlane_backend_metrics_stale", **labels) == 1
+    assert value(text, "fairlane_backend_kv_cache_usage_ratio", **labels) == 0.1
+    fresh = {"backend": second.address, "region": second.region}
+    assert math.isinf(value(text, "fairlane_backend_metrics_age_seconds", **fresh))
+    assert ("fairlane_backend_waiting", frozenset(fresh.items())) not in samples(text)
+
+
+async def test_thousands_of_made_up_users_and_models_cannot_grow_the_exposition() -> None:
+    gateway = make_gateway(limit=64)
+    gateway.policies.current = dataclasses.replace(
+        gateway.policies.current,
+        fairness=dataclasses.replace(gateway.policies.current.fairness, flow="user"),
+    )
+    gateway.admission.configure(gateway.policies.current)
+    backend = gateway.admission.pool.backends[0].address
+
+    def flood(start: int, count: int) -> None:
+        for i in range(start, start + count):
+            body = {"model": f"model-{i}", "prompt": "hi", "max_tokens": 1, "user": f"user-{i}"}
+            info = request("sk-api-demo", body=body, path="/v1/completions", request_id=f"r{i}")
+            assert isinstance(gateway.handle(info), Forward)
+            gateway.completed(Completion(f"r{i}", 200, backend, 0.1, 700, ttfb_s=0.05))
+
+    flood(0, 1000)
+    lines_after_1000 = len(exposition(gateway).splitlines())
+    flood(1000, 4000)
+    text = exposition(gateway)
+    assert len(text.splitlines()) == lines_after_1000  # 5000 values: not one more series
+    models = {
+        labels for name, labels in samples(text) if name == "fairlane_requests_admitted_total"
+    }
+    assert len(models) == 51  # the first 50 models, then "other"
+    assert value(text, "fairlane_requests_admitted_total", tier="api", model="other") == 4950
+    assert value(text, "fairlane_flow_requests_total", tier="api", flow="other") == 4800
+

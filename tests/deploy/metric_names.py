@@ -220,11 +220,20 @@ def promql_selectors(expr: str) -> list[Selector]:
     out: list[Selector] = []
     i = 0
     n = len(expr)
+    depth = 0
     while True:
         i = _skip_space(expr, i)
         if i >= n:
+            if depth:
+                raise PromQLSyntaxError(f"unbalanced parentheses: {expr!r}")
             return out
         c = expr[i]
+        if c in "()":
+            depth += 1 if c == "(" else -1
+            if depth < 0:
+                raise PromQLSyntaxError(f"unbalanced ')' at {i}: {expr!r}")
+            i += 1
+            continue
         if c in "\"'`":
             i = _skip_string(expr, i)
             continue

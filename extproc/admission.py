@@ -363,6 +363,28 @@ class Admission:
         elif waiting.future.done() and not waiting.future.cancelled():
             self.release(entry.request_id)  # granted in the same instant it gave up
 
+    def turn_away_waiting(self, message: str, code: str, retry_after_s: int) -> int:
+        """Answer every queued request with a 503 now (the service is shutting down).
+
+        A client told ``retry-after`` by a JSON error beats one whose stream is cut when the
+        process exits (Envoy's bare 500). Returns how many were turned away.
+        """
+        entries = self.scheduler.entries()
+        for entry in entries:
+            self.scheduler.remove(entry)
+            waiting: Waiting = entry.payload
+            if not waiting.future.done():
+                waiting.future.set_exception(
+                    Rejection(
+                        503,
+                        message,
+                        code=code,
+                        headers={"retry-after": str(retry_after_s)},
+                        tier=entry.band,
+                    )
+                )
+        return len(entries)
+
     def release(self, request_id: str, output_tokens: int | None = None) -> bool:
         """The request finished (or will never reach a backend): free its slot.
 

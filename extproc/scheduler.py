@@ -432,6 +432,10 @@ class FairScheduler:
     def contains(self, request_id: str) -> bool:
         return any(request_id in band.entries for band in self._bands.values())
 
+    def entries(self) -> list[Entry]:
+        """Every queued entry, band by band, oldest first within a band."""
+        return [entry for band in self._bands.values() for entry in band.entries.values()]
+
     def depth(self, band: str) -> int:
         state = self._bands.get(band)
         return len(state.entries) if state else 0

@@ -55,6 +55,8 @@ class ServiceConfig:
     """A request whose completion event never arrives frees its slot after this long."""
     metrics_port: int | None = None
     """Serve the gateway's Prometheus metrics on this port (0: any free port)."""
+    drain_s: float = 10.0
+    """On SIGTERM, how long held requests may still be granted before the rest get a 503."""
 
 
 class Service:
@@ -109,7 +111,26 @@ class Service:
             self._scrape.cancel()
             self._scrape = self._start_scraping()
 
-    async def stop(self, grace_s: float = 1.0) -> None:
+    async def stop(self, drain_s: float = 0.0) -> None:
+        """Shut down without dropping held requests on the floor.
+
+        New ext_proc streams are refused at once (Envoy then answers per its failure mode).
+        Held requests may still be granted for up to ``drain_s`` while completions keep
+        arriving on the open access-log stream; whatever is still queued after that gets a
+        503 with ``retry-after`` instead of a cut stream. Then the open streams are closed.
+        """
+        closing = asyncio.create_task(self.server.stop(drain_s + 5.0), name="grpc-stop")
+        deadline = asyncio.get_running_loop().time() + drain_s
+        while len(self.admission.scheduler) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        turned_away = self.admission.turn_away_waiting(
+            "the gateway is restarting; retry", "gateway_restarting", retry_after_s=1
+        )
+        if turned_away:
+            log.warning("shutting down: %d held requests answered 503", turned_away)
+            await asyncio.sleep(0.2)  # let their streams write the answer
+        await self.server.stop(0)  # the access-log streams stay open forever: cut them
+        await closing
         if self._scrape is not None:
             self._tasks.append(self._scrape)
         for task in self._tasks:
@@ -117,7 +138,6 @@ class Service:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self.server.stop(grace_s)
         if self._metrics is not None:
             await self._metrics.cleanup()
 
@@ -137,7 +157,8 @@ async def serve(config: ServiceConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await service.stop()
+    log.info("stopping: draining held requests for up to %gs", config.drain_s)
+    await service.stop(config.drain_s)
 
 
 def add_policy_argument(parser: argparse.ArgumentParser) -> None:
@@ -178,6 +199,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="serve the gateway's Prometheus metrics at /metrics on this port",
     )
+    parser.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, keep granting held requests this long, then answer the rest 503 "
+        "(default %(default)s)",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -198,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
+        drain_s=args.drain_seconds,
     )
     try:
         import uvloop

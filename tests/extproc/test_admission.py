@@ -384,3 +384,17 @@ async def test_unhealthy_backends_are_not_candidates_even_for_a_removed_tier() -
     assert admission._place(API.name).backends == [pool.backends[1]]  # type: ignore[union-attr]
     pool.backends[1].healthy = False
     assert admission._place("gone") is None  # no tier: no gate, but health still counts
+
+
+async def test_shutting_down_turns_every_held_request_away_with_a_503() -> None:
+    admission, _, _ = make_admission(limit=1)
+    running = admission.submit("running", Request(API))  # type: ignore[arg-type]
+    held = [admission.submit(f"h{i}", Request(tier)) for i, tier in enumerate((API, BATCH))]  # type: ignore[arg-type]
+    assert running.granted and not any(t.granted for t in held)
+    assert admission.turn_away_waiting("restarting", "gateway_restarting", retry_after_s=1) == 2
+    for ticket, tier in zip(held, ("api", "batch"), strict=True):
+        with pytest.raises(Rejection) as caught:
+            await ticket.wait()
+        assert caught.value.status == 503 and caught.value.tier == tier
+        assert caught.value.headers == {"retry-after": "1"}
+    assert len(admission.scheduler) == 0 and admission.in_flight == 1  # the running one stays

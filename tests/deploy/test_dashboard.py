@@ -1,0 +1,247 @@
+"""deploy/grafana/dashboards/fairlane.json: a valid dashboard about metrics that exist.
+
+- valid JSON, unique panel ids, panels on the 24-column grid without overlaps;
+- every panel has the provisioned Prometheus datasource (uid ``prometheus``) and targets;
+- every expression parses as PromQL (``promtool check rules`` over the expressions, with
+  Grafana's variables replaced the way Grafana interpolates them), names only metrics the
+  gateway or vLLM exports, and matches only labels and values they have;
+- the template variables' ``label_values`` queries name real metrics and labels, every
+  ``$variable`` used is defined, every variable defined is used;
+- every metric family the gateway exports appears on the dashboard.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.deploy.metric_names import (
+    PROMETHEUS_SYNTHETIC,
+    bad_matchers,
+    exported_labels,
+    gateway_exposition_text,
+    gateway_sample_names,
+    promql_metric_names,
+    unknown_names,
+    vllm_sample_names,
+)
+from tests.deploy.test_alerts import promtool
+
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "fairlane.json"
+DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
+
+# Variables Grafana defines itself, and what they stand for when checking the PromQL.
+BUILTIN_VARIABLES = {
+    "__rate_interval": "5m",
+    "__interval": "1m",
+    "__range": "1h",
+    "__interval_ms": "60000",
+    "__range_s": "3600",
+}
+_VAR = re.compile(r"\$\{(\w+)(?::[^}]*)?\}|\$(\w+)|\[\[(\w+)(?::[^\]]*)?\]\]")
+_LABEL_VALUES = re.compile(r"^\s*label_values\(\s*(?:(.+?)\s*,\s*)?(\w+)\s*\)\s*$")
+
+
+def load(path: Path = DASHBOARD) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def all_panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panel.get("panels", [])  # collapsed rows hold their panels
+
+
+def data_panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    return [p for p in all_panels(dashboard) if p["type"] != "row"]
+
+
+def expressions(dashboard: dict[str, Any]) -> list[str]:
+    """Every PromQL expression: panel targets and annotation queries."""
+    exprs = [t["expr"] for p in data_panels(dashboard) for t in p.get("targets", [])]
+    exprs += [a["expr"] for a in dashboard["annotations"]["list"] if "expr" in a]
+    return exprs
+
+
+def variables(dashboard: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {v["name"]: v for v in dashboard["templating"]["list"]}
+
+
+def used_variables(dashboard: dict[str, Any]) -> set[str]:
+    """Every variable referenced anywhere outside the templating section itself."""
+    rest = {k: v for k, v in dashboard.items() if k != "templating"}
+    text = json.dumps(rest)
+    return {next(g for g in m.groups() if g) for m in _VAR.finditer(text)}
+
+
+def interpolate(expr: str, dashboard: dict[str, Any]) -> str:
+    """``expr`` as Grafana would send it: built-ins to durations, variables to a regex."""
+    defined = variables(dashboard)
+
+    def sub(m: re.Match[str]) -> str:
+        name = next(g for g in m.groups() if g)
+        if name in BUILTIN_VARIABLES:
+            return BUILTIN_VARIABLES[name]
+        if name in defined:
+            return ".*"  # what "All" gives (allValue), and valid inside a regex matcher
+        raise AssertionError(f"undefined variable ${name} in {expr!r}")
+
+    return _VAR.sub(sub, expr)
+
+
+def known_names() -> set[str]:
+    return gateway_sample_names() | vllm_sample_names() | PROMETHEUS_SYNTHETIC
+
+
+# -- structure ----------------------------------------------------------------------------
+
+
+def test_valid_json_with_a_stable_identity() -> None:
+    dashboard = load()
+    assert dashboard["uid"] == "fairlane"
+    assert dashboard["title"]
+    assert 36 <= dashboard["schemaVersion"] <= 41
+    assert dashboard["id"] is None  # provisioned: Grafana assigns it
+
+
+def test_rows_are_the_four_views() -> None:
+    rows = [p["title"] for p in all_panels(load()) if p["type"] == "row"]
+    assert [r.split(":")[0] for r in rows] == [
+        "Tier view",
+        "Fleet view",
+        "Fairness view",
+        "Service view",
+    ]
+
+
+def test_panel_ids_are_unique() -> None:
+    ids = [p["id"] for p in all_panels(load())]
+    assert len(ids) == len(set(ids))
+
+
+def test_panels_fit_the_grid_without_overlapping() -> None:
+    taken: set[tuple[int, int]] = set()
+    for p in all_panels(load()):
+        g = p["gridPos"]
+        assert g["x"] >= 0 and g["w"] > 0 and g["x"] + g["w"] <= 24, p["title"]
+        cells = {(g["x"] + dx, g["y"] + dy) for dx in range(g["w"]) for dy in range(g["h"])}
+        assert not cells & taken, f"{p['title']} overlaps another panel"
+        taken |= cells
+
+
+@pytest.mark.parametrize("panel", data_panels(load()), ids=lambda p: p["title"])
+def test_panel_has_a_datasource_and_targets(panel: dict[str, Any]) -> None:
+    assert panel["datasource"] == DATASOURCE
+    assert panel.get("description"), "say what the panel shows and how to read it"
+    targets = panel.get("targets", [])
+    assert targets
+    refs = [t["refId"] for t in targets]
+    assert len(refs) == len(set(refs))
+    for t in targets:
+        assert t.get("datasource", DATASOURCE) == DATASOURCE
+        assert t["expr"].strip()
+
+
+# -- expressions --------------------------------------------------------------------------
+
+
+def test_every_expression_parses(tmp_path: Path) -> None:
+    """promtool parses each expression (as a recording rule) after Grafana's interpolation."""
+    dashboard = load()
+    rules = [
+        {"record": f"dashboard:expr_{i}", "expr": interpolate(e, dashboard)}
+        for i, e in enumerate(expressions(dashboard))
+    ]
+    path = tmp_path / "dashboard-rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    result = subprocess.run(
+        [promtool(), "check", "rules", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_metric_on_the_dashboard_is_exported() -> None:
+    assert unknown_names(expressions(load()), known_names()) == {}
+
+
+def test_every_label_matcher_on_the_dashboard_can_match() -> None:
+    assert bad_matchers(expressions(load()), exported_labels()) == {}
+
+
+def test_every_gateway_metric_family_is_on_the_dashboard() -> None:
+    used = set().union(*(promql_metric_names(e) for e in expressions(load())))
+    missing = []
+    for family in text_string_to_metric_families(gateway_exposition_text()):
+        samples = {s.name for s in family.samples if not s.name.endswith("_created")}
+        if samples and not samples & used:
+            missing.append(family.name)
+    assert missing == []
+
+
+def test_a_made_up_metric_on_the_dashboard_is_caught() -> None:
+    dashboard = copy.deepcopy(load())
+    panel = data_panels(dashboard)[0]
+    panel["targets"][0]["expr"] = 'sum by (tier) (fairlane_queue_depth_typo{tier=~"$tier"})'
+    assert unknown_names(expressions(dashboard), known_names())
+    panel["targets"][0]["expr"] = "rate(vllm:time_to_first_token_seconds[5m])"  # no _bucket
+    assert unknown_names(expressions(dashboard), known_names())
+
+
+# -- variables ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("var", load()["templating"]["list"], ids=lambda v: v["name"])
+def test_template_variable_query_names_a_real_metric_and_label(var: dict[str, Any]) -> None:
+    assert var["type"] == "query"
+    assert var["datasource"] == DATASOURCE
+    query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
+    assert var["definition"] == query
+    m = _LABEL_VALUES.match(query)
+    assert m is not None, f"expected label_values(metric, label): {query!r}"
+    selector, label = m.groups()
+    assert selector is not None, "label_values without a metric scans every series"
+    labels = exported_labels()
+    names = promql_metric_names(selector)
+    assert names and names <= known_names()
+    for name in names:
+        assert label in labels[name], f"{name} has no label {label!r}"
+    assert var["includeAll"] and var["allValue"] == ".*"
+
+
+def test_every_variable_used_is_defined_and_every_defined_one_used() -> None:
+    dashboard = load()
+    used = used_variables(dashboard)
+    defined = set(variables(dashboard))
+    assert used - defined - set(BUILTIN_VARIABLES) == set()
+    assert defined - used == set()
+
+
+def test_an_undefined_variable_is_caught() -> None:
+    dashboard = copy.deepcopy(load())
+    data_panels(dashboard)[0]["targets"][0]["expr"] = 'fairlane_queue_depth{tier=~"$tierz"}'
+    assert "tierz" in used_variables(dashboard) - set(variables(dashboard))
+    with pytest.raises(AssertionError, match="undefined variable"):
+        interpolate(data_panels(dashboard)[0]["targets"][0]["expr"], dashboard)
+
+
+def test_variables_are_only_used_inside_regex_matchers_or_ranges() -> None:
+    """A multi-value variable interpolates to a regex: only ``=~`` can take it."""
+    for expr in expressions(load()):
+        for m in re.finditer(r'(\w+)\s*(=~|!~|!=|=)\s*"[^"]*\$\{?(\w+)', expr):
+            label, op, name = m.groups()
+            assert op in ("=~", "!~"), f"{label}{op}${name} in {expr!r}"

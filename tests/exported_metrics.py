@@ -16,11 +16,23 @@ import tempfile
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.messages import Completion, Forward, Respond
 from extproc.metrics import GatewayCollector
 from extproc.policy import DEFAULT_POLICY_PATH
 from tests.extproc.factories import make_gateway, request
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+"""(sample name, its labels) -> value, as Prometheus would read an exposition."""
+
+
+def parse_samples(text: str) -> Samples:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def gateway_exposition() -> str:

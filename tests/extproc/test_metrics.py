@@ -6,25 +6,16 @@ import dataclasses
 import math
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.gateway import Gateway, Pending
 from extproc.messages import Completion, Forward, Respond
 from extproc.metrics import GatewayCollector
-from tests.exported_metrics import gateway_exposition
+from tests.exported_metrics import gateway_exposition, parse_samples
 from tests.extproc.factories import FakeClock, make_gateway, request
 
 
-def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
 def value(text: str, name: str, **labels: str) -> float:
-    return samples(text)[(name, frozenset(labels.items()))]
+    return parse_samples(text)[(name, frozenset(labels.items()))]
 
 
 def exposition(gateway: Gateway) -> str:
@@ -85,7 +76,7 @@ async def test_a_request_past_its_queue_deadline_is_shed_by_its_tier() -> None:
     assert (
         "fairlane_requests_rejected_total",
         frozenset({("status", "503"), ("reason", "queue_deadline_exceeded")}),
-    ) not in samples(text)
+    ) not in parse_samples(text)
 
 
 async def test_backend_state_shows_staleness_and_never_scraped_engines() -> None:
@@ -102,7 +93,7 @@ async def test_backend_state_shows_staleness_and_never_scraped_engines() -> None
     assert value(text, "fairlane_backend_kv_cache_usage_ratio", **labels) == 0.1
     fresh = {"backend": second.address, "region": second.region}
     assert math.isinf(value(text, "fairlane_backend_metrics_age_seconds", **fresh))
-    assert ("fairlane_backend_waiting", frozenset(fresh.items())) not in samples(text)
+    assert ("fairlane_backend_waiting", frozenset(fresh.items())) not in parse_samples(text)
 
 
 async def test_thousands_of_made_up_users_and_models_cannot_grow_the_exposition() -> None:
@@ -127,9 +118,8 @@ async def test_thousands_of_made_up_users_and_models_cannot_grow_the_exposition(
     text = exposition(gateway)
     assert len(text.splitlines()) == lines_after_1000  # 5000 values: not one more series
     models = {
-        labels for name, labels in samples(text) if name == "fairlane_requests_admitted_total"
+        labels for name, labels in parse_samples(text) if name == "fairlane_requests_admitted_total"
     }
     assert len(models) == 51  # the first 50 models, then "other"
     assert value(text, "fairlane_requests_admitted_total", tier="api", model="other") == 4950
     assert value(text, "fairlane_flow_requests_total", tier="api", flow="other") == 4800
-

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.stack import Stack
+from tests.exported_metrics import Samples, parse_samples
 from tests.integration.conftest import auth, chat, start_stack
 
 pytestmark = pytest.mark.integration
@@ -56,18 +56,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         group.stop()
 
 
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
 async def scrape(session: aiohttp.ClientSession, stack: Stack) -> Samples:
     async with session.get(f"http://127.0.0.1:{stack.metrics_port}/metrics") as r:
         assert r.status == 200
-        text = await r.text()
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+        return parse_samples(await r.text())
 
 
 def get(samples: Samples, name: str, **labels: str) -> float:

@@ -12,6 +12,9 @@ scheduling policy, as it would in production:
 * ``fairlane``: the gateway, engines on ``priority`` so the priority it injects means
   something.
 
+With ``--backend`` the arms target existing engines instead (a real vLLM fleet): nothing is
+simulated, and the engines' scheduling policy is theirs for every arm.
+
 Every process is started in the caller's :class:`ProcessGroup`, which stops them all, also
 on failure.
 """
@@ -95,9 +98,16 @@ def start_simulators(
     return tuple(spec for spec, _ in started)
 
 
-def start_arm(scenario: Scenario, arm: Arm, group: ProcessGroup) -> RunningArm:
-    """Start ``arm``'s processes in ``group`` and wait until they serve."""
-    backends = start_simulators(scenario, group, SCHEDULING[arm.kind], arm.balanced)
+def start_arm(
+    scenario: Scenario,
+    arm: Arm,
+    group: ProcessGroup,
+    external: tuple[BackendSpec, ...] = (),
+) -> RunningArm:
+    """Start ``arm``'s processes in ``group`` and wait until they serve. With ``external``
+    backends (``--backend``) no simulator is started: the arm's Envoy (and service) point at
+    them, and their scheduling policy is whatever they run."""
+    backends = external or start_simulators(scenario, group, SCHEDULING[arm.kind], arm.balanced)
     if arm.kind in ENVOY_ONLY_KINDS:
         url = _start_envoy_only(backends, group, arm.kind)
     else:

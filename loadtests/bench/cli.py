@@ -15,10 +15,13 @@ import signal
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from extproc.backends import BackendSpec, parse_backend
 from extproc.envoy_config import EnvoyConfigError
 from extproc.policy import load_policy
 from extproc.processes import NotReady, ProcessGroup
@@ -59,6 +62,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--arms", default=None, help="comma-separated subset of the scenario's arms (default: all)"
     )
+    parser.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an existing OpenAI-compatible engine (e.g. a real vLLM at http://IP:PORT; "
+        "repeatable): the arms target these instead of starting simulators, and their "
+        "scheduling policy is theirs for every arm",
+    )
+    parser.add_argument(
+        "--model", default=None, help="the model name to send (overrides the scenario's model)"
+    )
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -70,13 +85,20 @@ def _log(message: str) -> None:
 
 
 def run_arm(
-    scenario: Scenario, arm_name: str, log_dir: Path
+    scenario: Scenario,
+    arm_name: str,
+    log_dir: Path,
+    external: tuple[BackendSpec, ...] = (),
 ) -> tuple[list[RequestRecord], dict[str, Any]]:
-    """Start the arm, play the workload, stop everything; records and the arm's summary."""
+    """Start the arm, play the workload, stop everything; records and the arm's summary.
+
+    A process of the arm that dies ends the load early and fails the arm with
+    :class:`ChildExited` (which process, its exit, its log's last lines); the group still
+    stops the others."""
     arm = scenario.arm(arm_name)
     started = time.monotonic()
     with ProcessGroup(log_dir) as group:
-        running = start_arm(scenario, arm, group)
+        running = start_arm(scenario, arm, group, external)
         _log(
             f"{arm.name}: up at {running.url} ({len(running.pids)} processes); "
             f"{scenario.wall_duration_s:.1f} s of load"
@@ -88,16 +110,15 @@ def run_arm(
             scenario.groups_of(arm),
             running.url,
             tuple(f"{u}/metrics" for u in running.backend_urls),
+            healthy=lambda: all(child.alive() for child in group.children),
         )
+        group.check_alive(f"arm {arm.name}")
         after = cpu.sample(running.pids)
-        dead = [c.name for c in group.children if not c.alive()]
     records, capped = load.records, load.capped
     usage = cpu.usage(before, after)
     usage.loop_lag_max_s, usage.machine_peak = load.loop_lag_max_s, load.machine_peak
     usage.speedup = scenario.speedup
     usage.warnings = cpu.warnings(usage)
-    if dead:
-        usage.warnings.append(f"WARNING: {', '.join(dead)} exited during the run")
     summary = report.arm_summary(scenario, records)
     summary["prefix_cache"] = window_hit_rate(*load.prefix_window).to_json()
     _log(
@@ -133,7 +154,7 @@ def mark_suspect(target: dict[str, Any], arms: dict[str, Any]) -> dict[str, Any]
     return target
 
 
-def scenario_json(scenario: Scenario) -> dict[str, Any]:
+def scenario_json(scenario: Scenario, external: tuple[BackendSpec, ...] = ()) -> dict[str, Any]:
     return {
         "name": scenario.name,
         "description": scenario.description,
@@ -150,20 +171,24 @@ def scenario_json(scenario: Scenario) -> dict[str, Any]:
             "profile": scenario.backends.profile,
             "flags": list(scenario.backends.flags),
             "overrides": {str(i): list(f) for i, f in scenario.backends.overrides},
+            "external": [b.url for b in external],
         },
         "policy": os.path.relpath(scenario.policy),
         "time_unit": "simulated seconds (wall seconds x speedup)",
     }
 
 
-def bench(scenario: Scenario, out: Path) -> dict[str, Any]:
-    """Run every arm and write the report; the results (also written to ``out``)."""
+def bench(scenario: Scenario, out: Path, external: tuple[BackendSpec, ...] = ()) -> dict[str, Any]:
+    """Run every arm and write the report; the results (also written to ``out``).
+    ``external``: existing backends (``--backend``) instead of simulated ones."""
     records: dict[str, list[RequestRecord]] = {}
     arms: dict[str, Any] = {}
     failed: dict[str, str] = {}
     for arm in scenario.arms:
         try:
-            records[arm.name], arms[arm.name] = run_arm(scenario, arm.name, out / "logs" / arm.name)
+            records[arm.name], arms[arm.name] = run_arm(
+                scenario, arm.name, out / "logs" / arm.name, external
+            )
         except (NotReady, EnvoyConfigError, OSError, RuntimeError) as exc:
             # The arm's processes are already stopped (ProcessGroup); the other arms still
             # tell something, so carry on and report the failure instead of losing them all.
@@ -173,7 +198,7 @@ def bench(scenario: Scenario, out: Path) -> dict[str, Any]:
     summaries = {name: data["summary"] for name, data in arms.items()}
     targets = report.evaluate(scenario.targets, summaries, weights)
     results = {
-        "scenario": scenario_json(scenario),
+        "scenario": scenario_json(scenario, external),
         "arms": arms,
         "failed_arms": failed,
         "targets": [mark_suspect(t.to_json(), arms) for t in targets],
@@ -225,9 +250,10 @@ def run(args: argparse.Namespace) -> int:
         if document.kind == "overhead":
             return _run_overhead(args, document, arms)
         scenario = load_scenario(args.scenario).with_overrides(
-            duration_s=args.duration, speedup=args.speedup, arms=arms
+            duration_s=args.duration, speedup=args.speedup, arms=arms, model=args.model
         )
-    except ScenarioError as exc:
+        external = external_backends(args.backend)
+    except (ScenarioError, BackendError) as exc:
         print(f"fairlane bench: {exc}", file=sys.stderr)
         return 1
     written_for = load_scenario(args.scenario).speedup
@@ -245,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
     )
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        results = bench(scenario, out)
+        results = bench(scenario, out, external)
     except KeyboardInterrupt:
         _log("interrupted; every process was stopped")
         return 1
@@ -258,6 +284,29 @@ def run(args: argparse.Namespace) -> int:
     return 1 if results["failed_arms"] else 0
 
 
+class BackendError(ValueError):
+    """A ``--backend`` that cannot be used; the message names it."""
+
+
+def external_backends(urls: list[str], timeout: float = 5.0) -> tuple[BackendSpec, ...]:
+    """``--backend`` URLs as backends, each checked to answer ``/health`` now: a typo or a
+    stopped engine fails here, naming the URL, not as a run of failed requests."""
+    specs = []
+    for url in urls:
+        try:
+            spec = parse_backend(url)
+        except ValueError as exc:
+            raise BackendError(f"--backend: {exc}") from None
+        try:
+            with urllib.request.urlopen(f"{spec.url}/health", timeout=timeout) as response:
+                if response.status != 200:
+                    raise BackendError(f"--backend {url}: /health answered {response.status}")
+        except (urllib.error.URLError, OSError) as exc:
+            raise BackendError(f"--backend {url}: not reachable ({exc})") from None
+        specs.append(spec)
+    return tuple(specs)
+
+
 def _run_overhead(args: argparse.Namespace, document: Document, arms: list[str] | None) -> int:
     """A ``kind: overhead`` scenario: wall-clock time against an instant backend, so the
     fleet options mean nothing there and are refused rather than ignored."""
@@ -265,7 +314,11 @@ def _run_overhead(args: argparse.Namespace, document: Document, arms: list[str] 
     from loadtests.bench.overhead_scenario import parse_overhead
 
     scenario = parse_overhead(document).with_overrides(duration_s=args.duration, arms=arms)
-    for option, value in (("--speedup", args.speedup),):
+    for option, value in (
+        ("--speedup", args.speedup),
+        ("--backend", args.backend),
+        ("--model", args.model),
+    ):
         if value:
             print(
                 f"fairlane bench: {option}: {scenario.name} runs in wall-clock time against "

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -79,6 +80,7 @@ class LoadRun:
         groups: tuple[Group, ...],
         base_url: str,
         metrics_urls: tuple[str, ...] = (),
+        healthy: Callable[[], bool] | None = None,
     ) -> None:
         self.scenario = scenario
         self.arm = arm
@@ -97,6 +99,11 @@ class LoadRun:
         self.machine_peak = 0.0
         """Busiest one-second interval of the whole machine, as a fraction of its cores."""
         self.metrics_urls = metrics_urls
+        self.healthy = healthy
+        """Polled every monitor tick: False (a process of the arm died) ends the run early,
+        without the drain, instead of playing the rest of the load into a dead gateway."""
+        self.aborted = False
+        self._abort = asyncio.Event()
         self.prefix_window: tuple[list[PrefixCounters | None], list[PrefixCounters | None]] = (
             [],
             [],
@@ -109,9 +116,17 @@ class LoadRun:
         return (time.monotonic() - self._t0) * self.speedup
 
     async def _sleep_until(self, at_s: float) -> None:
+        """Sleep until simulated ``at_s``, or until the run is aborted."""
         delay = (at_s - self.now_s()) / self.speedup
-        if delay > 0:
-            await asyncio.sleep(delay)
+        if delay > 0 and not self.aborted:
+            await self._wait_or_abort(asyncio.sleep(delay))
+
+    async def _wait_or_abort(self, awaitable: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(awaitable)
+        abort = asyncio.create_task(self._abort.wait())
+        await asyncio.wait((task, abort), return_when=asyncio.FIRST_COMPLETED)
+        for t in (task, abort):
+            t.cancel()
 
     def _may_send(self, scheduled: bool = False) -> bool:
         """Whether one more request may go (and count it). A ``scheduled`` (open-loop)
@@ -149,8 +164,10 @@ class LoadRun:
             self.prefix_window = (start_counters, end_counters)
             self._stopping = True
             pending = [t for t in (*drivers, *self._requests) if not t.done()]
-            if pending:
-                await asyncio.wait(pending, timeout=scenario.drain_s / self.speedup)
+            if pending and not self.aborted:
+                await self._wait_or_abort(
+                    asyncio.wait(pending, timeout=scenario.drain_s / self.speedup)
+                )
             leftovers = [t for t in (*drivers, *self._requests) if not t.done()]
             monitor.cancel()
             for task in leftovers:
@@ -183,6 +200,9 @@ class LoadRun:
         while True:
             before = time.monotonic()
             await asyncio.sleep(tick_s)
+            if self.healthy is not None and not self.healthy():
+                self.aborted = True
+                self._abort.set()
             now = time.monotonic()
             self.loop_lag_max_s = max(self.loop_lag_max_s, now - before - tick_s)
             if now >= next_machine:
@@ -319,10 +339,11 @@ def run_load(
     groups: tuple[Group, ...],
     base_url: str,
     metrics_urls: tuple[str, ...] = (),
+    healthy: Callable[[], bool] | None = None,
 ) -> LoadRun:
     """Run the workload to completion (bounded). The run holds the records, whether the cap
     was hit, the client's health figures (event-loop stalls, the machine's peak) and the
     backends' prefix-cache counters over the measured window (``metrics_urls``)."""
-    load = LoadRun(scenario, arm, groups, base_url, metrics_urls)
+    load = LoadRun(scenario, arm, groups, base_url, metrics_urls, healthy)
     asyncio.run(load.run())
     return load

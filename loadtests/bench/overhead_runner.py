@@ -142,11 +142,16 @@ def _role(name: str) -> str:
     return "backend" if name.startswith("backend") else name
 
 
-def run_arm(arm: str, scenario: OverheadScenario, log_dir: Path) -> list[dict[str, Any]]:
+def run_arm(
+    arm: str, scenario: OverheadScenario, log_dir: Path, pids: dict[str, int]
+) -> list[dict[str, Any]]:
+    """Start, drive and stop one arm; ``pids`` gets its processes' ids (by role) as soon as
+    they run, so they are known also when the arm fails."""
     with ProcessGroup(log_dir) as group:
-        port, pids = start_arm(arm, scenario, group)
+        port, started = start_arm(arm, scenario, group)
+        pids.update({_role(n): p for n, p in started.items()})
         _log(f"{arm}: up at http://127.0.0.1:{port} ({len(pids)} processes)")
-        return run_loop(drive(arm, port, {_role(n): p for n, p in pids.items()}, scenario, group))
+        return run_loop(drive(arm, port, dict(pids), scenario, group))
 
 
 def scenario_json(scenario: OverheadScenario) -> dict[str, Any]:
@@ -169,9 +174,11 @@ def bench_overhead(scenario: OverheadScenario, out: Path) -> dict[str, Any]:
     """Run every arm and write report.md, results.json and the plots; the results."""
     arms: dict[str, list[dict[str, Any]]] = {}
     failed: dict[str, str] = {}
+    pids: dict[str, dict[str, int]] = {}
     for arm in scenario.arms:
+        pids[arm] = {}
         try:
-            arms[arm] = run_arm(arm, scenario, out / "logs" / arm)
+            arms[arm] = run_arm(arm, scenario, out / "logs" / arm, pids[arm])
         except (NotReady, EnvoyConfigError, OSError, RuntimeError) as exc:
             # The arm's processes are already stopped (ProcessGroup); report and go on.
             failed[arm] = f"{type(exc).__name__}: {exc}"
@@ -186,6 +193,7 @@ def bench_overhead(scenario: OverheadScenario, out: Path) -> dict[str, Any]:
         },
         "arms": arms,
         "failed_arms": failed,
+        "pids": pids,
     }
     results["targets"] = [t.to_json() for t in evaluate(scenario, arms)]
     out.mkdir(parents=True, exist_ok=True)

@@ -331,6 +331,29 @@ def _fleet_text(arm: Mapping[str, Any]) -> str:
     return "balanced" if arm.get("balanced") else "as configured"
 
 
+def fleet_line(sc: Mapping[str, Any]) -> str:
+    """What the arms ran against: the simulated fleet (engines switched to fcfs or priority
+    per arm), or existing engines given with ``--backend`` (their policy is their own)."""
+    external = sc["backends"].get("external")
+    if external:
+        return (
+            f"- fleet: {len(external)} existing backend(s) given with --backend "
+            f"({', '.join(external)}); **their scheduling policy is their own** (whatever "
+            "they were started with): FIFO vs priority cannot be switched per arm, so every "
+            "arm runs on it, and fairlane's injected priority orders requests inside the "
+            "engines only if they run `--scheduling-policy priority`. FIFO: Envoy round-robin "
+            "to them; least-request / random: Envoy's LEAST_REQUEST / RANDOM; fairlane: the "
+            f"gateway with `{sc['policy']}` (scraping their /metrics)."
+        )
+    return (
+        f"- fleet: {sc['backends']['count']} simulated backend(s), profile "
+        f"{sc['backends']['profile']}, flags `{' '.join(sc['backends']['flags']) or '-'}`; "
+        "FIFO: Envoy round-robin, vLLM fcfs; least-request / random: Envoy's LEAST_REQUEST / "
+        "RANDOM, vLLM fcfs; fairlane: the gateway with "
+        f"`{sc['policy']}`, vLLM priority."
+    )
+
+
 def render_markdown(results: Mapping[str, Any]) -> str:
     sc = results["scenario"]
     arms: dict[str, Any] = results["arms"]
@@ -343,11 +366,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         f"- {sc['duration_s']:g} simulated seconds at speedup {sc['speedup']:g} "
         f"({sc['duration_s'] / sc['speedup']:.1f} s wall per arm), warm-up "
         f"{sc['warmup_s']:g} s left out of latency percentiles and goodput; seed {sc['seed']}.",
-        f"- fleet: {sc['backends']['count']} simulated backend(s), profile "
-        f"{sc['backends']['profile']}, flags `{' '.join(sc['backends']['flags']) or '-'}`; "
-        "FIFO: Envoy round-robin, vLLM fcfs; least-request / random: Envoy's LEAST_REQUEST / "
-        "RANDOM, vLLM fcfs; fairlane: the gateway with "
-        f"`{sc['policy']}`, vLLM priority.",
+        fleet_line(sc),
         *(
             [
                 "- per-backend overrides (left out by balanced arms): "

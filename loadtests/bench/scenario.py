@@ -219,6 +219,7 @@ class Scenario:
         duration_s: float | None = None,
         speedup: float | None = None,
         arms: Sequence[str] | None = None,
+        model: str | None = None,
     ) -> Scenario:
         """A copy with command-line overrides applied (and checked)."""
         where = str(self.path or self.name)
@@ -232,6 +233,10 @@ class Scenario:
             if not speedup > 0:
                 raise ScenarioError(f"{where}: --speedup must be > 0, got {speedup}")
             changes["speedup"] = speedup
+        if model is not None:
+            if not model.strip():
+                raise ScenarioError(f"{where}: --model must not be empty")
+            changes["model"] = model
         if arms is not None:
             known = {a.name for a in self.arms}
             unknown = [a for a in arms if a not in known]

@@ -1,0 +1,63 @@
+"""``fairlane bench SCENARIO --backend URL``: the arms target engines someone else started
+(here two simulators the test starts itself, standing in for a real vLLM fleet), no simulator
+is started by the harness, and the report says the engines' scheduling policy is theirs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from extproc.cli import main
+from extproc.processes import ProcessGroup, free_port, wait_http_ready
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Iterator[list[str]]:
+    """Two simulators on fcfs, at the smoke scenario's speedup, stopped after the test."""
+    with ProcessGroup(tmp_path / "engines") as group:
+        urls = []
+        for i in range(2):
+            port = free_port()
+            argv = [sys.executable, "-m", "extproc", "sim", "--port", str(port)]
+            argv += ["--speedup", "20", "--profile", "llama-8b-l4", "--max-num-seqs", "8"]
+            child = group.start(f"engine-{i}", argv)
+            urls.append(f"http://127.0.0.1:{port}")
+            wait_http_ready(f"{urls[-1]}/health", child, timeout=30)
+        yield urls
+
+
+def test_bench_against_existing_backends(
+    engines: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    args = ["bench", "smoke", "--duration", "60", "--out", str(out)]
+    for url in engines:
+        args += ["--backend", url]
+    assert main(args) == 0
+    capsys.readouterr()
+    data = json.loads((out / "results.json").read_text())
+    assert data["failed_arms"] == {}
+    assert data["scenario"]["backends"]["external"] == engines
+    for name, arm in data["arms"].items():
+        assert not [p for p in arm["pids"] if p.startswith("sim")], name  # none started
+        assert arm["summary"]["total"]["ok"] > 0, name
+    report = (out / "report.md").read_text()
+    assert "their scheduling policy is their own" in report
+    assert ", ".join(engines) in report
+    # both engines got requests from both arms: the FIFO arm round-robins, the service picks
+    for url in engines:
+        metrics = _get(f"{url}/metrics")
+        assert "vllm:request_success_total" in metrics
+
+
+def _get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return str(response.read().decode())

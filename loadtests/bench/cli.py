@@ -209,6 +209,12 @@ def bench(scenario: Scenario, out: Path, external: tuple[BackendSpec, ...] = ())
 
 def print_summary(results: dict[str, Any], out: Path) -> None:
     arms = results["arms"]
+    external = results["scenario"]["backends"].get("external")
+    if external:
+        print(
+            f"engines: {', '.join(external)} (--backend): their scheduling policy is their "
+            "own, the same for every arm (FIFO vs priority is not switched per arm)"
+        )
     for name, data in arms.items():
         print(f"{name}:")
         for tier, s in data["summary"]["by_tier"].items():

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.deploy.metric_names import (
+    CODE_LABEL_VALUES,
     PromQLSyntaxError,
     Selector,
     bad_matchers,
@@ -159,11 +162,22 @@ def test_vllm_sample_names_are_vllm_032s() -> None:
 
 def test_vllm_exposition_matches_the_reference_dump() -> None:
     """The simulator exports exactly the vllm: series of the real vLLM 0.32 dump."""
-    from pathlib import Path
-
     sample = Path(__file__).resolve().parents[2] / "tests/extproc/data/vllm-0.32-metrics.txt"
     if not sample.exists():
         pytest.fail(f"{sample} is missing")
     real = {n for n in sample_names(sample.read_text()) if n.startswith("vllm:")}
     ours = {n for n in vllm_sample_names() if n.startswith("vllm:")}
     assert real - ours == set(), "vLLM series the simulator does not export"
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "source"),
+    [(k, v, src) for k, values in CODE_LABEL_VALUES.items() for v, src in values.items()],
+)
+def test_label_values_taken_from_the_code_are_still_in_the_code(
+    key: tuple[str, str], value: str, source: str
+) -> None:
+    assert f'"{value}"' in (REPO / source).read_text(), f"{key}: {value!r} gone from {source}"

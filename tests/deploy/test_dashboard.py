@@ -245,3 +245,84 @@ def test_variables_are_only_used_inside_regex_matchers_or_ranges() -> None:
         for m in re.finditer(r'(\w+)\s*(=~|!~|!=|=)\s*"[^"]*\$\{?(\w+)', expr):
             label, op, name = m.groups()
             assert op in ("=~", "!~"), f"{label}{op}${name} in {expr!r}"
+
+
+# -- what the formulas compute ------------------------------------------------------------
+
+
+def panel_expr(title: str, ref: str = "A") -> str:
+    dashboard = load()
+    for p in data_panels(dashboard):
+        if p["title"] == title:
+            for t in p["targets"]:
+                if t["refId"] == ref:
+                    return interpolate(t["expr"], dashboard)
+    raise KeyError((title, ref))
+
+
+def test_the_fairness_and_shed_formulas_compute_what_they_say(tmp_path: Path) -> None:
+    """promtool evaluates the panels' expressions on made-up series with known answers.
+
+    api: flow a gets 30 tokens/s, flow b 10 (shares 0.75 / 0.25, Jain (40)^2 / (2 * 1000) =
+    0.8); batch: two equal flows (Jain 1) plus an idle one (not counted). Shed: interactive
+    90 admitted + 10 shed a minute (0.1); batch shed everything and admitted nothing (1).
+    """
+    series = {
+        'fairlane_flow_tokens_total{tier="api",flow="a",kind="input"}': "0+600x10",
+        'fairlane_flow_tokens_total{tier="api",flow="a",kind="output"}': "0+1200x10",
+        'fairlane_flow_tokens_total{tier="api",flow="b",kind="output"}': "0+600x10",
+        'fairlane_flow_tokens_total{tier="batch",flow="x",kind="output"}': "0+60x10",
+        'fairlane_flow_tokens_total{tier="batch",flow="y",kind="output"}': "0+60x10",
+        'fairlane_flow_tokens_total{tier="batch",flow="idle",kind="output"}': "5x10",
+        'fairlane_requests_admitted_total{tier="interactive",model="m"}': "0+90x10",
+        'fairlane_requests_shed_total{tier="interactive",reason="queue_full"}': "0+10x10",
+        'fairlane_requests_shed_total{tier="batch",reason="queue_deadline_exceeded"}': "0+3x10",
+    }
+
+    def case(expr: str, expected: dict[str, float]) -> dict[str, Any]:
+        return {
+            "expr": expr,
+            "eval_time": "10m",
+            "exp_samples": [{"labels": k, "value": v} for k, v in expected.items()],
+        }
+
+    tests = {
+        "rule_files": [],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [{"series": s, "values": v} for s, v in series.items()],
+                "promql_expr_test": [
+                    case(
+                        panel_expr("Share of tokens by flow, within its tier"),
+                        {
+                            '{tier="api",flow="a"}': 0.75,
+                            '{tier="api",flow="b"}': 0.25,
+                            '{tier="batch",flow="x"}': 0.5,
+                            '{tier="batch",flow="y"}': 0.5,
+                            '{tier="batch",flow="idle"}': 0,
+                        },
+                    ),
+                    case(
+                        panel_expr("Jain's fairness index of token service, per tier"),
+                        {'{tier="api"}': 0.8, '{tier="batch"}': 1},
+                    ),
+                    case(
+                        panel_expr("Shed ratio"),
+                        {'{tier="interactive"}': 0.1, '{tier="batch"}': 1},
+                    ),
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "formulas.test.yml"
+    path.write_text(yaml.safe_dump(tests, sort_keys=False))
+    result = subprocess.run(
+        [promtool(), "test", "rules", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -672,6 +672,12 @@ def _listener(params: EnvoyParams) -> dict[str, Any]:
     }
 
 
+def hcm_settings(params: EnvoyParams) -> dict[str, Any]:
+    """The HTTP connection manager fields the hold depends on, for meshes that merge them
+    into an HCM they generate (Istio's EnvoyFilter)."""
+    return _hcm_settings(params)
+
+
 def _hcm_settings(params: EnvoyParams) -> dict[str, Any]:
     """HTTP connection manager fields the hold depends on (shared with the mesh snippet)."""
     return {

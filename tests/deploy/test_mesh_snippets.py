@@ -1,0 +1,326 @@
+"""The snippets for existing meshes in deploy/mesh/: fresh, consistent, and valid Envoy config.
+
+All three are rendered from one deployment (deploy/mesh/fairlane.yaml) by ``fairlane
+render-envoy`` with the builders of extproc/envoy_config.py, so they cannot drift from the
+bootstrap: the tests re-render them and compare, then check each against those builders.
+
+- plain Envoy (``--snippet``): wrapped in a minimal bootstrap and ``envoy --mode validate``d;
+- Istio (``--mesh istio``): the EnvoyFilter's patch values are the rendered filter, clusters,
+  HCM settings and routes; applied to a stand-in of Istio's gateway config they form a
+  bootstrap that envoy-data-plane and ``envoy --mode validate`` accept;
+- Envoy Gateway (``--mesh envoy-gateway``): Kubernetes objects whose fields are derived from
+  the rendered config (processing mode, failure mode per route, metadata namespaces, the
+  override_host header, retries, limits); they are checked structurally, field by field, and
+  cross-referenced (every targetRef and backendRef names an object in the file). No
+  Kubernetes CRD schemas are installed for them (no cheap pip package ships Envoy Gateway's).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extproc.deployment import Deployment, load_deployment
+from extproc.envoy_config import (
+    DESTINATION_HEADER,
+    EXT_PROC_FILTER,
+    RETRY_ON,
+    backend_cluster,
+    ext_proc_filter,
+    extproc_cluster,
+    hcm_settings,
+    render_mesh_snippet,
+    routes,
+    validate,
+    wrap_snippet,
+)
+from extproc.render_envoy import (
+    ISTIO_HEADER,
+    VLLM_SERVICE,
+    backend_cluster_merge,
+    istio_bootstrap,
+    kube_name,
+    render,
+    route_merge,
+    typed_check,
+)
+from tests.deploy.conftest import REPO
+
+MESH = REPO / "deploy" / "mesh"
+DEPLOYMENT = MESH / "fairlane.yaml"
+SNIPPETS: dict[str, dict[str, Any]] = {
+    "envoy-snippet.yaml": {"snippet": True},
+    "istio.yaml": {"mesh": "istio"},
+    "envoy-gateway.yaml": {"mesh": "envoy-gateway"},
+}
+# Gateway API's Duration
+GATEWAY_API_DURATION = re.compile(r"^([0-9]{1,5}(h|m|s|ms)){1,4}$")
+
+
+@pytest.fixture(scope="module")
+def deployment() -> Deployment:
+    return load_deployment(DEPLOYMENT)
+
+
+def objects(name: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all((MESH / name).read_text()) if doc is not None]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    (found,) = [d for d in by_kind(docs, kind) if name is None or d["metadata"]["name"] == name]
+    return found
+
+
+@pytest.mark.parametrize("name", SNIPPETS)
+def test_snippet_is_fresh(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)  # headers name files relative to the working directory
+    fresh = render(load_deployment(DEPLOYMENT.relative_to(REPO)), **SNIPPETS[name]).text
+    flag = "--snippet" if name == "envoy-snippet.yaml" else f"--mesh {SNIPPETS[name]['mesh']}"
+    assert (MESH / name).read_text() == fresh, (
+        f"deploy/mesh/{name} is stale: fairlane render-envoy deploy/mesh/fairlane.yaml "
+        f"{flag} -o deploy/mesh/{name}"
+    )
+
+
+def test_plain_envoy_snippet_validates(deployment: Deployment, tmp_path: Path) -> None:
+    snippet = yaml.safe_load((MESH / "envoy-snippet.yaml").read_text())
+    assert snippet == render_mesh_snippet(deployment.params)
+    path = tmp_path / "wrapped.yaml"
+    path.write_text(yaml.safe_dump(wrap_snippet(snippet)))
+    typed_check(wrap_snippet(snippet))
+    validate(path)
+
+
+def test_shipped_envoy_mesh_snippet_is_referenced() -> None:
+    """envoy/mesh-snippet.yaml (EnvoyParams defaults) is validated by test_envoy_config.py;
+    the deploy README points at both it and the deployment-specific one here."""
+    readme = (REPO / "deploy" / "README.md").read_text()
+    assert "envoy/mesh-snippet.yaml" in readme
+    assert "deploy/mesh/envoy-snippet.yaml" in readme
+
+
+# --------------------------------------------------------------------------- Istio
+
+
+def test_istio_patches_are_the_rendered_config(deployment: Deployment) -> None:
+    params = deployment.params
+    docs = objects("istio.yaml")
+    envoy_filter = one(docs, "EnvoyFilter")
+    assert envoy_filter["apiVersion"] == "networking.istio.io/v1alpha3"
+    patches = envoy_filter["spec"]["configPatches"]
+    by_target: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for patch in patches:
+        assert patch["match"]["context"] == "GATEWAY"
+        key = (patch["applyTo"], patch["patch"]["operation"])
+        by_target.setdefault(key, []).append(patch)
+
+    (http_filter,) = by_target[("HTTP_FILTER", "INSERT_BEFORE")]
+    subfilter = http_filter["match"]["listener"]["filterChain"]["filter"]["subFilter"]
+    assert subfilter == {"name": "envoy.filters.http.router"}
+    assert http_filter["patch"]["value"] == ext_proc_filter(params)
+    assert http_filter["patch"]["value"]["name"] == EXT_PROC_FILTER
+
+    (hcm,) = by_target[("NETWORK_FILTER", "MERGE")]
+    settings = dict(hcm["patch"]["value"]["typed_config"])
+    settings.pop("@type")
+    assert settings == hcm_settings(params)
+
+    (listener,) = by_target[("LISTENER", "MERGE")]
+    assert listener["patch"]["value"] == {
+        "per_connection_buffer_limit_bytes": params.buffer_limit_bytes
+    }
+
+    (added,) = by_target[("CLUSTER", "ADD")]
+    assert added["patch"]["value"] == extproc_cluster(params)
+    assert added["patch"]["value"]["type"] == "STRICT_DNS"
+
+    (merged,) = by_target[("CLUSTER", "MERGE")]
+    assert merged["patch"]["value"] == backend_cluster_merge(params)
+    override = merged["patch"]["value"]["load_balancing_policy"]["policies"][0]
+    assert override["typed_extension_config"]["name"] == (
+        "envoy.load_balancing_policies.override_host"
+    )
+    assert merged["match"]["cluster"] == {
+        "service": f"{VLLM_SERVICE}.llm.svc.cluster.local",
+        "portNumber": 8000,
+    }
+
+    rendered_routes = routes(params)
+    route_patches = by_target[("HTTP_ROUTE", "MERGE")]
+    assert [p["patch"]["value"] for p in route_patches] == [route_merge(r) for r in rendered_routes]
+    patched_names = [
+        p["match"]["routeConfiguration"]["vhost"]["route"]["name"] for p in route_patches
+    ]
+    assert patched_names == [r["name"] for r in rendered_routes]
+    # the fail-open route carries the per-route override, the catch-all does not
+    allows = ["typed_per_filter_config" in p["patch"]["value"] for p in route_patches]
+    assert allows == [spec.failure_mode_allow for spec in params.routes] + [False]
+
+
+def test_istio_routes_and_workload_agree(deployment: Deployment) -> None:
+    params = deployment.params
+    docs = objects("istio.yaml")
+    virtual_service = one(docs, "VirtualService")["spec"]
+    assert virtual_service["gateways"] == [one(docs, "Gateway")["metadata"]["name"]]
+    assert [h["name"] for h in virtual_service["http"]] == [r["name"] for r in routes(params)]
+    for http, rendered in zip(virtual_service["http"], routes(params), strict=True):
+        (kind, value) = next(iter(rendered["match"].items()))
+        assert http["match"] == [{"uri": {"prefix" if kind == "prefix" else "exact": value}}]
+        assert http["retries"]["retryOn"] == RETRY_ON
+        assert http["timeout"] == "0s"
+    _check_workload(docs, deployment)
+
+
+def test_istio_patched_config_validates(tmp_path: Path) -> None:
+    """The patch values, applied where Istio applies them, make a config Envoy accepts."""
+    bootstrap = istio_bootstrap(objects("istio.yaml"))
+    filters = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"]
+    http_filters = filters[0]["typed_config"]["http_filters"]
+    assert [f["name"] for f in http_filters] == [EXT_PROC_FILTER, "envoy.filters.http.router"]
+    typed_check(bootstrap)
+    path = tmp_path / "istio-bootstrap.yaml"
+    path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+    validate(path)
+
+
+def test_istio_header_states_what_it_needs() -> None:
+    text = (MESH / "istio.yaml").read_text()
+    assert text.split("---", 1)[0].count(ISTIO_HEADER.splitlines()[0]) == 1
+    for needed in ("override_host", "EnvoyFilter", "1.40", "x-gateway-destination-endpoint"):
+        assert needed in text.split("---", 1)[0]
+
+
+# --------------------------------------------------------------------------- Envoy Gateway
+
+
+def test_envoy_gateway_objects_derive_from_the_rendered_config(deployment: Deployment) -> None:
+    params = deployment.params
+    docs = objects("envoy-gateway.yaml")
+    filter_config = ext_proc_filter(params)["typed_config"]
+    mode = filter_config["processing_mode"]
+    assert (mode["request_header_mode"], mode["request_body_mode"]) == ("SEND", "BUFFERED")
+    assert (mode["response_header_mode"], mode["response_body_mode"]) == ("SKIP", "NONE")
+
+    rendered_routes = routes(params)
+    http_routes = by_kind(docs, "HTTPRoute")
+    assert [r["metadata"]["name"] for r in http_routes] == [
+        kube_name(r["name"]) for r in rendered_routes
+    ]
+    failure_modes = [spec.failure_mode_allow for spec in params.routes] + [
+        params.failure_mode_allow
+    ]
+    for http_route, rendered, allow in zip(
+        http_routes, rendered_routes, failure_modes, strict=True
+    ):
+        name = http_route["metadata"]["name"]
+        (rule,) = http_route["spec"]["rules"]
+        (kind, value) = next(iter(rendered["match"].items()))
+        assert rule["matches"] == [
+            {"path": {"type": "PathPrefix" if kind == "prefix" else "Exact", "value": value}}
+        ]
+        assert rule["backendRefs"] == [{"name": VLLM_SERVICE, "port": 8000}]
+
+        policy = one(docs, "EnvoyExtensionPolicy", name)
+        assert policy["apiVersion"] == "gateway.envoyproxy.io/v1alpha1"
+        assert policy["spec"]["targetRefs"] == [
+            {"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "name": name}
+        ]
+        (ext_proc,) = policy["spec"]["extProc"]
+        # request present = headers SEND; body Buffered; no response = SKIP/NONE
+        assert ext_proc["processingMode"] == {"request": {"body": "Buffered"}}
+        assert ext_proc["failOpen"] is allow
+        assert (
+            ext_proc["metadata"]["writableNamespaces"]
+            == (filter_config["metadata_options"]["receiving_namespaces"]["untyped"])
+        )
+        timeout = ext_proc["messageTimeout"]
+        assert GATEWAY_API_DURATION.match(timeout)
+        assert float(timeout.rstrip("s")) >= params.longest_hold_s  # the hold must fit in it
+        _check_service_ref(docs, ext_proc["backendRefs"], params.extproc_port)
+
+    traffic = one(docs, "BackendTrafficPolicy")["spec"]
+    assert {ref["name"] for ref in traffic["targetRefs"]} == {
+        r["metadata"]["name"] for r in http_routes
+    }
+    override_sources = backend_cluster(params)["load_balancing_policy"]["policies"][0][
+        "typed_extension_config"
+    ]["typed_config"]["override_host_sources"]
+    assert {"header": DESTINATION_HEADER} in override_sources
+    assert traffic["loadBalancer"]["endpointOverride"] == {
+        "extractFrom": [{"header": DESTINATION_HEADER}]
+    }
+    assert ",".join(traffic["retry"]["retryOn"]["triggers"]) == RETRY_ON
+    assert traffic["timeout"]["http"]["requestTimeout"] == "0s"
+    breakers = backend_cluster(params)["circuit_breakers"]["thresholds"][0]
+    assert traffic["circuitBreaker"]["maxParallelRetries"] == breakers["max_retries"]
+    assert traffic["circuitBreaker"]["maxParallelRequests"] == breakers["max_requests"]
+
+    client = one(docs, "ClientTrafficPolicy")["spec"]
+    gateway = one(docs, "Gateway")
+    assert client["targetRefs"][0]["name"] == gateway["metadata"]["name"]
+    assert int(client["connection"]["bufferLimit"]) == params.buffer_limit_bytes
+    idle = client["timeout"]["http"]["streamIdleTimeout"]
+    assert GATEWAY_API_DURATION.match(idle)
+    assert float(idle.rstrip("s")) == params.stream_idle_timeout_s
+
+
+def test_envoy_gateway_completion_feed_and_references(deployment: Deployment) -> None:
+    params = deployment.params
+    docs = objects("envoy-gateway.yaml")
+    gateway = one(docs, "Gateway")
+    ref = gateway["spec"]["infrastructure"]["parametersRef"]
+    proxy = one(docs, ref["kind"], ref["name"])
+    (setting,) = proxy["spec"]["telemetry"]["accessLog"]["settings"]
+    (sink,) = setting["sinks"]
+    assert sink["type"] == "ALS"
+    assert sink["als"]["type"] == "HTTP"
+    als = hcm_settings(params)["access_log"][0]["typed_config"]["common_config"]
+    assert sink["als"]["logName"] == als["log_name"]
+    _check_service_ref(docs, sink["als"]["backendRefs"], params.extproc_port)
+    for route in by_kind(docs, "HTTPRoute"):
+        assert route["spec"]["parentRefs"] == [{"name": gateway["metadata"]["name"]}]
+    namespaces = {doc["metadata"]["namespace"] for doc in docs}
+    assert namespaces == {"llm"}  # one namespace: no ReferenceGrant needed
+    _check_workload(docs, deployment)
+
+
+def test_envoy_gateway_header_states_what_it_needs() -> None:
+    header = (MESH / "envoy-gateway.yaml").read_text().split("---", 1)[0]
+    for needed in ("v1.5", "endpointOverride", "override_host", "max_message_timeout", "500"):
+        assert needed in header
+
+
+# --------------------------------------------------------------------------- shared
+
+
+def _check_service_ref(docs: list[dict[str, Any]], refs: list[dict[str, Any]], port: int) -> None:
+    (ref,) = refs
+    service = one(docs, "Service", ref["name"])
+    assert ref["port"] == port
+    assert port in [p["port"] for p in service["spec"]["ports"]]
+
+
+def _check_workload(docs: list[dict[str, Any]], deployment: Deployment) -> None:
+    """fairlane's Deployment serves on the Service's port and lists the deployment's
+    backends (the ip:port override_host matches)."""
+    params = deployment.params
+    service = one(docs, "Service", "fairlane")
+    workload = one(docs, "Deployment", "fairlane")
+    assert service["spec"]["selector"] == workload["spec"]["selector"]["matchLabels"]
+    grpc = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
+    assert grpc["appProtocol"] == "kubernetes.io/h2c"
+    assert params.extproc_host.startswith(f"{service['metadata']['name']}.")
+    (container,) = workload["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert f"--port={grpc['targetPort']}" in args
+    assert [a.split("=", 1)[1] for a in args if a.startswith("--backend=")] == [
+        f"{b.region}={b.url}" for b in params.backends
+    ]

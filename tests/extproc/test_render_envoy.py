@@ -580,3 +580,25 @@ async def test_real_envoy_hedges_and_retries_as_documented(
         for runner in runners:
             await runner.cleanup()
         await server.stop(grace=None)
+
+
+MESH_DEPLOYMENT = REPO / "deploy" / "mesh" / "fairlane.yaml"
+
+
+@pytest.mark.parametrize("mesh", render_envoy.MESHES)
+def test_mesh_objects_render_validate_and_report(
+    mesh: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / f"{mesh}.yaml"
+    assert cli.main(["render-envoy", str(MESH_DEPLOYMENT), "--mesh", mesh, "-o", str(out)]) == 0
+    docs = list(yaml.safe_load_all(out.read_text()))
+    assert {"Deployment", "Service"} <= {doc["kind"] for doc in docs if doc}
+    assert "envoy --mode validate: OK" in capsys.readouterr().err
+
+
+def test_mesh_needs_a_kubernetes_service_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["render-envoy", str(SHIPPED), "--mesh", "istio", "-q"]) == 1
+    assert "NAME.NAMESPACE.svc.cluster.local" in capsys.readouterr().err
+    assert cli.main(["render-envoy", str(SHIPPED), "--mesh", "istio", "--snippet"]) == 1

@@ -104,7 +104,7 @@ def test_shipped_envoy_mesh_snippet_is_referenced() -> None:
     the deploy README points at both it and the deployment-specific one here."""
     readme = (REPO / "deploy" / "README.md").read_text()
     assert "envoy/mesh-snippet.yaml" in readme
-    assert "deploy/mesh/envoy-snippet.yaml" in readme
+    assert "mesh/envoy-snippet.yaml" in readme
 
 
 # --------------------------------------------------------------------------- Istio

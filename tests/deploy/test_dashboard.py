@@ -27,10 +27,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.deploy.metric_names import (
     PROMETHEUS_SYNTHETIC,
     bad_matchers,
+    envoy_sample_names,
     exported_labels,
     gateway_exposition_text,
     gateway_sample_names,
     promql_metric_names,
+    undocumented_envoy_stats,
     unknown_names,
     vllm_sample_names,
 )
@@ -101,7 +103,9 @@ def interpolate(expr: str, dashboard: dict[str, Any]) -> str:
 
 
 def known_names() -> set[str]:
-    return gateway_sample_names() | vllm_sample_names() | PROMETHEUS_SYNTHETIC
+    return (
+        gateway_sample_names() | vllm_sample_names() | envoy_sample_names() | PROMETHEUS_SYNTHETIC
+    )
 
 
 # -- structure ----------------------------------------------------------------------------
@@ -177,6 +181,10 @@ def test_every_expression_parses(tmp_path: Path) -> None:
 
 def test_every_metric_on_the_dashboard_is_exported() -> None:
     assert unknown_names(expressions(load()), known_names()) == {}
+
+
+def test_envoy_stats_on_the_dashboard_are_documented_ones() -> None:
+    assert undocumented_envoy_stats(expressions(load())) == {}
 
 
 def test_every_label_matcher_on_the_dashboard_can_match() -> None:

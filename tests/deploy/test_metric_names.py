@@ -8,9 +8,13 @@ import pytest
 
 from tests.deploy.metric_names import (
     CODE_LABEL_VALUES,
+    ENVOY_EXT_PROC_PREFIX,
+    ENVOY_EXT_PROC_STATS,
     PromQLSyntaxError,
     Selector,
     bad_matchers,
+    envoy_exposition,
+    envoy_sample_names,
     promql_metric_names,
     promql_selectors,
     sample_labels,
@@ -35,6 +39,10 @@ lat_count 2.0
 lat_sum 0.3
 # TYPE ns:colon gauge
 ns:colon 1.0
+# TYPE envoy_rq_retry counter
+envoy_rq_retry{cluster="b"} 0
+# TYPE envoy_rq_total counter
+envoy_rq_total{cluster="b"} 0
 """
 
 
@@ -47,6 +55,9 @@ def test_sample_names_are_the_stored_series_names() -> None:
         "lat_count",
         "lat_sum",
         "ns:colon",
+        # a counter declared without _total keeps its name, as Prometheus stores it
+        "envoy_rq_retry",
+        "envoy_rq_total",
     }
 
 
@@ -181,3 +192,22 @@ def test_label_values_taken_from_the_code_are_still_in_the_code(
     key: tuple[str, str], value: str, source: str
 ) -> None:
     assert f'"{value}"' in (REPO / source).read_text(), f"{key}: {value!r} gone from {source}"
+
+
+def test_envoy_ext_proc_stats_are_the_documented_ones() -> None:
+    """The real Envoy's ext_proc stats under fairlane's stat prefix are the reference's list."""
+    real = {
+        n.removeprefix(ENVOY_EXT_PROC_PREFIX)
+        for n in envoy_sample_names()
+        if n.startswith(ENVOY_EXT_PROC_PREFIX)
+    }
+    assert real == ENVOY_EXT_PROC_STATS
+
+
+def test_envoy_counters_keep_their_names() -> None:
+    names = envoy_sample_names()
+    assert "envoy_cluster_upstream_rq_retry" in names  # a counter without _total
+    assert "envoy_cluster_upstream_rq_total" in names  # a counter whose name ends in it
+    assert "envoy_cluster_upstream_rq_retry_total" not in names
+    labels = sample_labels(envoy_exposition())["envoy_cluster_upstream_rq_retry"]
+    assert labels["envoy_cluster_name"] == {"fairlane_backends", "fairlane_extproc"}

@@ -125,17 +125,28 @@ def bottleneck_lines(results: Mapping[str, Any]) -> list[str]:
         return ["- load generator the bottleneck? no phase ran"]
     arm, worst = max(rows, key=lambda ar: ar[1]["loadgen_cores"])
     late = max((r.get("send_late_p99_ms") or 0.0 for _, r in rows), default=0.0)
-    limited = [f"{a} {_phase(r)}" for a, r in rows if loadgen_warnings(r)]
+    limited = [
+        f"{a} {_phase(r)} ({'; '.join(loadgen_warnings(r))})"
+        for a, r in rows
+        if loadgen_warnings(r)
+    ]
     busy = [
         f"{a} {_phase(r)} {r['machine_busy']:.0%}"
         for a, r in rows
         if r["machine_busy"] > cpu.MACHINE_LIMIT_FRACTION
     ]
     verdict = f"**yes** in {', '.join(limited)}" if limited else "**no**"
+    starved = limited and worst["loadgen_cores"] <= cpu.LOADGEN_LIMIT_CORES
     return [
-        f"- load generator the bottleneck? {verdict}: at most {worst['loadgen_cores']:.2f} of "
-        f"its one core ({arm} {_phase(worst)}; warning above {cpu.LOADGEN_LIMIT_CORES:.2f}), "
-        f"sends at most {late:g} ms late at p99 (warning above {SEND_LATE_LIMIT_MS:g} ms)",
+        f"- load generator the bottleneck? {verdict}. Its CPU: at most "
+        f"{worst['loadgen_cores']:.2f} of its one core ({arm} {_phase(worst)}; warning above "
+        f"{cpu.LOADGEN_LIMIT_CORES:.2f}); sends at most {late:g} ms late at p99 (warning "
+        f"above {SEND_LATE_LIMIT_MS:g} ms)"
+        + (
+            ": late sends with little CPU of its own mean the machine did not run it in time"
+            if starved
+            else ""
+        ),
         "- machine CPU-bound? "
         + (
             f"**yes** in {', '.join(busy)} busy (> {cpu.MACHINE_LIMIT_FRACTION:.0%}: the "
@@ -145,6 +156,13 @@ def bottleneck_lines(results: Mapping[str, Any]) -> list[str]:
             else f"**no** (every phase below {cpu.MACHINE_LIMIT_FRACTION:.0%} busy)"
         ),
     ]
+
+
+def other_cores(row: Row, cpus: int | None) -> float:
+    """Cores the machine spent on anything but this phase's processes and the generator:
+    on a shared machine, how much other work competed with the measurement."""
+    ours = sum(row["cpu_cores"].values()) + row["loadgen_cores"]
+    return max(0.0, row["machine_busy"] * (cpus or 1) - ours)
 
 
 def render_markdown(results: Mapping[str, Any]) -> str:
@@ -182,8 +200,8 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         "",
         "| phase | arm | req/s | p50 ms | p99 ms | added p50 | added p99 | errors "
         "| service cores | Envoy cores | backend cores | loadgen cores | send late p99 ms "
-        "| machine busy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| machine busy | other work cores |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     direct = results["arms"].get("direct", [])
     for arm, rows in results["arms"].items():
@@ -198,7 +216,8 @@ def render_markdown(results: Mapping[str, Any]) -> str:
                 f"| {_fmt(row['p99_ms'])} | {_fmt(extra['p50_ms'])} | {_fmt(extra['p99_ms'])} "
                 f"| {row['errors']} | {_fmt(cores.get('service'))} | {_fmt(cores.get('envoy'))} "
                 f"| {_fmt(cores.get('backend'))} | {row['loadgen_cores']:g} "
-                f"| {_fmt(row.get('send_late_p99_ms'))} | {row['machine_busy']:.0%} |"
+                f"| {_fmt(row.get('send_late_p99_ms'))} | {row['machine_busy']:.0%} "
+                f"| {other_cores(row, meta['cpus']):.2f} |"
             )
     lines += ["", SECTION_SATURATION, ""]
     for arm, rows in results["arms"].items():

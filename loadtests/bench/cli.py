@@ -5,6 +5,9 @@ other's CPU), each in its own :class:`ProcessGroup`, so its processes are stoppe
 next arm starts, also when a run fails or is interrupted. The exit code says whether the
 benchmark *ran* (0) or could not (1); targets that fail are reported, not an error, because
 the harness is used to measure schedulers that do not meet them yet.
+
+A ``kind: overhead`` scenario (``overhead.yaml``) goes to :mod:`loadtests.bench.overhead_runner`;
+``--backend`` runs the arms against existing engines instead of simulators.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A scenario is data, not code, so the A/B comparison is reproducible and reviewable: the same
 file (and seed) gives the same workload to every arm. Validation reads the whole file and
-reports every mistake as ``FILE: field.path: message`` so a typo never silently changes a
+reports every mistake as ``FILE:LINE: field.path: message`` so a typo never silently changes a
 benchmark (unknown fields are errors too).
 
 Times in a scenario are **simulated seconds** (the simulators run ``speedup`` times faster

@@ -255,3 +255,69 @@ async def test_real_envoy_with_the_service_down(processes: ProcessGroup, tmp_pat
         assert int(counters["http.fairlane.ext_proc.fairlane.streams_failed"]) >= 1, stats
     finally:
         await runner.cleanup()
+
+
+async def _start_hanging_service(port: int) -> Any:
+    """An ext_proc service that accepts the stream and never answers (a wedged service)."""
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+
+    class Hang(external_processor_pb2_grpc.ExternalProcessorServicer):
+        async def Process(self, requests: Any, context: Any) -> None:  # grpc's method name
+            # grpc.aio accepts a coroutine for a streaming method (answers via
+            # context.write); this one reads everything and answers nothing.
+            async for _ in requests:
+                pass
+
+    server = grpc.aio.server(
+        options=[
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+    )
+    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(Hang(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server
+
+
+@pytest.mark.integration
+async def test_real_envoy_with_a_wedged_service(processes: ProcessGroup, tmp_path: Path) -> None:
+    """A service that never answers: fail-closed routes get 504 after message_timeout,
+    fail-open routes are forwarded unprocessed after it."""
+    import aiohttp
+
+    listen, admin, backend_port, service_port = (free_port() for _ in range(4))
+    params = EnvoyParams(
+        listen_port=listen,
+        admin_port=admin,
+        extproc_port=service_port,
+        backends=(BackendSpec("127.0.0.1", backend_port, "region-a"),),
+        message_timeout_s=0.5,
+        routes=(RouteSpec("fairlane_models", prefix="/v1/models", failure_mode_allow=True),),
+    )
+    config = tmp_path / "envoy.yaml"
+    config.write_text(render_yaml(params))
+    seen: list[dict[str, Any]] = []
+    runner = await _start_upstream(backend_port, seen)
+    server = await _start_hanging_service(service_port)
+    try:
+        envoy = processes.start("envoy", envoy_argv(config, concurrency=1))
+        await asyncio.to_thread(wait_http_ready, f"http://127.0.0.1:{admin}/ready", envoy, 20)
+        base = f"http://127.0.0.1:{listen}"
+        loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession() as session:
+            started = loop.time()
+            async with session.post(f"{base}/v1/chat/completions", json={"model": "m"}) as response:
+                assert response.status == 504, await response.text()
+            assert loop.time() - started >= 0.4
+            assert seen == []
+            started = loop.time()
+            async with session.get(f"{base}/v1/models") as response:
+                assert response.status == 200, await response.text()
+            assert loop.time() - started >= 0.4  # after the message timeout, not at once
+            assert [r["path"] for r in seen] == ["/v1/models"]
+    finally:
+        await server.stop(0)
+        await runner.cleanup()

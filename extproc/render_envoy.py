@@ -354,6 +354,8 @@ def run(args: argparse.Namespace) -> int:
         _write_atomically(args.output, rendered.text)
     if not args.quiet:
         print(report(deployment, rendered, not args.no_validate), file=sys.stderr)
+        if args.mesh is not None:
+            print(f"  {_MESH_CHECKED[args.mesh]}", file=sys.stderr)
         if args.output is not None:
             print(f"  written to {args.output}", file=sys.stderr)
     return 0
@@ -382,6 +384,11 @@ def _write_atomically(path: Path, text: str) -> None:
 # meshes cannot drift from the bootstrap; tests/deploy/test_mesh_snippets.py checks both.
 
 MESHES = ("istio", "envoy-gateway")
+_MESH_CHECKED = {
+    "istio": "(checks ran on the EnvoyFilter's patches applied to a stand-in gateway config)",
+    "envoy-gateway": "(checks ran on the bootstrap the objects' fields derive from; the "
+    "Kubernetes objects themselves are not schema-validated)",
+}
 VLLM_SERVICE = "vllm"
 """The Kubernetes Service in front of the vLLM pods (rename it in the rendered file)."""
 GATEWAY = "llm-gateway"

@@ -53,6 +53,7 @@ from extproc.envoy_config import (
     backend_cluster,
     ext_proc_filter,
     extproc_cluster,
+    failure_mode_override,
     hcm_settings,
     render_bootstrap,
     render_mesh_snippet,
@@ -425,6 +426,8 @@ What the mesh must provide:
     below runs without a sidecar; with STRICT mTLS in its namespace use PERMISSIVE for it;
   - Gateway + VirtualService routes named like the HTTP_ROUTE patches (the VirtualService
     below), because EnvoyFilter matches routes by name.
+The filter is inserted disabled and enabled per route (ExtProcPerRoute on fairlane's routes):
+the gateway's other routes never reach fairlane.
 Apply: kubectl apply -f istio.yaml (the EnvoyFilter lives in istio-system, beside the gateway).
 """
 
@@ -493,6 +496,26 @@ def route_merge(rendered_route: dict[str, Any]) -> dict[str, Any]:
     cluster (the mesh's route names the cluster and matches the path)."""
     merged = {k: v for k, v in rendered_route.items() if k not in ("name", "match")}
     merged["route"] = {k: v for k, v in rendered_route["route"].items() if k != "cluster"}
+    return merged
+
+
+def scoped_ext_proc_filter(params: EnvoyParams) -> dict[str, Any]:
+    """The ext_proc filter, disabled unless a route enables it.
+
+    A mesh's listener serves other applications' routes too; with the filter on by default
+    each of them would go through fairlane, fail-closed. ``HttpFilter.disabled`` keeps it
+    off, and a valid per-route config (:func:`enabling_route_merge`) turns it on for
+    fairlane's routes only."""
+    return {**ext_proc_filter(params), "disabled": True}
+
+
+def enabling_route_merge(
+    rendered_route: dict[str, Any], failure_mode_allow: bool
+) -> dict[str, Any]:
+    """:func:`route_merge` plus the ``ExtProcPerRoute`` that enables the (disabled by
+    default) ext_proc filter on this route, with the route's failure mode."""
+    merged = route_merge(rendered_route)
+    merged["typed_per_filter_config"] = failure_mode_override(failure_mode_allow)
     return merged
 
 
@@ -580,7 +603,8 @@ def render_istio(params: EnvoyParams) -> list[dict[str, Any]]:
     VirtualService with one named route per rendered route, and the EnvoyFilter that patches
     the ingress gateway with the rendered ext_proc filter, clusters and settings."""
     names = kube_names(params)
-    routes = [rendered for rendered, _ in _route_specs(params)]
+    specs = _route_specs(params)
+    routes = [rendered for rendered, _ in specs]
     hcm_match = {
         "context": "GATEWAY",
         "listener": {"filterChain": {"filter": {"name": HCM_FILTER}}},
@@ -596,7 +620,7 @@ def render_istio(params: EnvoyParams) -> list[dict[str, Any]]:
                     }
                 },
             },
-            "patch": {"operation": "INSERT_BEFORE", "value": ext_proc_filter(params)},
+            "patch": {"operation": "INSERT_BEFORE", "value": scoped_ext_proc_filter(params)},
         },
         {
             "applyTo": "NETWORK_FILTER",
@@ -637,9 +661,9 @@ def render_istio(params: EnvoyParams) -> list[dict[str, Any]]:
                     "context": "GATEWAY",
                     "routeConfiguration": {"vhost": {"route": {"name": rendered["name"]}}},
                 },
-                "patch": {"operation": "MERGE", "value": route_merge(rendered)},
+                "patch": {"operation": "MERGE", "value": enabling_route_merge(rendered, allow)},
             }
-            for rendered in routes
+            for rendered, allow in specs
         ),
     ]
     gateway = {

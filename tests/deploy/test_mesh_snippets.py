@@ -17,6 +17,7 @@ bootstrap: the tests re-render them and compare, then check each against those b
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from extproc.envoy_config import (
     EXT_PROC_FILTER,
     RETRY_ON,
     backend_cluster,
+    envoy_argv,
     ext_proc_filter,
     extproc_cluster,
     hcm_settings,
@@ -38,6 +40,7 @@ from extproc.envoy_config import (
     validate,
     wrap_snippet,
 )
+from extproc.processes import ProcessGroup, free_port, wait_http_ready
 from extproc.render_envoy import (
     ISTIO_HEADER,
     VLLM_SERVICE,
@@ -125,7 +128,8 @@ def test_istio_patches_are_the_rendered_config(deployment: Deployment) -> None:
     (http_filter,) = by_target[("HTTP_FILTER", "INSERT_BEFORE")]
     subfilter = http_filter["match"]["listener"]["filterChain"]["filter"]["subFilter"]
     assert subfilter == {"name": "envoy.filters.http.router"}
-    assert http_filter["patch"]["value"] == ext_proc_filter(params)
+    # the rendered filter, but off unless a route enables it (other apps share the gateway)
+    assert http_filter["patch"]["value"] == {**ext_proc_filter(params), "disabled": True}
     assert http_filter["patch"]["value"]["name"] == EXT_PROC_FILTER
 
     (hcm,) = by_target[("NETWORK_FILTER", "MERGE")]
@@ -155,13 +159,23 @@ def test_istio_patches_are_the_rendered_config(deployment: Deployment) -> None:
 
     rendered_routes = routes(params)
     route_patches = by_target[("HTTP_ROUTE", "MERGE")]
-    assert [p["patch"]["value"] for p in route_patches] == [route_merge(r) for r in rendered_routes]
+    for patch, rendered in zip(route_patches, rendered_routes, strict=True):
+        value = dict(patch["patch"]["value"])
+        expected = route_merge(rendered)
+        value.pop("typed_per_filter_config")
+        expected.pop("typed_per_filter_config", None)  # the fail-open route's override
+        assert value == expected
     patched_names = [
         p["match"]["routeConfiguration"]["vhost"]["route"]["name"] for p in route_patches
     ]
     assert patched_names == [r["name"] for r in rendered_routes]
-    # the fail-open route carries the per-route override, the catch-all does not
-    allows = ["typed_per_filter_config" in p["patch"]["value"] for p in route_patches]
+    # every fairlane route enables the filter, with its own failure mode
+    allows = [
+        p["patch"]["value"]["typed_per_filter_config"][EXT_PROC_FILTER]["overrides"][
+            "failure_mode_allow"
+        ]
+        for p in route_patches
+    ]
     assert allows == [spec.failure_mode_allow for spec in params.routes] + [False]
 
 
@@ -324,3 +338,80 @@ def _check_workload(docs: list[dict[str, Any]], deployment: Deployment) -> None:
     assert [a.split("=", 1)[1] for a in args if a.startswith("--backend=")] == [
         f"{b.region}={b.url}" for b in params.backends
     ]
+
+
+@pytest.mark.integration
+async def test_istio_patches_on_a_real_envoy(processes: ProcessGroup, tmp_path: Path) -> None:
+    """The Istio stand-in, made runnable (loopback ports, a local backend, no fairlane
+    service), on the real Envoy: fairlane's generation route fails closed (503), its
+    /v1/models route fails open, and another application's route on the same gateway never
+    goes through ext_proc (the filter is disabled unless a route enables it)."""
+    import aiohttp
+
+    bootstrap = istio_bootstrap(objects("istio.yaml"))
+    listen, admin, backend, dead = (free_port() for _ in range(4))
+    bootstrap["admin"] = {
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}
+    }
+    (listener,) = bootstrap["static_resources"]["listeners"]
+    listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen}
+    clusters = bootstrap["static_resources"]["clusters"]
+
+    def on_loopback(port: int) -> list[dict[str, Any]]:
+        return [
+            {
+                "endpoint": {
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+                }
+            }
+        ]
+
+    for cluster in clusters:
+        endpoints = cluster["load_assignment"]["endpoints"]
+        if cluster["name"] == "fairlane_extproc":  # the service is down: nothing listens
+            cluster["type"] = "STATIC"
+            endpoints[0]["lb_endpoints"] = on_loopback(dead)
+        else:  # the vLLM Service's outbound cluster
+            endpoints[0]["lb_endpoints"] = on_loopback(backend)
+            outbound = cluster["name"]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    vhost = hcm["route_config"]["virtual_hosts"][0]
+    # another application's route on the same gateway, added by Istio from its own
+    # VirtualService: no per-route config for ext_proc
+    vhost["routes"].insert(
+        0, {"name": "other-app", "match": {"prefix": "/other"}, "route": {"cluster": outbound}}
+    )
+    config = tmp_path / "istio-standin.yaml"
+    config.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+
+    from aiohttp import web
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response({"path": request.path})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", backend).start()
+    try:
+        envoy = processes.start("envoy", envoy_argv(config, concurrency=1))
+        await asyncio.to_thread(wait_http_ready, f"http://127.0.0.1:{admin}/ready", envoy, 20)
+        base = f"http://127.0.0.1:{listen}"
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{base}/v1/chat/completions", json={"model": "m"}) as r:
+                assert r.status == 503, await r.text()
+            async with session.get(f"{base}/v1/models") as r:
+                assert r.status == 200, await r.text()
+            async with session.get(f"{base}/other/thing") as r:
+                assert r.status == 200, await r.text()
+            async with session.get(f"http://127.0.0.1:{admin}/stats?filter=ext_proc") as r:
+                stats = dict(
+                    line.split(": ", 1) for line in (await r.text()).splitlines() if ": " in line
+                )
+        prefix = "http.outbound_0.0.0.0_8080.ext_proc.fairlane."
+        # two fairlane routes tried the (dead) service; the other app's route did not
+        assert int(stats[prefix + "streams_failed"]) == 2, stats
+        assert int(stats[prefix + "failure_mode_allowed"]) == 1, stats
+    finally:
+        await runner.cleanup()

@@ -434,7 +434,8 @@ Apply: kubectl apply -f istio.yaml (the EnvoyFilter lives in istio-system, besid
 ENVOY_GATEWAY_HEADER = """\
 Envoy Gateway: fairlane as an EnvoyExtensionPolicy (ext_proc) on the LLM HTTPRoutes.
 
-Needs Envoy Gateway v1.5 or newer (gateway.envoyproxy.io/v1alpha1):
+Needs a recent Envoy Gateway (gateway.envoyproxy.io/v1alpha1) with these fields; written
+against its current API types and checked structurally, not tried on a cluster:
   - EnvoyExtensionPolicy extProc (backendRefs, processingMode, messageTimeout, failOpen,
     metadata.writableNamespaces);
   - BackendTrafficPolicy loadBalancer.endpointOverride (Envoy's override_host LB policy:

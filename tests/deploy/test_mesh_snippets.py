@@ -308,7 +308,13 @@ def test_envoy_gateway_completion_feed_and_references(deployment: Deployment) ->
 
 def test_envoy_gateway_header_states_what_it_needs() -> None:
     header = (MESH / "envoy-gateway.yaml").read_text().split("---", 1)[0]
-    for needed in ("v1.5", "endpointOverride", "override_host", "max_message_timeout", "500"):
+    for needed in (
+        "not tried on a cluster",
+        "endpointOverride",
+        "override_host",
+        "max_message_timeout",
+        "500",
+    ):
         assert needed in header
 
 

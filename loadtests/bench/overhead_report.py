@@ -78,21 +78,21 @@ def evaluate(scenario: OverheadScenario, arms: Mapping[str, Sequence[Row]]) -> l
         note = ""
         if target.metric in SATURATION_METRICS:
             row = phase_row(fairlane, None)
-            rows = [row]
+            rows = [("fairlane", row)]
             key = "achieved_rps" if target.metric == "saturation_rps" else "rps_per_service_core"
             measured = None if row is None else row.get(key)
             if row is None:
                 note = "no saturation phase of the fairlane arm"
         else:
             d, f = phase_row(direct, target.rate), phase_row(fairlane, target.rate)
-            rows = [d, f]
+            rows = [("direct", d), ("fairlane", f)]
             measured = added(d, f, "p50_ms" if target.metric == "added_p50_ms" else "p99_ms")
             if measured is None:
                 note = "needs the direct and the fairlane arm at this rate"
         passed = None
         if measured is not None:
             passed = measured <= target.bound if target.op == "max" else measured >= target.bound
-        noisy = [w for r in rows if r is not None for w in row_warnings(r)]
+        noisy = [f"{a}: {w}" for a, r in rows if r is not None for w in row_warnings(r)]
         if noisy and measured is not None:
             note = f"suspect: {'; '.join(noisy)}"
         results.append(

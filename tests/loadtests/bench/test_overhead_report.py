@@ -63,7 +63,7 @@ def test_targets_from_the_phases() -> None:
     assert (results["p50"].measured, results["p50"].passed) == (0.4, True)
     assert (results["p99"].measured, results["p99"].passed) == (2.5, False)
     assert (results["sat"].measured, results["sat"].passed) == (1500.0, False)
-    assert results["sat"].note.startswith("suspect: machine 95% busy")
+    assert results["sat"].note.startswith("suspect: fairlane: machine 95% busy")
     assert results["p50"].note == ""
     missing = evaluate(SCENARIO, {"fairlane": arms()["fairlane"]})
     assert missing[0].measured is None and missing[0].passed is None

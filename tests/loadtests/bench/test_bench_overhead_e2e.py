@@ -134,7 +134,8 @@ def test_overhead_names_a_component_that_died(
     assert main(["bench", str(tiny), "--out", str(out), "--arms", "fairlane"]) == 1
     captured = capsys.readouterr()
     pid = kill_service_after[0]
-    message = f"the service (pid {pid}) exited with signal SIGKILL during arm fairlane at 50 req/s"
+    # (at 50 req/s, or in the warm-up on a very slow machine)
+    message = f"the service (pid {pid}) exited with signal SIGKILL during arm fairlane"
     assert message in captured.err
     assert "last lines of its log" in captured.err
     assert "fairlane: FAILED: ChildExited: " + message in captured.out

@@ -273,7 +273,8 @@ def test_the_fairness_and_shed_formulas_compute_what_they_say(tmp_path: Path) ->
 
     api: flow a gets 30 tokens/s, flow b 10 (shares 0.75 / 0.25, Jain (40)^2 / (2 * 1000) =
     0.8); batch: two equal flows (Jain 1) plus an idle one (not counted). Shed: interactive
-    90 admitted + 10 shed a minute (0.1); batch shed everything and admitted nothing (1).
+    90 admitted + 10 shed a minute (0.1); batch shed everything and admitted nothing (1);
+    api shed nothing (0, not a missing series).
     """
     series = {
         'fairlane_flow_tokens_total{tier="api",flow="a",kind="input"}': "0+600x10",
@@ -285,6 +286,7 @@ def test_the_fairness_and_shed_formulas_compute_what_they_say(tmp_path: Path) ->
         'fairlane_requests_admitted_total{tier="interactive",model="m"}': "0+90x10",
         'fairlane_requests_shed_total{tier="interactive",reason="queue_full"}': "0+10x10",
         'fairlane_requests_shed_total{tier="batch",reason="queue_deadline_exceeded"}': "0+3x10",
+        'fairlane_requests_admitted_total{tier="api",model="m"}': "0+50x10",
     }
 
     def case(expr: str, expected: dict[str, float]) -> dict[str, Any]:
@@ -318,7 +320,7 @@ def test_the_fairness_and_shed_formulas_compute_what_they_say(tmp_path: Path) ->
                     ),
                     case(
                         panel_expr("Shed ratio"),
-                        {'{tier="interactive"}': 0.1, '{tier="batch"}': 1},
+                        {'{tier="interactive"}': 0.1, '{tier="batch"}': 1, '{tier="api"}': 0},
                     ),
                 ],
             }

@@ -40,17 +40,11 @@ from extproc.envoy_config import (
     validate,
     wrap_snippet,
 )
+from extproc.mesh import VLLM_SERVICE, route_merge
+from extproc.mesh.envoy_gateway import kube_name
+from extproc.mesh.istio import ISTIO_HEADER, backend_cluster_merge, istio_bootstrap
 from extproc.processes import ProcessGroup, free_port, wait_http_ready
-from extproc.render_envoy import (
-    ISTIO_HEADER,
-    VLLM_SERVICE,
-    backend_cluster_merge,
-    istio_bootstrap,
-    kube_name,
-    render,
-    route_merge,
-    typed_check,
-)
+from extproc.render_envoy import render, typed_check
 from tests.deploy.conftest import REPO
 
 MESH = REPO / "deploy" / "mesh"

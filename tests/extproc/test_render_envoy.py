@@ -31,6 +31,7 @@ from extproc.envoy_config import (
     render_bootstrap,
     wrap_snippet,
 )
+from extproc.mesh import MESHES
 from extproc.processes import ProcessGroup, free_port, wait_http_ready
 from extproc.render_envoy import (
     TypedCheckError,
@@ -585,7 +586,7 @@ async def test_real_envoy_hedges_and_retries_as_documented(
 MESH_DEPLOYMENT = REPO / "deploy" / "mesh" / "fairlane.yaml"
 
 
-@pytest.mark.parametrize("mesh", render_envoy.MESHES)
+@pytest.mark.parametrize("mesh", MESHES)
 def test_mesh_objects_render_validate_and_report(
     mesh: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,0 +1,171 @@
+"""Other meshes: fairlane's Envoy config delivered the way Istio and Envoy Gateway take it.
+
+``fairlane render-envoy --mesh istio|envoy-gateway`` renders Kubernetes objects instead of an
+Envoy bootstrap: the same ext_proc filter, clusters, route settings and HCM settings as the
+bootstrap, but delivered as Istio takes them (an EnvoyFilter, :mod:`extproc.mesh.istio`) or
+as Envoy Gateway does (Gateway API + its policies, :mod:`extproc.mesh.envoy_gateway`).
+Everything Envoy-side is taken from the builders in ``extproc/envoy_config.py`` (Istio's
+patches carry them verbatim; Envoy Gateway's fields are derived from them), so the meshes
+cannot drift from the bootstrap; ``tests/deploy/test_mesh_snippets.py`` checks both.
+
+This module holds what both meshes share: where fairlane runs in Kubernetes (names read from
+the deployment's ``service.host``), fairlane's own Deployment and Service, the rendered routes
+with their failure modes, and :func:`render_mesh_yaml`, which writes either mesh's objects.
+The typed check and ``envoy --mode validate`` stay with the command
+(``extproc/render_envoy.py``), which imports this package; nothing here imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from extproc.envoy_config import EnvoyConfigError, EnvoyParams, RouteSpec, route
+
+MESHES = ("istio", "envoy-gateway")
+VLLM_SERVICE = "vllm"
+"""The Kubernetes Service in front of the vLLM pods (rename it in the rendered file)."""
+GATEWAY = "llm-gateway"
+FAIRLANE_IMAGE = "fairlane:dev"
+_METRICS_PORT = 9090
+
+
+@dataclass(frozen=True)
+class KubeNames:
+    """Where fairlane runs in Kubernetes, read from the deployment's ``service.host``."""
+
+    service: str
+    namespace: str
+    backend_port: int
+
+    @property
+    def vllm_host(self) -> str:
+        return f"{VLLM_SERVICE}.{self.namespace}.svc.cluster.local"
+
+
+def kube_names(params: EnvoyParams) -> KubeNames:
+    """``service.host`` must be ``NAME.NAMESPACE.svc.cluster.local``: the Kubernetes Service
+    of fairlane, which the mesh renders name and namespace from."""
+    parts = params.extproc_host.split(".")
+    if len(parts) < 3 or parts[2] != "svc":
+        raise EnvoyConfigError(
+            "a mesh config needs service.host = NAME.NAMESPACE.svc.cluster.local (fairlane's "
+            f"Kubernetes Service), got {params.extproc_host!r}"
+        )
+    ports = {backend.port for backend in params.backends}
+    if len(ports) != 1:
+        raise EnvoyConfigError(
+            f"the backends must share one port (the vLLM pods' port), got {sorted(ports)}"
+        )
+    return KubeNames(parts[0], parts[1], ports.pop())
+
+
+def route_merge(rendered_route: dict[str, Any]) -> dict[str, Any]:
+    """What a mesh merges into its own route: the rendered route without name, match and
+    cluster (the mesh's route names the cluster and matches the path)."""
+    merged = {k: v for k, v in rendered_route.items() if k not in ("name", "match")}
+    merged["route"] = {k: v for k, v in rendered_route["route"].items() if k != "cluster"}
+    return merged
+
+
+def workload(params: EnvoyParams, names: KubeNames) -> list[dict[str, Any]]:
+    """fairlane's Deployment and Service. The backends are the deployment's, by IP."""
+    labels = {"app": names.service}
+    args = [
+        "serve",
+        "--host=0.0.0.0",
+        f"--port={params.extproc_port}",
+        f"--metrics-port={_METRICS_PORT}",
+        *(f"--backend={b.region}={b.url}" for b in params.backends),
+    ]
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": names.service, "namespace": names.namespace},
+        "spec": {
+            "replicas": 1,  # queues and fairness counters are per process
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    # plain h2c from the gateway, plain HTTP to the vLLM pods' /metrics
+                    "annotations": {"sidecar.istio.io/inject": "false"},
+                },
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "fairlane",
+                            "image": FAIRLANE_IMAGE,
+                            "args": args,
+                            "ports": [
+                                {"name": "grpc", "containerPort": params.extproc_port},
+                                {"name": "metrics", "containerPort": _METRICS_PORT},
+                            ],
+                        }
+                    ]
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": names.service, "namespace": names.namespace},
+        "spec": {
+            "selector": labels,
+            "ports": [
+                {
+                    "name": "grpc",
+                    "port": params.extproc_port,
+                    "targetPort": params.extproc_port,
+                    "appProtocol": "kubernetes.io/h2c",
+                },
+                {"name": "http-metrics", "port": _METRICS_PORT, "targetPort": _METRICS_PORT},
+            ],
+        },
+    }
+    return [deployment, service]
+
+
+def route_specs(params: EnvoyParams) -> list[tuple[dict[str, Any], bool]]:
+    """Each rendered route with its failure mode (fail-open or not), catch-all last."""
+    specs: list[RouteSpec | None] = [*params.routes, None]
+    return [
+        (
+            route(params, spec),
+            params.failure_mode_allow if spec is None else spec.failure_mode_allow,
+        )
+        for spec in specs
+    ]
+
+
+class _NoAliases(yaml.SafeDumper):
+    """Writes a dict used twice (the Deployment's labels) twice, not as ``&id001``/``*id001``:
+    Kubernetes accepts anchors, but people reading or pasting the objects should not meet them."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def render_mesh_yaml(params: EnvoyParams, mesh: str, generated_by: str) -> str:
+    """The objects for ``mesh`` as one multi-document YAML with its header comment."""
+    # imported here, not at the top: both modules import the shared names above from this
+    # package, so a top-level import would be circular
+    from extproc.mesh.envoy_gateway import ENVOY_GATEWAY_HEADER, render_envoy_gateway
+    from extproc.mesh.istio import ISTIO_HEADER, render_istio
+
+    if mesh == "istio":
+        header, objects = ISTIO_HEADER, render_istio(params)
+    elif mesh == "envoy-gateway":
+        header, objects = ENVOY_GATEWAY_HEADER, render_envoy_gateway(params)
+    else:
+        raise EnvoyConfigError(f"unknown mesh {mesh!r}: one of {', '.join(MESHES)}")
+    comment = "".join(
+        f"# {line}".rstrip() + "\n" for line in f"{generated_by}\n\n{header}".splitlines()
+    )
+    body = yaml.dump_all(
+        objects, Dumper=_NoAliases, sort_keys=False, default_flow_style=False, width=100
+    )
+    return comment + "---\n" + body

@@ -1,0 +1,330 @@
+"""Istio: fairlane's ext_proc filter in the ingress gateway, as an EnvoyFilter.
+
+The EnvoyFilter's patches carry the rendered filter (disabled unless a route enables it),
+clusters, HCM settings and route settings verbatim; :func:`istio_bootstrap` applies them to a
+stand-in for the gateway config Istio generates, so ``fairlane render-envoy``'s typed check
+and ``envoy --mode validate`` see each patch value where Istio puts it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+from extproc.envoy_config import (
+    EnvoyParams,
+    backend_cluster,
+    ext_proc_filter,
+    extproc_cluster,
+    failure_mode_override,
+    hcm_settings,
+)
+from extproc.mesh import GATEWAY, kube_names, route_merge, route_specs, workload
+
+HCM_FILTER = "envoy.filters.network.http_connection_manager"
+HCM_TYPE = (
+    "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+    "HttpConnectionManager"
+)
+ROUTER_FILTER = "envoy.filters.http.router"
+ISTIO_API = "networking.istio.io/v1alpha3"
+
+ISTIO_HEADER = """\
+Istio: fairlane's ext_proc filter in the ingress gateway, as an EnvoyFilter.
+
+Needs: Istio with EnvoyFilter (networking.istio.io/v1alpha3) whose proxy is an Envoy with
+  - envoy.filters.http.ext_proc with max_message_timeout/override_message_timeout,
+    status_on_error and metadata_options.receiving_namespaces;
+  - envoy.load_balancing_policies.override_host (the upstream LB policy that routes to the
+    ip:port the service names in x-gateway-destination-endpoint, alternates for retries);
+  check `istioctl version` / the proxy's `envoy --version`: this file is validated against
+  Envoy 1.40.0 (tests/deploy/test_mesh_snippets.py); older proxies may lack override_host.
+What the mesh must provide:
+  - the vLLM pods behind the Service `vllm` (rename below), the gateway's outbound cluster
+    for it is patched to override_host: its endpoints are pod IP:port, which is what the
+    service must list (`fairlane serve --backend REGION=http://POD_IP:PORT`, a static list:
+    restart the service when vLLM pods move);
+  - the fairlane Service reachable in plain gRPC (h2c) from the gateway: the Deployment
+    below runs without a sidecar; with STRICT mTLS in its namespace use PERMISSIVE for it;
+  - Gateway + VirtualService routes named like the HTTP_ROUTE patches (the VirtualService
+    below), because EnvoyFilter matches routes by name.
+The filter is inserted disabled and enabled per route (ExtProcPerRoute on fairlane's routes):
+the gateway's other routes never reach fairlane.
+Apply: kubectl apply -f istio.yaml (the EnvoyFilter lives in istio-system, beside the gateway).
+"""
+
+
+def scoped_ext_proc_filter(params: EnvoyParams) -> dict[str, Any]:
+    """The ext_proc filter, disabled unless a route enables it.
+
+    A mesh's listener serves other applications' routes too; with the filter on by default
+    each of them would go through fairlane, fail-closed. ``HttpFilter.disabled`` keeps it
+    off, and a valid per-route config (:func:`enabling_route_merge`) turns it on for
+    fairlane's routes only."""
+    return {**ext_proc_filter(params), "disabled": True}
+
+
+def enabling_route_merge(
+    rendered_route: dict[str, Any], failure_mode_allow: bool
+) -> dict[str, Any]:
+    """:func:`route_merge` plus the ``ExtProcPerRoute`` that enables the (disabled by
+    default) ext_proc filter on this route, with the route's failure mode."""
+    merged = route_merge(rendered_route)
+    merged["typed_per_filter_config"] = failure_mode_override(failure_mode_allow)
+    return merged
+
+
+def backend_cluster_merge(params: EnvoyParams) -> dict[str, Any]:
+    """What a mesh merges into its own cluster of the vLLM Service: override_host routing,
+    raised circuit breakers and the buffer limit (its endpoints come from the mesh)."""
+    cluster = backend_cluster(params)
+    keys = ("per_connection_buffer_limit_bytes", "load_balancing_policy", "circuit_breakers")
+    return {key: cluster[key] for key in keys}
+
+
+def render_istio(params: EnvoyParams) -> list[dict[str, Any]]:
+    """Kubernetes objects for Istio: fairlane's Deployment and Service, a Gateway and a
+    VirtualService with one named route per rendered route, and the EnvoyFilter that patches
+    the ingress gateway with the rendered ext_proc filter, clusters and settings."""
+    names = kube_names(params)
+    specs = route_specs(params)
+    routes = [rendered for rendered, _ in specs]
+    hcm_match = {
+        "context": "GATEWAY",
+        "listener": {"filterChain": {"filter": {"name": HCM_FILTER}}},
+    }
+    patches: list[dict[str, Any]] = [
+        {
+            "applyTo": "HTTP_FILTER",
+            "match": {
+                "context": "GATEWAY",
+                "listener": {
+                    "filterChain": {
+                        "filter": {"name": HCM_FILTER, "subFilter": {"name": ROUTER_FILTER}}
+                    }
+                },
+            },
+            "patch": {"operation": "INSERT_BEFORE", "value": scoped_ext_proc_filter(params)},
+        },
+        {
+            "applyTo": "NETWORK_FILTER",
+            "match": hcm_match,
+            "patch": {
+                "operation": "MERGE",
+                "value": {
+                    "name": HCM_FILTER,
+                    "typed_config": {"@type": HCM_TYPE, **hcm_settings(params)},
+                },
+            },
+        },
+        {
+            "applyTo": "LISTENER",
+            "match": {"context": "GATEWAY"},
+            "patch": {
+                "operation": "MERGE",
+                "value": {"per_connection_buffer_limit_bytes": params.buffer_limit_bytes},
+            },
+        },
+        {
+            "applyTo": "CLUSTER",
+            "match": {"context": "GATEWAY"},
+            "patch": {"operation": "ADD", "value": extproc_cluster(params)},
+        },
+        {
+            "applyTo": "CLUSTER",
+            "match": {
+                "context": "GATEWAY",
+                "cluster": {"service": names.vllm_host, "portNumber": names.backend_port},
+            },
+            "patch": {"operation": "MERGE", "value": backend_cluster_merge(params)},
+        },
+        *(
+            {
+                "applyTo": "HTTP_ROUTE",
+                "match": {
+                    "context": "GATEWAY",
+                    "routeConfiguration": {"vhost": {"route": {"name": rendered["name"]}}},
+                },
+                "patch": {"operation": "MERGE", "value": enabling_route_merge(rendered, allow)},
+            }
+            for rendered, allow in specs
+        ),
+    ]
+    gateway = {
+        "apiVersion": ISTIO_API,
+        "kind": "Gateway",
+        "metadata": {"name": GATEWAY, "namespace": names.namespace},
+        "spec": {
+            "selector": {"istio": "ingressgateway"},
+            "servers": [
+                {"port": {"number": 80, "name": "http", "protocol": "HTTP"}, "hosts": ["*"]}
+            ],
+        },
+    }
+    http_routes = []
+    for rendered in routes:
+        kind, value = next(iter(rendered["match"].items()))
+        http_routes.append(
+            {
+                "name": rendered["name"],  # the HTTP_ROUTE patches match this name
+                "match": [{"uri": {"prefix" if kind == "prefix" else "exact": value}}],
+                "route": [
+                    {
+                        "destination": {
+                            "host": names.vllm_host,
+                            "port": {"number": names.backend_port},
+                        }
+                    }
+                ],
+                "timeout": rendered["route"]["timeout"],
+                "retries": {
+                    "attempts": rendered["route"]["retry_policy"]["num_retries"],
+                    "retryOn": rendered["route"]["retry_policy"]["retry_on"],
+                },
+            }
+        )
+    virtual_service = {
+        "apiVersion": ISTIO_API,
+        "kind": "VirtualService",
+        "metadata": {"name": "llm", "namespace": names.namespace},
+        "spec": {"hosts": ["*"], "gateways": [GATEWAY], "http": http_routes},
+    }
+    envoy_filter = {
+        "apiVersion": ISTIO_API,
+        "kind": "EnvoyFilter",
+        "metadata": {"name": "fairlane-ext-proc", "namespace": "istio-system"},
+        "spec": {
+            "workloadSelector": {"labels": {"istio": "ingressgateway"}},
+            "configPatches": patches,
+        },
+    }
+    return [*workload(params, names), gateway, virtual_service, envoy_filter]
+
+
+def proto_merge(base: Any, patch: Any) -> Any:
+    """Protobuf merge semantics on proto3-JSON dicts, as Istio's MERGE applies a patch:
+    messages merge field by field, repeated fields append, scalars are replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = dict(base)
+        for key, value in patch.items():
+            merged[key] = proto_merge(base[key], value) if key in base else value
+        return merged
+    if isinstance(base, list) and isinstance(patch, list):
+        return [*base, *patch]
+    return patch
+
+
+def istio_bootstrap(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """A whole bootstrap: the EnvoyFilter's patches applied to a stand-in for what Istio
+    generates for the gateway from the VirtualService (a listener whose HCM ends in the
+    router, routes named like the VirtualService's with Istio's default retry predicate, and
+    the vLLM Service's outbound cluster with ``lb_policy: LEAST_REQUEST`` and static
+    endpoints instead of EDS). ``envoy --mode validate`` on it shows that every patch value
+    is config Envoy accepts where Istio puts it."""
+    by_kind = {obj["kind"]: obj for obj in objects}
+    patches = by_kind["EnvoyFilter"]["spec"]["configPatches"]
+
+    def patch_values(apply_to: str, operation: str) -> list[dict[str, Any]]:
+        return [
+            p["patch"]["value"]
+            for p in patches
+            if p["applyTo"] == apply_to and p["patch"]["operation"] == operation
+        ]
+
+    deployment = by_kind["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    backends = [urlsplit(arg.split("=", 2)[2]) for arg in deployment if arg.startswith("--backend")]
+    virtual_service = by_kind["VirtualService"]["spec"]
+    destination = virtual_service["http"][0]["route"][0]["destination"]
+    outbound = f"outbound|{destination['port']['number']}||{destination['host']}"
+    route_patches = {
+        p["match"]["routeConfiguration"]["vhost"]["route"]["name"]: p["patch"]["value"]
+        for p in patches
+        if p["applyTo"] == "HTTP_ROUTE"
+    }
+    routes = []
+    for http in virtual_service["http"]:
+        (uri,) = http["match"]
+        kind, value = next(iter(uri["uri"].items()))
+        istio_route = {
+            "name": http["name"],
+            "match": {"prefix" if kind == "prefix" else "path": value},
+            "route": {
+                "cluster": outbound,
+                "timeout": http["timeout"],
+                "retry_policy": {
+                    "retry_on": http["retries"]["retryOn"],
+                    "num_retries": http["retries"]["attempts"],
+                    "retry_host_predicate": [
+                        {
+                            "name": "envoy.retry_host_predicates.previous_hosts",
+                            "typed_config": {
+                                "@type": "type.googleapis.com/envoy.extensions.retry.host."
+                                "previous_hosts.v3.PreviousHostsPredicate"
+                            },
+                        }
+                    ],
+                    "host_selection_retry_max_attempts": 5,
+                },
+            },
+        }
+        routes.append(proto_merge(istio_route, route_patches.get(http["name"], {})))
+    hcm: dict[str, Any] = {
+        "@type": HCM_TYPE,
+        "stat_prefix": "outbound_0.0.0.0_8080",
+        "route_config": {
+            "name": "http.8080",
+            "virtual_hosts": [{"name": "*:80", "domains": ["*"], "routes": routes}],
+        },
+        "http_filters": [
+            *patch_values("HTTP_FILTER", "INSERT_BEFORE"),
+            {
+                "name": ROUTER_FILTER,
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                },
+            },
+        ],
+    }
+    for value in patch_values("NETWORK_FILTER", "MERGE"):
+        hcm = proto_merge(hcm, value["typed_config"])
+    listener: dict[str, Any] = {
+        "name": "0.0.0.0_8080",
+        "address": {"socket_address": {"address": "0.0.0.0", "port_value": 8080}},
+        "filter_chains": [{"filters": [{"name": HCM_FILTER, "typed_config": hcm}]}],
+    }
+    for value in patch_values("LISTENER", "MERGE"):
+        listener = proto_merge(listener, value)
+    vllm: dict[str, Any] = {
+        "name": outbound,
+        "type": "STATIC",
+        "connect_timeout": "10s",
+        "lb_policy": "LEAST_REQUEST",
+        "load_assignment": {
+            "cluster_name": outbound,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {
+                            "endpoint": {
+                                "address": {
+                                    "socket_address": {
+                                        "address": url.hostname,
+                                        "port_value": url.port,
+                                    }
+                                }
+                            }
+                        }
+                        for url in backends
+                    ]
+                }
+            ],
+        },
+    }
+    for value in patch_values("CLUSTER", "MERGE"):
+        vllm = proto_merge(vllm, value)
+    return {
+        "static_resources": {
+            "listeners": [listener],
+            "clusters": [*patch_values("CLUSTER", "ADD"), vllm],
+        }
+    }

@@ -82,16 +82,19 @@ class GatewayCollector(Collector):
             "How long the oldest request held in a tier's queue has waited (starvation).",
             labels=["tier"],
         )
-        for tier, count in scheduler.depths().items():
-            depth.add_metric([tier], count)
-            oldest.add_metric([tier], scheduler.oldest_wait_s(tier))
+        for band, count in scheduler.depths().items():
+            depth.add_metric([band], count)
+            oldest.add_metric([band], scheduler.oldest_wait_s(band))
         by_tier = GaugeMetricFamily(
             "fairlane_tier_in_flight",
             "Requests released upstream and not yet seen to finish, per tier.",
             labels=["tier"],
         )
-        for tier, count in self.admission.in_flight_by_tier().items():
-            by_tier.add_metric([tier], count)
+        counts = self.admission.in_flight_by_tier()
+        for configured in self.admission.policy.tiers:  # 0s too: a vanished line reads as no data
+            by_tier.add_metric([configured.name], counts.pop(configured.name, 0))
+        for removed, count in counts.items():  # a tier a reload removed, still finishing
+            by_tier.add_metric([removed], count)
         return (depth, oldest, by_tier)
 
     def _slos(self) -> Iterable[Metric]:

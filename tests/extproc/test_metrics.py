@@ -35,6 +35,8 @@ def test_every_outcome_is_counted_where_an_operator_looks_for_it() -> None:
     assert value(text, "fairlane_policy_reloads_total", result="ok") == 1
     assert value(text, "fairlane_policy_reloads_total", result="error") == 1
     assert value(text, "fairlane_tier_slo_ttft_seconds", tier="interactive") == 0.5
+    assert value(text, "fairlane_tier_in_flight", tier="api") == 1
+    assert value(text, "fairlane_tier_in_flight", tier="batch") == 0  # present, not missing
     assert value(text, "fairlane_request_duration_seconds_count", tier="interactive") == 1
     assert value(text, "fairlane_request_duration_seconds_sum", tier="interactive") == 0.8
     assert (

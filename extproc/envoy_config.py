@@ -266,10 +266,30 @@ def render_mesh_snippet(params: EnvoyParams) -> dict[str, Any]:
     return {
         "listener_settings": {"per_connection_buffer_limit_bytes": params.buffer_limit_bytes},
         "http_connection_manager_settings": _hcm_settings(params),
-        "http_filters": [ext_proc_filter(params)],
-        "routes": routes(params),
+        "http_filters": [scoped_ext_proc_filter(params)],
+        "routes": [
+            *(enabled_route(params, spec) for spec in params.routes),
+            enabled_route(params),
+        ],
         "clusters": [extproc_cluster(params), backend_cluster(params)],
     }
+
+
+def scoped_ext_proc_filter(params: EnvoyParams) -> dict[str, Any]:
+    """The ext_proc filter, disabled unless a route enables it.
+
+    An existing Envoy's connection manager serves other applications' routes too; with the
+    filter on by default each of them would go through fairlane and be refused (no tenant
+    key) or fail closed. ``HttpFilter.disabled`` keeps it off, and a per-route
+    ``ExtProcPerRoute`` (:func:`enabled_route`) turns it on for fairlane's routes only."""
+    return {**ext_proc_filter(params), "disabled": True}
+
+
+def enabled_route(params: EnvoyParams, spec: RouteSpec | None = None) -> dict[str, Any]:
+    """:func:`route` carrying the ``ExtProcPerRoute`` that enables the scoped filter on it,
+    with the route's failure mode."""
+    allow = params.failure_mode_allow if spec is None else spec.failure_mode_allow
+    return {**_route(params, spec), "typed_per_filter_config": failure_mode_override(allow)}
 
 
 def wrap_snippet(snippet: dict[str, Any]) -> dict[str, Any]:
@@ -319,8 +339,11 @@ def render_mesh_snippet_yaml(params: EnvoyParams, generated_by: str | None = Non
         "Not a bootstrap: pieces for an existing Envoy (see envoy/README.md).\n"
         "- listener_settings: merge into your listener.\n"
         "- http_connection_manager_settings: merge into your HTTP connection manager.\n"
-        "- http_filters: put the ext_proc filter before envoy.filters.http.router.\n"
-        "- routes: the route for the LLM paths (narrow its match to your API prefix).\n"
+        "- http_filters: put the ext_proc filter before envoy.filters.http.router. It is\n"
+        "  disabled by default: only the routes below enable it, your others never reach\n"
+        "  fairlane.\n"
+        "- routes: the routes for the LLM paths (narrow the catch-all's match to your API\n"
+        "  prefix); each carries the per-route config that enables the filter.\n"
         "- clusters: add both to static_resources.clusters (or serve them via CDS).\n"
     )
     return _comment(header) + _dump(render_mesh_snippet(params))

@@ -14,10 +14,10 @@ from urllib.parse import urlsplit
 from extproc.envoy_config import (
     EnvoyParams,
     backend_cluster,
-    ext_proc_filter,
     extproc_cluster,
     failure_mode_override,
     hcm_settings,
+    scoped_ext_proc_filter,
 )
 from extproc.mesh import GATEWAY, kube_names, route_merge, route_specs, workload
 
@@ -52,16 +52,6 @@ The filter is inserted disabled and enabled per route (ExtProcPerRoute on fairla
 the gateway's other routes never reach fairlane.
 Apply: kubectl apply -f istio.yaml (the EnvoyFilter lives in istio-system, beside the gateway).
 """
-
-
-def scoped_ext_proc_filter(params: EnvoyParams) -> dict[str, Any]:
-    """The ext_proc filter, disabled unless a route enables it.
-
-    A mesh's listener serves other applications' routes too; with the filter on by default
-    each of them would go through fairlane, fail-closed. ``HttpFilter.disabled`` keeps it
-    off, and a valid per-route config (:func:`enabling_route_merge`) turns it on for
-    fairlane's routes only."""
-    return {**ext_proc_filter(params), "disabled": True}
 
 
 def enabling_route_merge(

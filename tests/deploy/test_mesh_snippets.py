@@ -340,22 +340,24 @@ def _check_workload(docs: list[dict[str, Any]], deployment: Deployment) -> None:
     ]
 
 
-@pytest.mark.integration
-async def test_istio_patches_on_a_real_envoy(processes: ProcessGroup, tmp_path: Path) -> None:
-    """The Istio stand-in, made runnable (loopback ports, a local backend, no fairlane
-    service), on the real Envoy: fairlane's generation route fails closed (503), its
-    /v1/models route fails open, and another application's route on the same gateway never
-    goes through ext_proc (the filter is disabled unless a route enables it)."""
-    import aiohttp
+async def fairlane_and_another_app(
+    processes: ProcessGroup, tmp_path: Path, bootstrap: dict[str, Any]
+) -> tuple[tuple[int, int, int], dict[str, str]]:
+    """Run ``bootstrap`` on the real Envoy, on loopback, with no fairlane service (its
+    cluster points at a port nothing listens on) and another application's route put in
+    front of fairlane's, the way a mesh adds it (no per-route config for ext_proc).
 
-    bootstrap = istio_bootstrap(objects("istio.yaml"))
+    Returns the statuses of a generation request, ``GET /v1/models`` and the other app's
+    request, and Envoy's ext_proc stats."""
+    import aiohttp
+    from aiohttp import web
+
     listen, admin, backend, dead = (free_port() for _ in range(4))
     bootstrap["admin"] = {
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}
     }
     (listener,) = bootstrap["static_resources"]["listeners"]
     listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen}
-    clusters = bootstrap["static_resources"]["clusters"]
 
     def on_loopback(port: int) -> list[dict[str, Any]]:
         return [
@@ -366,25 +368,22 @@ async def test_istio_patches_on_a_real_envoy(processes: ProcessGroup, tmp_path: 
             }
         ]
 
-    for cluster in clusters:
+    for cluster in bootstrap["static_resources"]["clusters"]:
         endpoints = cluster["load_assignment"]["endpoints"]
         if cluster["name"] == "fairlane_extproc":  # the service is down: nothing listens
             cluster["type"] = "STATIC"
             endpoints[0]["lb_endpoints"] = on_loopback(dead)
-        else:  # the vLLM Service's outbound cluster
-            endpoints[0]["lb_endpoints"] = on_loopback(backend)
+        else:  # the vLLM cluster: every locality on the local backend
+            for locality in endpoints:
+                locality["lb_endpoints"] = on_loopback(backend)
             outbound = cluster["name"]
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     vhost = hcm["route_config"]["virtual_hosts"][0]
-    # another application's route on the same gateway, added by Istio from its own
-    # VirtualService: no per-route config for ext_proc
     vhost["routes"].insert(
         0, {"name": "other-app", "match": {"prefix": "/other"}, "route": {"cluster": outbound}}
     )
-    config = tmp_path / "istio-standin.yaml"
+    config = tmp_path / "standin.yaml"
     config.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
-
-    from aiohttp import web
 
     async def answer(request: web.Request) -> web.Response:
         return web.json_response({"path": request.path})
@@ -400,18 +399,43 @@ async def test_istio_patches_on_a_real_envoy(processes: ProcessGroup, tmp_path: 
         base = f"http://127.0.0.1:{listen}"
         async with aiohttp.ClientSession() as session:
             async with session.post(f"{base}/v1/chat/completions", json={"model": "m"}) as r:
-                assert r.status == 503, await r.text()
+                generation = r.status
             async with session.get(f"{base}/v1/models") as r:
-                assert r.status == 200, await r.text()
+                models = r.status
             async with session.get(f"{base}/other/thing") as r:
-                assert r.status == 200, await r.text()
+                other = r.status
             async with session.get(f"http://127.0.0.1:{admin}/stats?filter=ext_proc") as r:
                 stats = dict(
                     line.split(": ", 1) for line in (await r.text()).splitlines() if ": " in line
                 )
-        prefix = "http.outbound_0.0.0.0_8080.ext_proc.fairlane."
-        # two fairlane routes tried the (dead) service; the other app's route did not
-        assert int(stats[prefix + "streams_failed"]) == 2, stats
-        assert int(stats[prefix + "failure_mode_allowed"]) == 1, stats
     finally:
         await runner.cleanup()
+    return (generation, models, other), stats
+
+
+@pytest.mark.integration
+async def test_istio_patches_on_a_real_envoy(processes: ProcessGroup, tmp_path: Path) -> None:
+    """The Istio stand-in on the real Envoy: fairlane's generation route fails closed (503),
+    its /v1/models route fails open, and another application's route on the same gateway
+    never goes through ext_proc (the filter is disabled unless a route enables it)."""
+    bootstrap = istio_bootstrap(objects("istio.yaml"))
+    statuses, stats = await fairlane_and_another_app(processes, tmp_path, bootstrap)
+    assert statuses == (503, 200, 200)
+    prefix = "http.outbound_0.0.0.0_8080.ext_proc.fairlane."
+    # two fairlane routes tried the (dead) service; the other app's route did not
+    assert int(stats[prefix + "streams_failed"]) == 2, stats
+    assert int(stats[prefix + "failure_mode_allowed"]) == 1, stats
+
+
+@pytest.mark.integration
+async def test_plain_envoy_snippet_leaves_other_routes_alone(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """The plain snippet pasted into an Envoy that serves another app too: the same three
+    outcomes as Istio's (the snippet's filter is scoped to its own routes)."""
+    bootstrap = wrap_snippet(yaml.safe_load((MESH / "envoy-snippet.yaml").read_text()))
+    statuses, stats = await fairlane_and_another_app(processes, tmp_path, bootstrap)
+    assert statuses == (503, 200, 200)
+    prefix = "http.mesh.ext_proc.fairlane."
+    assert int(stats[prefix + "streams_failed"]) == 2, stats
+    assert int(stats[prefix + "failure_mode_allowed"]) == 1, stats

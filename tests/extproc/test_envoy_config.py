@@ -290,8 +290,13 @@ def test_mesh_snippet_matches_bootstrap() -> None:
     snippet = render_mesh_snippet(params)
     bootstrap = render_bootstrap(params)
     assert snippet["clusters"] == bootstrap["static_resources"]["clusters"]
-    assert snippet["http_filters"][0] == _hcm(bootstrap)["http_filters"][0]
-    assert snippet["routes"] == [_route(bootstrap)]
+    # The same filter and route, scoped: off by default, enabled by fairlane's own route, so
+    # the other routes of the Envoy it is pasted into never reach fairlane.
+    assert snippet["http_filters"][0] == {**_hcm(bootstrap)["http_filters"][0], "disabled": True}
+    (route,) = snippet["routes"]
+    enabling = route.pop("typed_per_filter_config")
+    assert route == _route(bootstrap)
+    assert enabling["envoy.filters.http.ext_proc"]["overrides"] == {"failure_mode_allow": False}
 
 
 @pytest.mark.parametrize(

@@ -83,8 +83,14 @@ def test_extra_routes_come_first_with_their_failure_mode() -> None:
     for extra in routes[:-1]:
         assert extra["route"] == catch_all["route"]
         assert extra["response_headers_to_add"] == catch_all["response_headers_to_add"]
-    # the mesh snippet carries the same routes
-    assert render_mesh_snippet(params)["routes"] == routes
+    # the mesh snippet carries the same routes, each also enabling the (scoped) filter
+    snippet_routes = render_mesh_snippet(params)["routes"]
+    assert [_allows(r) for r in snippet_routes] == [True, True, False, False]
+    for pasted, bootstrap_route in zip(snippet_routes, routes, strict=True):
+        assert "typed_per_filter_config" in pasted
+        assert {k: v for k, v in pasted.items() if k != "typed_per_filter_config"} == {
+            k: v for k, v in bootstrap_route.items() if k != "typed_per_filter_config"
+        }
 
 
 def test_catch_all_can_fail_open() -> None:

@@ -2,8 +2,8 @@
 
 Dashboards and alert rules are checked against the names the service actually exports, not a
 hand-kept list: this drives one request of every outcome through the real ``Gateway``
-(admitted and completed, shed, rejected, a failover pick, a good and a bad policy reload) and
-renders the real ``GatewayCollector``.
+(admitted and completed, shed, rejected, an internal error, a failover pick, a good and a
+bad policy reload) and renders the real ``GatewayCollector``.
 """
 
 from __future__ import annotations
@@ -54,6 +54,17 @@ async def _drive() -> str:
 
         refused = gateway.handle(request("sk-wrong", request_id="bad-key"))
         assert isinstance(refused, Respond) and refused.status == 401, refused
+
+        # A bug in the request path (simulated: admission raising) costs one request a 500,
+        # counted as internal_error, through the gateway's real guard.
+        def bug(*_: object) -> None:
+            raise RuntimeError("simulated bug")
+
+        submit = gateway.admission.submit
+        gateway.admission.submit = bug  # type: ignore[assignment,method-assign]
+        broken = gateway.handle(request("sk-chat-demo", request_id="bug-1"))
+        gateway.admission.submit = submit  # type: ignore[method-assign]
+        assert isinstance(broken, Respond) and broken.status == 500, broken
 
         local.healthy = False  # the local region is down: the next pick fails over
         failover = gateway.handle(request("sk-api-demo", request_id="api-1"))

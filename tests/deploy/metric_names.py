@@ -194,14 +194,6 @@ ENVOY_EXT_PROC_STATS = frozenset(
 ENVOY_EXT_PROC_PREFIX = "envoy_http_ext_proc_fairlane_"
 
 
-# Label values the gateway's code emits that the driven exposition does not show (no
-# request in tests/exported_metrics.py takes that path), each with the source file that
-# emits it as a literal: test_metric_names checks the literal is still there.
-CODE_LABEL_VALUES: dict[tuple[str, str], dict[str, str]] = {
-    ("fairlane_requests_rejected_total", "reason"): {"internal_error": "extproc/gateway.py"},
-}
-
-
 def exported_labels() -> dict[str, dict[str, set[str]]]:
     """Label names and values per sample name: gateway, vLLM and Envoy together."""
     merged: dict[str, dict[str, set[str]]] = {}
@@ -210,9 +202,6 @@ def exported_labels() -> dict[str, dict[str, set[str]]]:
             into = merged.setdefault(name, {})
             for key, values in labels.items():
                 into.setdefault(key, set()).update(values)
-    for (name, label), from_code in CODE_LABEL_VALUES.items():
-        if label in merged.get(name, {}):
-            merged[name][label].update(from_code)
     return merged
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.metric_names import (
-    CODE_LABEL_VALUES,
     ENVOY_EXT_PROC_PREFIX,
     ENVOY_EXT_PROC_STATS,
     PromQLSyntaxError,
@@ -179,19 +178,6 @@ def test_vllm_exposition_matches_the_reference_dump() -> None:
     real = {n for n in sample_names(sample.read_text()) if n.startswith("vllm:")}
     ours = {n for n in vllm_sample_names() if n.startswith("vllm:")}
     assert real - ours == set(), "vLLM series the simulator does not export"
-
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.mark.parametrize(
-    ("key", "value", "source"),
-    [(k, v, src) for k, values in CODE_LABEL_VALUES.items() for v, src in values.items()],
-)
-def test_label_values_taken_from_the_code_are_still_in_the_code(
-    key: tuple[str, str], value: str, source: str
-) -> None:
-    assert f'"{value}"' in (REPO / source).read_text(), f"{key}: {value!r} gone from {source}"
 
 
 def test_envoy_ext_proc_stats_are_the_documented_ones() -> None:

@@ -31,6 +31,9 @@ def test_every_outcome_is_counted_where_an_operator_looks_for_it() -> None:
     assert (
         value(text, "fairlane_requests_rejected_total", status="401", reason="invalid_api_key") == 1
     )
+    assert (
+        value(text, "fairlane_requests_rejected_total", status="500", reason="internal_error") == 1
+    )
     assert value(text, "fairlane_picks_total", backend="127.0.0.1:8102", reason="failover") == 1
     assert value(text, "fairlane_policy_reloads_total", result="ok") == 1
     assert value(text, "fairlane_policy_reloads_total", result="error") == 1

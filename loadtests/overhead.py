@@ -83,6 +83,24 @@ _ANSWERS: dict[object, bytes] = {
 }
 
 
+def _take_message(buffer: bytes) -> tuple[bytes, bytes] | None:
+    """Split one whole HTTP/1.1 message (head without its blank line, plus a
+    ``content-length`` body) off the front of ``buffer``: ``(head, rest)``, or None while it is
+    incomplete. Both ends of the measurement frame messages this way; neither uses chunking."""
+    end = buffer.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    head = buffer[:end]
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    if len(buffer) < end + 4 + length:
+        return None
+    return head, buffer[end + 4 + length :]
+
+
 class _BackendProtocol(asyncio.Protocol):
     """HTTP/1.1 keep-alive, requests with ``content-length`` bodies, answered at once."""
 
@@ -95,19 +113,8 @@ class _BackendProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        while True:
-            end = self.buffer.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            head = self.buffer[:end]
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            if len(self.buffer) < end + 4 + length:
-                return
-            self.buffer = self.buffer[end + 4 + length :]
+        while (message := _take_message(self.buffer)) is not None:
+            head, self.buffer = message
             method, _, rest = head.partition(b" ")
             path = rest.split(b" ", 1)[0]
             answer = _ANSWERS["POST"] if method == b"POST" else _ANSWERS.get(path)
@@ -142,18 +149,10 @@ class _ClientProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        end = self.buffer.find(b"\r\n\r\n")
-        if end < 0:
+        message = _take_message(self.buffer)
+        if message is None:
             return
-        head = self.buffer[:end]
-        length = 0
-        for line in head.split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        if len(self.buffer) < end + 4 + length:
-            return
-        self.buffer = self.buffer[end + 4 + length :]
+        head, self.buffer = message
         status = int(head[9:12])
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(status)

@@ -413,10 +413,10 @@ class Admission:
 
     def request_of(self, request_id: str) -> RequestClass | None:
         """The class of an in-flight request (None when it is not in flight)."""
-        record = self._in_flight.get(request_id)
-        if record is None:
+        entry = self.entry_of(request_id)
+        if entry is None:
             return None
-        waiting: Waiting = record.entry.payload
+        waiting: Waiting = entry.payload
         return waiting.request
 
     def entry_of(self, request_id: str) -> Entry | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 OTHER = "other"
@@ -162,7 +162,3 @@ class GatewayStats:
 
     def policy_reload(self, ok: bool) -> None:
         self.policy_reloads["ok" if ok else "error"] += 1
-
-    def label_values(self) -> Iterable[str]:
-        """Every client-derived label value in use (for cardinality checks)."""
-        return (*self._flow.seen, *self._model.seen)

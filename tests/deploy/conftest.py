@@ -21,7 +21,11 @@ SETUP_ERROR = Path(os.environ.get("FAIRLANE_CACHE", Path.home() / ".cache" / "fa
     "setup-tools.error"
 )
 # command -> the Debian package that ships it
-DEBIAN_PACKAGE = {"docker-compose": "docker-compose", "promtool": "prometheus"}
+DEBIAN_PACKAGE = {
+    "docker-compose": "docker-compose",
+    "promtool": "prometheus",
+    "prometheus": "prometheus",
+}
 
 
 def require_tool(name: str) -> str:
@@ -56,6 +60,19 @@ def run_tool(
             pytrace=False,
         )
     return result.stdout
+
+
+def run_promtool(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """``promtool ARGS`` (failing the test when promtool is missing); the caller judges the
+    exit status, since some checks expect promtool to refuse."""
+    return subprocess.run(
+        [require_tool("promtool"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from tests.deploy.conftest import REPO, require_tool, run_promtool
 from tests.deploy.metric_names import (
     bad_matchers,
     envoy_sample_names,
@@ -31,27 +31,12 @@ from tests.deploy.metric_names import (
     vllm_sample_names,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 PROM_DIR = REPO / "deploy" / "prometheus"
 ALERTS = PROM_DIR / "alerts.yml"
 ALERT_TESTS = PROM_DIR / "alerts.test.yml"
 RUNBOOK = PROM_DIR / "README.md"
 
-PROMTOOL_MISSING = "promtool not found: apt-get install prometheus (scripts/setup-tools)"
 SEVERITIES = {"critical", "warning", "info"}
-
-
-def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.fail(PROMTOOL_MISSING)
-    return path
-
-
-def run_promtool(*args: str, cwd: Path = PROM_DIR) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [promtool(), *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
-    )
 
 
 def load_rules(path: Path = ALERTS) -> list[dict[str, Any]]:
@@ -92,13 +77,13 @@ def github_anchors(markdown: str) -> set[str]:
 
 
 def test_promtool_check_rules() -> None:
-    result = run_promtool("check", "rules", str(ALERTS))
+    result = run_promtool("check", "rules", str(ALERTS), cwd=PROM_DIR)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
 
 
 def test_promtool_unit_tests_pass() -> None:
-    result = run_promtool("test", "rules", str(ALERT_TESTS))
+    result = run_promtool("test", "rules", str(ALERT_TESTS), cwd=PROM_DIR)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -172,8 +157,12 @@ def test_promtool_missing_is_a_failure_with_the_install_hint(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(shutil, "which", lambda _name: None)
-    with pytest.raises(pytest.fail.Exception, match=re.escape(PROMTOOL_MISSING)):
-        promtool()
+    with pytest.raises(pytest.fail.Exception) as failed:
+        require_tool("promtool")
+    message = str(failed.value)
+    assert "`promtool` is not installed" in message
+    assert "scripts/setup-tools" in message
+    assert "apt-get install -y --no-install-recommends prometheus" in message
 
 
 # -- metric names -------------------------------------------------------------------------

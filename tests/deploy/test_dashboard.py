@@ -17,7 +17,6 @@ import copy
 import json
 import re
 import shutil
-import subprocess
 import time
 import urllib.parse
 import urllib.request
@@ -29,6 +28,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.deploy.conftest import REPO, require_tool, run_promtool
 from tests.deploy.metric_names import (
     PROMETHEUS_SYNTHETIC,
     bad_matchers,
@@ -41,9 +41,7 @@ from tests.deploy.metric_names import (
     unknown_names,
     vllm_sample_names,
 )
-from tests.deploy.test_alerts import promtool
 
-REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "fairlane.json"
 DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
 
@@ -174,13 +172,7 @@ def test_every_expression_parses(tmp_path: Path) -> None:
     ]
     path = tmp_path / "dashboard-rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
-    result = subprocess.run(
-        [promtool(), "check", "rules", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = run_promtool("check", "rules", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -333,19 +325,12 @@ def test_the_fairness_and_shed_formulas_compute_what_they_say(tmp_path: Path) ->
     }
     path = tmp_path / "formulas.test.yml"
     path.write_text(yaml.safe_dump(tests, sort_keys=False))
-    result = subprocess.run(
-        [promtool(), "test", "rules", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = run_promtool("test", "rules", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 # -- on a live stack ----------------------------------------------------------------------
 
-PROMETHEUS_MISSING = "prometheus not found: apt-get install prometheus (scripts/setup-tools)"
 # Panels that may rightly be empty after a few seconds of traffic.
 MAY_BE_EMPTY = {"Firing fairlane alerts"}
 
@@ -408,9 +393,7 @@ def test_every_panel_shows_data_from_a_live_stack(tmp_path: Path, processes: Any
     from extproc.processes import free_port, wait_http_ready
     from extproc.stack import Stack, StackConfig
 
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.fail(PROMETHEUS_MISSING)
+    binary = require_tool("prometheus")
     policy = tmp_path / "policy.yaml"
     text = Path(DEFAULT_POLICY_PATH).read_text()
     assert "queue_limit: 100000" in text

@@ -46,6 +46,7 @@ from extproc.mesh.istio import ISTIO_HEADER, backend_cluster_merge, istio_bootst
 from extproc.processes import ProcessGroup, free_port, wait_http_ready
 from extproc.render_envoy import render, typed_check
 from tests.deploy.conftest import REPO
+from tests.http_backends import serve_every_path
 
 MESH = REPO / "deploy" / "mesh"
 DEPLOYMENT = MESH / "fairlane.yaml"
@@ -388,11 +389,7 @@ async def fairlane_and_another_app(
     async def answer(request: web.Request) -> web.Response:
         return web.json_response({"path": request.path})
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", answer)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", backend).start()
+    runner = await serve_every_path(answer, backend)
     try:
         envoy = processes.start("envoy", envoy_argv(config, concurrency=1))
         await asyncio.to_thread(wait_http_ready, f"http://127.0.0.1:{admin}/ready", envoy, 20)

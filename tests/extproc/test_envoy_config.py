@@ -37,6 +37,7 @@ from extproc.envoy_config import (
     wrap_snippet,
 )
 from extproc.processes import ProcessGroup, free_port, wait_http_ready
+from tests.http_backends import serve_every_path
 
 REPO = Path(__file__).resolve().parents[2]
 ENVOY_DIR = REPO / "envoy"
@@ -457,12 +458,7 @@ async def _start_upstream(name: str, port: int) -> Any:
             }
         )
 
-    app = web.Application(client_max_size=64 * 1024 * 1024)
-    app.router.add_route("*", "/{tail:.*}", echo)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner
+    return await serve_every_path(echo, port, max_body_bytes=64 * 1024 * 1024)
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from extproc.envoy_config import (
 )
 from extproc.processes import ProcessGroup, free_port, wait_http_ready
 from extproc.render_envoy import render, typed_check
+from tests.http_backends import serve_every_path
 
 OPEN_ROUTES = (
     RouteSpec("fairlane_models", prefix="/v1/models", failure_mode_allow=True),
@@ -194,12 +195,7 @@ async def _start_upstream(port: int, seen: list[dict[str, Any]]) -> Any:
             seen.append({"path": request.path, "headers": dict(request.headers), "body": body})
         return web.json_response({"reached": "backend", "path": request.path})
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", echo)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner
+    return await serve_every_path(echo, port)
 
 
 @pytest.mark.integration

@@ -40,6 +40,7 @@ from extproc.render_envoy import (
     report,
     typed_check,
 )
+from tests.http_backends import serve_every_path
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "deploy" / "fairlane.yaml"
@@ -475,12 +476,7 @@ async def _upstream(name: str, port: int, hits: list[str], delay_s: float, statu
         await asyncio.sleep(delay_s)
         return web.json_response({"backend": name}, status=status)
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner
+    return await serve_every_path(handle, port)
 
 
 @pytest.mark.integration

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from extproc.processes import ProcessGroup, free_port
+from tests.pids import alive
 
 pytestmark = pytest.mark.integration
 
@@ -20,15 +21,6 @@ pytestmark = pytest.mark.integration
 def children_of(pid: int) -> list[int]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(p) for p in path.read_text().split()] if path.exists() else []
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
 def test_up_serves_a_demo_key_and_sigterm_stops_every_process(processes: ProcessGroup) -> None:

@@ -5,28 +5,15 @@ running afterwards."""
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
 import pytest
 
 from extproc.cli import main
+from tests.pids import alive
 
 pytestmark = pytest.mark.integration
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purpose (ProcessGroup reaps its children, so none expected)
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_bench_smoke_runs_both_arms_and_stops_everything(
@@ -64,7 +51,7 @@ def test_bench_smoke_runs_both_arms_and_stops_everything(
         assert [r for r in ok if r["completion_tokens"] != r["max_tokens"]] == []
         assert [r for r in ok if r["prompt_tokens"] != r["prompt_tokens_sent"]] == []
         for pid in arm["pids"].values():
-            assert not _alive(pid), f"{name}: process {pid} still running"
+            assert not alive(pid), f"{name}: process {pid} still running"
     for target in data["targets"]:
         noisy = any(data["arms"][a]["cpu"]["warnings"] for a in ("fifo", "fairlane"))
         assert target["suspect"] is noisy

@@ -22,6 +22,7 @@ from extproc.processes import ProcessGroup, free_port
 from loadtests.bench import cli as bench_cli
 from loadtests.bench.arms import RunningArm
 from loadtests.bench.scenario import SCENARIO_DIR, Arm, Scenario
+from tests.pids import alive
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -72,14 +73,6 @@ def test_unreachable_backend_is_named(capsys: pytest.CaptureFixture[str]) -> Non
     assert f"--backend {url}: not reachable" in capsys.readouterr().err
     assert main(["bench", "smoke", "--backend", "http://localhost"]) == 1
     assert "expected [REGION=]http://IP:PORT" in capsys.readouterr().err
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture
@@ -170,7 +163,7 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
         rest = bench.communicate(timeout=30)[1]
         assert bench.returncode == 1
         assert "interrupted; every process was stopped" in rest
-        assert not [pid for pid in children if _alive(pid)]
+        assert not [pid for pid in children if alive(pid)]
     finally:
         if bench.poll() is None:
             bench.kill()

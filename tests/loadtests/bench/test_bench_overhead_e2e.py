@@ -21,6 +21,7 @@ from extproc.processes import ProcessGroup
 from loadtests.bench import overhead_runner
 from loadtests.bench.overhead_scenario import OverheadScenario
 from loadtests.bench.scenario import SCENARIO_DIR
+from tests.pids import alive
 
 pytestmark = pytest.mark.integration
 
@@ -39,15 +40,6 @@ targets:
   - {{name: added p99, metric: added_p99_ms, rate: 50, max: 2}}
   - {{name: saturation, metric: saturation_rps, min: 2000}}
 """
-
-
-def alive(pid: int) -> bool:
-    """Running and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture

@@ -37,6 +37,7 @@ from extproc.envoy_config import (
     wrap_snippet,
 )
 from extproc.processes import ProcessGroup, free_port, wait_http_ready
+from tests.ext_proc_double import ExtProcDouble, header_option
 from tests.http_backends import serve_every_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -333,7 +334,7 @@ REJECT_BODY = json.dumps(
 ).encode()
 
 
-class _ExtProcDouble:
+class _ExtProcDouble(ExtProcDouble):
     """A protocol-only stand-in for the fairlane service (the real one is extproc/service.py).
 
     Per request, test headers say what to do: ``x-test-endpoint`` is the backend to route to,
@@ -342,105 +343,54 @@ class _ExtProcDouble:
     ``x-test-hold-s`` holds the request (standalone override_message_timeout, then sleep).
     """
 
-    def __init__(self) -> None:
-        from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
-
-        self.seen: list[dict[str, str]] = []
-
-        class Servicer(external_processor_pb2_grpc.ExternalProcessorServicer):
-            async def Process(  # grpc's method name
-                inner_self, request_iterator: AsyncIterator[Any], context: Any
-            ) -> AsyncIterator[Any]:
-                async for response in self._process(request_iterator):
-                    yield response
-
-        self.servicer = Servicer()
-
-    async def _process(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        from envoy.config.core.v3 import base_pb2
+    async def answer_body(self, headers: dict[str, str], body: bytes) -> AsyncIterator[Any]:
         from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
         from envoy.type.v3 import http_status_pb2
         from google.protobuf import duration_pb2, struct_pb2
 
-        def hvo(key: str, value: str) -> Any:
-            return base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key=key, raw_value=value.encode())
-            )
-
-        headers: dict[str, str] = {}
-        async for request in requests:
-            kind = request.WhichOneof("request")
-            if kind == "request_headers":
-                headers = {
-                    h.key: h.raw_value.decode() for h in request.request_headers.headers.headers
-                }
-                self.seen.append(headers)
-                yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-            elif kind == "request_body":
-                if "x-test-reject" in headers:
-                    rejection = pb.ProcessingResponse(
-                        immediate_response=pb.ImmediateResponse(
-                            status=http_status_pb2.HttpStatus(code=429),
-                            headers=pb.HeaderMutation(
-                                set_headers=[
-                                    hvo("content-type", "application/json"),
-                                    hvo("retry-after", "7"),
-                                ]
-                            ),
-                            body=REJECT_BODY,
-                        )
-                    )
-                    if headers["x-test-reject"] == "with-metadata":
-                        rejection.dynamic_metadata.update({"fairlane": {"tier": "batch"}})
-                    yield rejection
-                    return
-                hold_s = float(headers.get("x-test-hold-s", "0"))
-                if hold_s:
-                    yield pb.ProcessingResponse(
-                        override_message_timeout=duration_pb2.Duration(seconds=30)
-                    )
-                    await asyncio.sleep(hold_s)
-                payload = json.loads(request.request_body.body)
-                payload["priority"] = 3
-                body = json.dumps(payload).encode()
-                endpoint = headers["x-test-endpoint"]
-                metadata = struct_pb2.Struct()
-                metadata.update({"envoy.lb": {DESTINATION_HEADER: endpoint}})
-                if "x-test-no-metadata" not in headers:
-                    metadata.update({"fairlane": {"tier": TIER, "queue_ms": QUEUE_MS}})
-                yield pb.ProcessingResponse(
-                    request_body=pb.BodyResponse(
-                        response=pb.CommonResponse(
-                            header_mutation=pb.HeaderMutation(
-                                set_headers=[
-                                    hvo(DESTINATION_HEADER, endpoint),
-                                    hvo("content-length", str(len(body))),
-                                ]
-                            ),
-                            body_mutation=pb.BodyMutation(body=body),
-                        )
+        if "x-test-reject" in headers:
+            rejection = pb.ProcessingResponse(
+                immediate_response=pb.ImmediateResponse(
+                    status=http_status_pb2.HttpStatus(code=429),
+                    headers=pb.HeaderMutation(
+                        set_headers=[
+                            header_option("content-type", "application/json"),
+                            header_option("retry-after", "7"),
+                        ]
                     ),
-                    dynamic_metadata=metadata,
+                    body=REJECT_BODY,
                 )
-
-
-async def _start_grpc(double: _ExtProcDouble, port: int) -> Any:
-    import grpc
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
-
-    server = grpc.aio.server(
-        options=[
-            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
-            ("grpc.http2.max_ping_strikes", 0),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
-        ]
-    )
-    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(double.servicer, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    return server
+            )
+            if headers["x-test-reject"] == "with-metadata":
+                rejection.dynamic_metadata.update({"fairlane": {"tier": "batch"}})
+            yield rejection
+            return
+        hold_s = float(headers.get("x-test-hold-s", "0"))
+        if hold_s:
+            yield pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=30))
+            await asyncio.sleep(hold_s)
+        payload = json.loads(body)
+        payload["priority"] = 3
+        rewritten = json.dumps(payload).encode()
+        endpoint = headers["x-test-endpoint"]
+        metadata = struct_pb2.Struct()
+        metadata.update({"envoy.lb": {DESTINATION_HEADER: endpoint}})
+        if "x-test-no-metadata" not in headers:
+            metadata.update({"fairlane": {"tier": TIER, "queue_ms": QUEUE_MS}})
+        yield pb.ProcessingResponse(
+            request_body=pb.BodyResponse(
+                response=pb.CommonResponse(
+                    header_mutation=pb.HeaderMutation(
+                        set_headers=[
+                            header_option(DESTINATION_HEADER, endpoint),
+                            header_option("content-length", str(len(rewritten))),
+                        ]
+                    ),
+                    body_mutation=pb.BodyMutation(body=rewritten),
+                )
+            ),
+            dynamic_metadata=metadata,
+        )
 
 
 async def _start_upstream(name: str, port: int) -> Any:
@@ -495,7 +445,7 @@ async def test_real_envoy_routes_and_sets_headers(
     config.write_text(render_yaml(params))
 
     double = _ExtProcDouble()
-    server = await _start_grpc(double, p["extproc"])
+    server = await double.serve(p["extproc"])
     runners = [await _start_upstream("a", p["a"]), await _start_upstream("b", p["b"])]
     try:
         envoy = processes.start("envoy", envoy_argv(config, concurrency=2))

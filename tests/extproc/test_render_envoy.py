@@ -40,6 +40,7 @@ from extproc.render_envoy import (
     report,
     typed_check,
 )
+from tests.ext_proc_double import ExtProcDouble, header_option
 from tests.http_backends import serve_every_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -412,55 +413,25 @@ def test_envoy_data_plane_stays_out_of_the_request_path() -> None:
 # --------------------------------------------------------------------------- real Envoy
 
 
-class _RoutingDouble:
+class _RoutingDouble(ExtProcDouble):
     """The service's routing contract, nothing else: per request, ``x-test-endpoints`` is the
     endpoint list (first = chosen, rest = alternates) and ``x-test-hedge-ms`` makes the
     request hedged the way extproc/gateway.py does for tiers with ``hedge_after_ms``."""
 
-    def __init__(self) -> None:
-        from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
-
-        double = self
-
-        class Servicer(external_processor_pb2_grpc.ExternalProcessorServicer):
-            async def Process(  # grpc's method name
-                self, request_iterator: AsyncIterator[Any], context: Any
-            ) -> AsyncIterator[Any]:
-                async for response in double._process(request_iterator):
-                    yield response
-
-        self.servicer = Servicer()
-
-    async def _process(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        from envoy.config.core.v3 import base_pb2
+    async def answer_body(self, headers: dict[str, str], body: bytes) -> AsyncIterator[Any]:
         from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-        def hvo(key: str, value: str) -> Any:
-            return base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key=key, raw_value=value.encode())
+        mutation = [header_option(DESTINATION_HEADER, headers["x-test-endpoints"])]
+        if "x-test-hedge-ms" in headers:
+            mutation += [
+                header_option("x-envoy-upstream-rq-per-try-timeout-ms", headers["x-test-hedge-ms"]),
+                header_option("x-envoy-hedge-on-per-try-timeout", "true"),
+            ]
+        yield pb.ProcessingResponse(
+            request_body=pb.BodyResponse(
+                response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=mutation))
             )
-
-        headers: dict[str, str] = {}
-        async for request in requests:
-            if request.WhichOneof("request") == "request_headers":
-                headers = {
-                    h.key: h.raw_value.decode() for h in request.request_headers.headers.headers
-                }
-                yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-                continue
-            mutation = [hvo(DESTINATION_HEADER, headers["x-test-endpoints"])]
-            if "x-test-hedge-ms" in headers:
-                mutation += [
-                    hvo("x-envoy-upstream-rq-per-try-timeout-ms", headers["x-test-hedge-ms"]),
-                    hvo("x-envoy-hedge-on-per-try-timeout", "true"),
-                ]
-            yield pb.ProcessingResponse(
-                request_body=pb.BodyResponse(
-                    response=pb.CommonResponse(
-                        header_mutation=pb.HeaderMutation(set_headers=mutation)
-                    )
-                )
-            )
+        )
 
 
 async def _upstream(name: str, port: int, hits: list[str], delay_s: float, status: int) -> Any:
@@ -488,7 +459,6 @@ async def test_real_envoy_hedges_and_retries_as_documented(
     without the hedge headers it waits; 503 is retried on the alternate; 500 is not;
     a connection failure is retried."""
     import aiohttp
-    import grpc
 
     ports = {name: free_port() for name in ("listen", "admin", "extproc")}
     behaviour = {  # name -> (delay_s, status)
@@ -516,12 +486,7 @@ async def test_real_envoy_hedges_and_retries_as_documented(
     config.write_text(rendered.text)
 
     double = _RoutingDouble()
-    server = grpc.aio.server()
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
-
-    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(double.servicer, server)
-    server.add_insecure_port(f"127.0.0.1:{ports['extproc']}")
-    await server.start()
+    server = await double.serve(ports["extproc"])
     hits: list[str] = []
     runners = [
         await _upstream(name, upstream_ports[name], hits, delay, status)

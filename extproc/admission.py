@@ -42,7 +42,7 @@ from extproc.gates import passes
 from extproc.picker import PickReason, choose
 from extproc.prefix import PromptBlocks
 from extproc.priority import vllm_priority
-from extproc.reservations import Reservation, may_admit
+from extproc.reservations import Demand, Reservation, may_admit, reserved_seats
 from extproc.scheduler import BandConfig, Entry, FairnessConfig, FairScheduler, QueueFull
 
 if TYPE_CHECKING:
@@ -156,6 +156,7 @@ class Admission:
         self._in_flight: dict[str, InFlight] = {}
         self._pending: Counter[tuple[str, str]] = Counter()
         self._in_flight_by_rank: Counter[int] = Counter()
+        self._demand = Demand()
         self._last_arrival: dict[str, float] = {}
         self.picks: Counter[tuple[str, PickReason]] = Counter()
         """Grants per (backend address, reason it was chosen): ``fairlane_picks_total``."""
@@ -177,6 +178,7 @@ class Admission:
         self._reservations = [
             Reservation(t.name, t.rank, t.reserved_share) for t in policy.tiers if t.reserved_share
         ]
+        self._windows = {t.rank: t.reserved_idle_s for t in policy.tiers}
         self.dispatch()
 
     @property
@@ -185,8 +187,16 @@ class Admission:
 
     @property
     def capacity(self) -> int:
-        """The fleet's slots: what reservations are shares of."""
-        return len(self.pool.backends) * self.policy.max_in_flight_per_backend
+        """The fleet's seats (each healthy backend's learned or declared count, at most
+        ``max_in_flight_per_backend``): what reservations are kept out of."""
+        limit = self.policy.max_in_flight_per_backend
+        return sum(min(b.seats.count, limit) for b in self.pool.backends if b.healthy)
+
+    def reserved(self) -> dict[int, int]:
+        """Seats each reserving tier (by rank) holds now, sized to its recent demand."""
+        return reserved_seats(
+            self._reservations, self.capacity, self._demand, self._clock(), self._windows
+        )
 
     def in_flight_by_tier(self) -> dict[str, int]:
         counts: Counter[str] = Counter(f.entry.band for f in self._in_flight.values())
@@ -309,21 +319,29 @@ class Admission:
         not where (the grant chooses among them for the request's own prompt)."""
         tier = self._acting_tier(band)
         rank = tier.rank if tier is not None else len(self._tiers)
-        capacity = self.capacity
         if not may_admit(
-            rank, self._in_flight_by_rank, capacity, self._reservations, self._active_ranks()
+            rank, self._in_flight_by_rank, self.capacity, self.reserved(), self._active_ranks()
         ):
             return None
         limit = self.policy.max_in_flight_per_backend
         stale = self.policy.backpressure.stale_after_s
         now = self.pool.clock()
+        # A tier may queue inside vLLM as deep as its gate lets it wait (batch: not at all,
+        # it needs a free seat); beyond that it waits here, where priority is decided.
+        queue = tier.gate.max_waiting if tier is not None else 0
         candidates = [
             b
             for b in self.pool.backends
             if b.in_flight < limit
             and b.healthy
+            and (queue is None or b.free_seats() > -queue)
             and (tier is None or passes(tier.gate, b, now, stale))
         ]
+        # vLLM never preempts a running request to seat a waiting one: a request sent to a
+        # full engine waits for someone else's request to finish, so a free seat anywhere
+        # beats a better score on a full engine.
+        seated = [b for b in candidates if b.free_seats() >= 1]
+        candidates = seated or candidates
         return Placement(candidates, tier, rank) if candidates else None
 
     def _grant(self, entry: Entry, where: Placement) -> Grant:
@@ -344,10 +362,11 @@ class Admission:
         backend = pick.chosen
         backend.prefix_cache.record(prompt.blocks(backend.block_size))
         self.picks[(backend.address, pick.reason)] += 1
-        backend.note_grant()
+        backend.note_grant(entry.input_tokens + entry.output_tokens_estimate)
         self._pending[user] += 1
         self._in_flight_by_rank[where.rank] += 1
         now = self._clock()
+        self._demand.change(where.rank, +1, now, self._windows.get(where.rank, 0.0))
         self._in_flight[entry.request_id] = InFlight(backend, user, entry, where.rank, now)
         return Grant(
             tuple(b.address for b in pick.backends), priority, now - entry.enqueued_at, entry.flow
@@ -398,6 +417,7 @@ class Admission:
         if self._pending[record.user] <= 0:
             del self._pending[record.user]
         self._in_flight_by_rank[record.rank] -= 1
+        self._demand.change(record.rank, -1, self._clock(), self._windows.get(record.rank, 0.0))
         if output_tokens is not None:
             entry = record.entry
             self.scheduler.correct(

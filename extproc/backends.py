@@ -33,6 +33,7 @@ import aiohttp
 
 from extproc.prefix import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS, PrefixLRU
 from extproc.scrape import EngineMetrics, MetricsError, interval_itl, parse_metrics
+from extproc.seats import Seats
 
 log = logging.getLogger("fairlane.backends")
 
@@ -57,6 +58,9 @@ class BackendSpec:
     weight: int = 1
     """Envoy's load-balancing weight for this endpoint (used when Envoy picks, e.g. on a
     retry after the listed endpoints ran out)."""
+    seats: int | None = None
+    """Requests the engine runs at once (its ``--max-num-seqs``), when the deployment says;
+    otherwise learned from its scrapes (``extproc.seats``)."""
 
     def __post_init__(self) -> None:
         try:
@@ -72,6 +76,8 @@ class BackendSpec:
             raise ValueError("backend region must not be empty")
         if self.weight < 1:
             raise ValueError(f"backend weight must be >= 1, got {self.weight}")
+        if self.seats is not None and self.seats < 1:
+            raise ValueError(f"backend seats must be >= 1, got {self.seats}")
 
     @property
     def address(self) -> str:
@@ -129,9 +135,11 @@ class Backend:
         "health_ok",
         "in_flight",
         "itl_s",
+        "kv_tokens_since_scrape",
         "metrics",
         "prefix_cache",
         "scrape_ok",
+        "seats",
         "spec",
     )
 
@@ -144,10 +152,12 @@ class Backend:
         self.itl_s: float | None = None
         self.granted_since_scrape = 0
         self.completed_since_scrape = 0
+        self.kv_tokens_since_scrape = 0
         self.failures = 0
         self.cool_off_until: float | None = None
         self.block_size = DEFAULT_BLOCK_SIZE
         self.prefix_cache = PrefixLRU(DEFAULT_CAPACITY_BLOCKS)
+        self.seats = Seats(declared=spec.seats)
         self._clock = clock
 
     @property
@@ -178,10 +188,33 @@ class Backend:
     def region(self) -> str:
         return self.spec.region
 
-    def note_grant(self) -> None:
-        """Admission sent one request here: count it in flight and as not yet scraped."""
+    def note_grant(self, kv_tokens: int = 0) -> None:
+        """Admission sent one request here: count it in flight and as not yet scraped, with
+        the ``kv_tokens`` (prompt plus expected output) it will hold in the KV cache."""
         self.in_flight += 1
         self.granted_since_scrape += 1
+        self.kv_tokens_since_scrape += kv_tokens
+
+    def projected_kv_usage(self) -> float:
+        """KV-cache use as last scraped plus what the grants since will take (0..1+).
+
+        An engine whose cache size is unknown gets only the scraped figure; its gates then
+        lean on the waiting queue, which grants count into at once (``effective_waiting``).
+        """
+        metrics = self.metrics
+        if metrics is None:
+            return 1.0
+        capacity = self.kv_capacity_tokens()
+        if capacity is None:
+            return metrics.kv_cache_usage
+        return metrics.kv_cache_usage + self.kv_tokens_since_scrape / capacity
+
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the engine's KV cache holds, from ``cache_config_info`` (None if unknown)."""
+        metrics = self.metrics
+        if metrics is None or metrics.num_gpu_blocks is None or metrics.block_size is None:
+            return None
+        return metrics.num_gpu_blocks * metrics.block_size
 
     def note_completion(self) -> None:
         """A request sent here finished: its seat is free before the next scrape shows it."""
@@ -215,17 +248,45 @@ class Backend:
     def effective_waiting(self) -> float:
         """The engine's waiting queue as it is now, by the last scrape and what we saw since.
 
-        Each grant since the scrape may be waiting in the engine (conservative: one the
-        engine schedules at once never waits, but the gateway cannot know that until the
-        next scrape). Each completion since the scrape freed a seat, which took one waiting
-        request or is free for the next. Counting completions lets a tier gated on an empty
-        queue (batch) refill a freed seat at once instead of one grant per scrape.
+        With a queue at the scrape (every seat taken, or KV full), each grant since waits
+        too. Without one, grants since the scrape first took the seats that were free then
+        (``seats``: the engine's learned seat count), and only the rest wait (an engine
+        whose KV size is unknown may turn a request away for KV, so there each grant
+        counts as waiting until the next scrape). Each completion
+        since the scrape freed a seat, which took one waiting request or is free for the
+        next. So a tier gated on an empty queue (batch) fills free seats at once and refills
+        a freed seat at once, instead of one grant per scrape.
         """
-        waiting = self.metrics.waiting if self.metrics is not None else 0.0
-        return max(0.0, waiting + self.granted_since_scrape - self.completed_since_scrape)
+        metrics = self.metrics
+        change = self.granted_since_scrape - self.completed_since_scrape
+        if metrics is None:
+            return max(0.0, float(change))
+        if metrics.waiting > 0 or self.kv_capacity_tokens() is None:
+            return max(0.0, metrics.waiting + change)
+        # No queue at the scrape: grants since then filled its free seats first.
+        return max(0.0, metrics.running + change - self.seats.count)
+
+    def busy_seats(self) -> float:
+        """Seats taken or claimed now: the gateway's own requests in flight, or what the
+        engine last showed running and waiting (plus grants and minus completions since),
+        whichever is more, so traffic that bypasses the gateway counts too."""
+        metrics = self.metrics
+        if metrics is None:
+            return float(self.in_flight)
+        engine = metrics.running + metrics.waiting
+        engine += self.granted_since_scrape - self.completed_since_scrape
+        return max(float(self.in_flight), engine)
+
+    def free_seats(self) -> float:
+        """Seats no request holds or waits for (may be negative: requests queued in vLLM)."""
+        return self.seats.count - self.busy_seats()
 
     def record_scrape(
-        self, metrics: EngineMetrics, granted_before: int, completed_before: int = 0
+        self,
+        metrics: EngineMetrics,
+        granted_before: int,
+        completed_before: int = 0,
+        kv_tokens_before: int = 0,
     ) -> None:
         """A scrape sent when the since-scrape counters were ``granted_before`` and
         ``completed_before`` succeeded.
@@ -242,10 +303,27 @@ class Backend:
             self.itl_s = itl
         elif metrics.running == 0:
             self.itl_s = None
+        if self.metrics is None and self.seats.source == "fallback":
+            log.info(
+                "backend %s: seat count not declared and not learned yet; planning with %d "
+                "(more as it is seen running more) until requests wait for a seat",
+                self.address,
+                self.seats.count,
+            )
+        before = (self.seats.count, self.seats.source)
+        self.seats.observe(self.metrics, metrics)
+        if (self.seats.count, self.seats.source) != before and self.seats.source == "learned":
+            log.info(
+                "backend %s runs %d requests at once (learned: requests waited while KV "
+                "had room)",
+                self.address,
+                self.seats.count,
+            )
         self.metrics = metrics
         self._size_prefix_cache(metrics)
         self.granted_since_scrape = max(0, self.granted_since_scrape - granted_before)
         self.completed_since_scrape = max(0, self.completed_since_scrape - completed_before)
+        self.kv_tokens_since_scrape = max(0, self.kv_tokens_since_scrape - kv_tokens_before)
         self.scrape_ok = True
 
     def _size_prefix_cache(self, metrics: EngineMetrics) -> None:
@@ -356,6 +434,7 @@ class BackendPool:
         """Scrape one backend and record the outcome; True when it succeeded."""
         granted_before = backend.granted_since_scrape
         completed_before = backend.completed_since_scrape
+        kv_tokens_before = backend.kv_tokens_since_scrape
         sent_at = self.clock()
         try:
             async with session.get(f"{backend.spec.url}/metrics") as response:
@@ -373,7 +452,7 @@ class BackendPool:
             return False
         if not backend.scrape_ok:
             log.warning("backend %s metrics are readable again", backend.address)
-        backend.record_scrape(metrics, granted_before, completed_before)
+        backend.record_scrape(metrics, granted_before, completed_before, kv_tokens_before)
         return True
 
     @staticmethod

@@ -12,7 +12,9 @@ Semantics, precisely:
   queue is below 3" is ``max_waiting: 3``. ``0`` means "only when the queue is empty"
   (``effective_waiting == 0``), the same as ``1``: a strict bound below zero would never
   admit, and that is what ``max_in_flight: 0`` or a missing tier is for.
-- ``max_kv_cache_usage``: admits while usage ``<=`` the bound (a fraction, 0..1).
+- ``max_kv_cache_usage``: admits while usage ``<=`` the bound (a fraction, 0..1): the
+  scraped usage plus what the grants since the scrape will hold
+  (``Backend.projected_kv_usage``).
 - ``max_itl_s``: admits while the mean inter-token latency of the last scrape interval is
   ``<=`` the bound; an unknown ITL (idle engine, first scrape) does not block.
 - ``max_in_flight``: the gateway's own count of requests it sent to the backend and has
@@ -93,7 +95,8 @@ def passes(gate: Gate, backend: Backend, now: float, stale_after_s: float) -> bo
         return False
     if gate.max_waiting is not None and backend.effective_waiting() >= max(gate.max_waiting, 1):
         return False
-    if gate.max_kv_cache_usage is not None and metrics.kv_cache_usage > gate.max_kv_cache_usage:
+    kv_bound = gate.max_kv_cache_usage
+    if kv_bound is not None and backend.projected_kv_usage() > kv_bound:
         return False
     if gate.max_itl_s is not None and backend.itl_s is not None and backend.itl_s > gate.max_itl_s:
         return False

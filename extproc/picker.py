@@ -4,7 +4,8 @@ Admission decides *whether* a request may go and which backends pass its tier's 
 candidates); this module decides *which* candidate, per request, by a weighted score where
 lower wins (weights from the policy's ``routing``):
 
-- queue depth: ``queue_weight * (engine waiting + gateway in flight) / slot_limit``;
+- queue depth: ``queue_weight * (engine waiting + gateway in flight) / seats``, the
+  backend's seats (``extproc.seats``) capped at ``slot_limit``;
 - KV-cache use: ``kv_cache_weight * vllm:kv_cache_usage_perc`` (1.0, saturated, when the
   backend was never scraped);
 - region: ``region_weight`` for a backend outside the local region (the fleet's first);
@@ -58,7 +59,8 @@ def load_score(backend: Backend, routing: Routing, slot_limit: int, local_region
     """Queue depth, KV-cache use and region: the score without prefix affinity."""
     metrics = backend.metrics
     kv = metrics.kv_cache_usage if metrics is not None else 1.0
-    queue = (backend.effective_waiting() + backend.in_flight) / max(slot_limit, 1)
+    seats = max(min(backend.seats.count, slot_limit), 1)
+    queue = (backend.effective_waiting() + backend.in_flight) / seats
     remote = backend.region != local_region
     return (
         routing.queue_weight * queue + routing.kv_cache_weight * kv + routing.region_weight * remote

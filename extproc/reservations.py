@@ -1,38 +1,51 @@
-"""Capacity reservations: slots that less urgent tiers may not take from busy urgent ones.
+"""Capacity reservations: seats that less urgent tiers may not take from busy urgent ones.
 
 Gates (``extproc.gates``) keep each engine from backing up; reservations split the fleet's
-in-flight slots between tiers so a flood of batch work cannot occupy every slot the moment
-interactive traffic needs one. A tier reserves a share of the fleet; the rule is
-asymmetric and work-conserving:
+seats (``extproc.seats``: what the engines really run at once, learned from them) between
+tiers, so a flood of batch work cannot occupy every seat the moment chat needs one. vLLM
+never preempts a running request to seat a waiting one, so a chat request that finds every
+seat taken waits for a batch request to finish: seconds. The rule is asymmetric and
+work-conserving:
 
-- a tier may take any free slot that no *more urgent, active* tier still needs for its
+- a tier may take any free seat that no *more urgent, active* tier still needs for its
   reservation; so urgent tiers borrow freely from less urgent ones (never the reverse);
-- an idle tier (nothing queued, nothing in flight) reserves nothing, so with no interactive
-  traffic batch may fill the whole fleet;
-- the least urgent tier's share therefore protects nothing; it is accepted (a policy may
-  name it for symmetry) but has no effect.
+- an idle tier (nothing queued, nothing in flight, no arrival lately) reserves nothing, so
+  with no interactive traffic batch may fill the whole fleet.
+
+**How many seats an active tier reserves** follows its own recent demand, not a fixed
+share: ``Demand`` keeps the time-weighted mean ``a`` of the tier's requests in flight, and
+the reserve is the smallest ``r`` with ``P(N >= r) <= MISS`` for ``N ~ Poisson(a)``: the
+number of the tier's requests in flight that an arrival finds is about Poisson for many
+independent users (M/G/infinity), so at most ``MISS`` of arrivals find all reserved seats
+taken. At least one seat is kept while the tier is active, and never more than the tier's
+``reserved_share`` of the fleet (the policy's ceiling). A fixed share would be either
+mostly idle seats (batch throughput lost) on a big fleet or too few on a small one; the
+reserve's idle part grows only like the square root of the demand.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-# ``0.07 * 100`` is ``7.000000000000001``: without the tolerance a 7% share of 100 slots
+# ``0.07 * 100`` is ``7.000000000000001``: without the tolerance a 7% share of 100 seats
 # would reserve 8.
 _EPSILON = 1e-9
+
+MISS = 0.1
+"""The share of an active tier's arrivals allowed to find every reserved seat taken: the
+reserve covers the 90th percentile of the tier's concurrency (p90 TTFT is the target)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
-    """``share`` (0..1) of the fleet's in-flight slots kept for tier ``tier`` (rank ``rank``,
-    lower = more urgent) against less urgent tiers."""
+    """At most ``share`` (0..1) of the fleet's seats kept for tier ``tier`` (rank ``rank``,
+    lower = more urgent) against less urgent tiers, while it is active."""
 
     tier: str
     rank: int
-    share: float  # 0..1 of fleet capacity
+    share: float  # 0..1 of fleet capacity: the ceiling of the adaptive reserve
 
 
 def reserved_slots(share: float, capacity: int) -> int:
@@ -40,48 +53,117 @@ def reserved_slots(share: float, capacity: int) -> int:
     return max(0, math.ceil(share * capacity - _EPSILON))
 
 
+def seats_for(mean_in_flight: float, miss: float = MISS) -> int:
+    """The fewest seats ``r >= 1`` with ``P(N >= r) <= miss`` for ``N ~ Poisson(mean)``.
+
+    Summed term by term (the terms are tiny and exact enough up to a mean of a few hundred;
+    beyond ``700`` ``exp(-mean)`` underflows, so a normal approximation takes over).
+    """
+    mean = max(0.0, mean_in_flight)
+    if mean > 700:
+        return math.ceil(mean + 1.2816 * math.sqrt(mean) + 0.5)
+    term = math.exp(-mean)  # P(N = 0)
+    below = 0.0  # P(N < r)
+    r = 0
+    while True:
+        below += term
+        r += 1
+        if 1.0 - below <= miss + _EPSILON:
+            return max(1, r)
+        term *= mean / r
+
+
+class Demand:
+    """Each rank's requests in flight, as a time-weighted mean over about ``window_s``.
+
+    The signal is piecewise constant between grants and releases, so the exponential
+    average is exact at every change: the old mean decays towards the count held since the
+    last change by ``exp(-dt / window)``. O(1) per grant or release, no timers.
+    """
+
+    __slots__ = ("_count", "_mean", "_since")
+
+    def __init__(self) -> None:
+        self._count: dict[int, int] = {}
+        self._mean: dict[int, float] = {}
+        self._since: dict[int, float] = {}
+
+    def mean(self, rank: int, now: float, window_s: float) -> float:
+        """The rank's time-weighted mean in flight up to ``now``."""
+        count = self._count.get(rank, 0)
+        mean = self._mean.get(rank, 0.0)
+        if window_s <= 0:
+            return float(count)
+        elapsed = now - self._since.get(rank, now)
+        return count + (mean - count) * math.exp(-max(0.0, elapsed) / window_s)
+
+    def change(self, rank: int, delta: int, now: float, window_s: float) -> None:
+        """The rank's in-flight count moved by ``delta`` at ``now``."""
+        self._mean[rank] = self.mean(rank, now, window_s)
+        self._since[rank] = now
+        self._count[rank] = self._count.get(rank, 0) + delta
+
+
+def reserved_seats(
+    reservations: Sequence[Reservation],
+    capacity: int,
+    demand: Demand,
+    now: float,
+    windows: Mapping[int, float],
+) -> dict[int, int]:
+    """Seats each reserving rank holds now: its adaptive reserve, capped by its share.
+
+    ``windows`` gives each rank's averaging window (the tier's ``reserved_idle_s``).
+    """
+    reserved: dict[int, int] = {}
+    for reservation in reservations:
+        cap = reserved_slots(reservation.share, capacity)
+        if cap <= 0:
+            continue
+        mean = demand.mean(reservation.rank, now, windows.get(reservation.rank, 0.0))
+        seats = min(cap, seats_for(mean))
+        reserved[reservation.rank] = reserved.get(reservation.rank, 0) + seats
+    return reserved
+
+
 def may_admit(
     tier_rank: int,
     in_flight_by_rank: Mapping[int, int],
     capacity: int,
-    reservations: Sequence[Reservation],
+    reserved: Mapping[int, int],
     active_ranks: Collection[int],
 ) -> bool:
-    """Whether one more request of rank ``tier_rank`` may take a fleet slot now.
+    """Whether one more request of rank ``tier_rank`` may take a fleet seat now.
 
-    Let ``used`` be the sum of ``in_flight_by_rank`` and, for each rank ``h``,
-    ``reserved_h = ceil(share_h * capacity)`` (shares of one rank add up). The request may go
-    only if, after it takes a slot, the free slots still cover what every more urgent active
-    rank is owed::
+    Let ``used`` be the sum of ``in_flight_by_rank`` and ``reserved[h]`` the seats rank ``h``
+    holds (``reserved_seats``). The request may go only if, after it takes a seat, the free
+    seats still cover what every more urgent active rank is owed::
 
         capacity - used - 1  >=  sum over active h < tier_rank of max(0, reserved_h - used_h)
 
     (which includes ``used < capacity``). Reservations of tiers less urgent than
     ``tier_rank`` are not consulted (borrowing), and inactive tiers owe nothing (work
-    conserving). The shortfalls add up because shares are disjoint: two urgent tiers owed
-    two slots each need four free slots, not two.
+    conserving). The shortfalls add up because reserves are disjoint: two urgent tiers owed
+    two seats each need four free seats, not two.
 
-    Worked example: capacity 10; interactive (rank 0) reserves 0.3 -> 3 slots, api (rank 1)
-    0.2 -> 2 slots. In flight: interactive 1, api 0, batch 5, so 4 slots are free.
+    Worked example: capacity 10; interactive (rank 0) holds 3 seats, api (rank 1) 2. In
+    flight: interactive 1, api 0, batch 5, so 4 seats are free.
 
     - batch (rank 2), interactive and api both active: after taking one, 3 free; owed
       (3 - 1) + (2 - 0) = 4 > 3 -> refused.
     - batch, the same but api idle (nothing queued or in flight): owed 2 <= 3 -> admitted.
     - api (rank 1), interactive active: owed only interactive's 2 <= 3 -> admitted; api may
-      go on until just interactive's 2 slots are free, batch's unreserved room included.
-    - interactive (rank 0): owed nothing -> admitted while any slot is free (4 here).
+      go on until just interactive's 2 seats are free, batch's unreserved room included.
+    - interactive (rank 0): owed nothing -> admitted while any seat is free (4 here).
     """
     used = sum(in_flight_by_rank.values())
     free_after = capacity - used - 1
     if free_after < 0:
         return False
-    reserved: defaultdict[int, float] = defaultdict(float)
-    for reservation in reservations:
-        reserved[reservation.rank] += reservation.share
     owed = 0
-    for rank, share in reserved.items():
+    for rank, seats in reserved.items():
         if rank < tier_rank and rank in active_ranks:
-            owed += max(0, reserved_slots(share, capacity) - in_flight_by_rank.get(rank, 0))
+            owed += max(0, seats - in_flight_by_rank.get(rank, 0))
     return free_after >= owed
 
 

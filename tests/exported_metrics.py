@@ -44,7 +44,7 @@ async def _drive() -> str:
     with tempfile.TemporaryDirectory() as folder:
         policy_file = Path(folder) / "policy.yaml"
         shutil.copy(DEFAULT_POLICY_PATH, policy_file)
-        gateway = make_gateway(limit=1, policy_path=policy_file)
+        gateway = make_gateway(limit=2, policy_path=policy_file)
         store = gateway.policies
         local, remote = gateway.admission.pool.backends
 

@@ -77,11 +77,16 @@ def make_admission(
     limit: int = 1,
     backends: int = 1,
     tiers: Sequence[Tier] = (INTERACTIVE, API, BATCH),
+    seats: int | None = None,
     **policy_fields: object,
 ) -> tuple[Admission, BackendPool, FakeClock]:
+    """Admission over ``backends`` idle engines of ``seats`` seats each (default: ``limit``,
+    the policy's per-backend cap)."""
     clock = FakeClock()
+    seats = limit if seats is None else seats
     pool = BackendPool(
-        [BackendSpec("127.0.0.1", 9000 + i, "r") for i in range(backends)], clock=clock
+        [BackendSpec("127.0.0.1", 9000 + i, "r", seats=seats) for i in range(backends)],
+        clock=clock,
     )
     for backend in pool.backends:
         scraped(backend, clock)
@@ -99,9 +104,12 @@ CHAT = "/v1/chat/completions"
 def make_gateway(
     limit: int = 4, policy_path: Path = DEFAULT_POLICY_PATH, regions: tuple[str, str] = ("a", "b")
 ) -> Gateway:
-    """The default policy over two idle backends with ``limit`` slots each."""
+    """The default policy over two idle backends with ``limit`` seats each."""
     clock = FakeClock()
-    specs = [BackendSpec("127.0.0.1", 8100 + i, region) for i, region in enumerate(regions, 1)]
+    specs = [
+        BackendSpec("127.0.0.1", 8100 + i, region, seats=limit)
+        for i, region in enumerate(regions, 1)
+    ]
     pool = BackendPool(specs, clock=clock)
     for backend in pool.backends:
         scraped(backend, clock)

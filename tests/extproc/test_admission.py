@@ -10,6 +10,7 @@ from extproc.errors import Rejection
 from extproc.gates import Gate
 from extproc.policy import Tier
 from extproc.prefix import PromptBlocks
+from extproc.reservations import seats_for
 from tests.extproc.factories import (
     API,
     BATCH,
@@ -228,12 +229,28 @@ async def test_reserved_share_keeps_slots_from_lower_tiers_only_while_active() -
     assert granted == [True, True, True, True]
     for i in range(4):
         admission.release(f"b{i}")
-    # interactive active (one in flight): batch may not take its 2 reserved slots
+    # interactive active, with no demand measured yet: it holds one seat, which its one
+    # request uses, so batch may take the other three
     submit(admission, "chat", Request(reserving))
-    batch = [submit(admission, f"c{i}", Request(BATCH)) for i in range(3)]
-    assert [t.granted for t in batch] == [True, True, False]  # 1 of its 2 slots in use
-    # and interactive may borrow what batch would otherwise take
+    batch = [submit(admission, f"c{i}", Request(BATCH)) for i in range(4)]
+    assert [t.granted for t in batch] == [True, True, True, False]
+    admission.release("chat")  # chat is still active (it arrived lately): its seat stays
+    assert not batch[3].granted
     assert submit(admission, "chat2", Request(reserving)).granted
+
+
+async def test_the_reserve_grows_with_the_tiers_demand_up_to_its_share() -> None:
+    reserving = Tier("interactive", 0, 0, 10, 5.0, reserved_share=0.5, gate=INTERACTIVE.gate)
+    admission, pool, clock = make_admission(limit=4, backends=2, tiers=(reserving, API, BATCH))
+    assert admission.reserved() == {0: 1}
+    for i in range(2):
+        submit(admission, f"chat{i}", Request(reserving))
+    clock.now += 60  # two chats held for many averaging windows (reserved_idle_s 10 s)
+    for backend in pool.backends:
+        scraped(backend, clock)
+    assert admission.reserved() == {0: min(4, seats_for(2.0))}  # 5 wanted, 50% of 8 = 4
+    batch = [submit(admission, f"b{i}", Request(BATCH)) for i in range(6)]
+    assert sum(t.granted for t in batch) == 8 - 4  # two more seats kept free for chat
 
 
 async def test_completion_refunds_an_overestimated_output_charge() -> None:
@@ -276,9 +293,10 @@ async def test_lost_completion_is_reclaimed_after_the_timeout() -> None:
 
 
 async def test_reload_keeps_queued_requests_and_applies_new_limits() -> None:
-    admission, _, _ = make_admission(limit=1)
+    admission, _, _ = make_admission(limit=1, seats=2)
     submit(admission, "running", Request(API))
     queued = submit(admission, "queued", Request(API))
+    assert not queued.granted  # the engine has a second seat, the policy's cap says 1
     from tests.extproc.factories import policy
 
     admission.configure(policy(limit=2))
@@ -338,7 +356,7 @@ async def test_a_reservation_lingers_after_the_tiers_last_request() -> None:
     submit(admission, "chat", Request(reserving))
     admission.release("chat", output_tokens=5)  # chat is idle again, but only just
     batch = [submit(admission, f"b{i}", Request(BATCH)) for i in range(4)]
-    assert [t.granted for t in batch] == [True, True, False, False]
+    assert [t.granted for t in batch] == [True, True, True, False]  # one seat kept for chat
     clock.now += 11  # no chat for longer than reserved_idle_s: batch may have it all
     for backend in pool.backends:
         scraped(backend, clock)

@@ -1,11 +1,24 @@
-from extproc.reservations import Reservation, may_admit, reserved_slots, validate_shares
+import math
+
+import pytest
+
+from extproc.reservations import (
+    Demand,
+    Reservation,
+    may_admit,
+    reserved_seats,
+    reserved_slots,
+    seats_for,
+    validate_shares,
+)
 
 INTERACTIVE, API, BATCH = 0, 1, 2
 SHARES = [Reservation("interactive", INTERACTIVE, 0.3), Reservation("api", API, 0.2)]
+RESERVED = {INTERACTIVE: 3, API: 2}  # seats held, as in the docstring's worked example
 
 
 def admit(rank: int, in_flight: dict[int, int], active: set[int], capacity: int = 10) -> bool:
-    return may_admit(rank, in_flight, capacity, SHARES, active)
+    return may_admit(rank, in_flight, capacity, RESERVED, active)
 
 
 def fill(rank: int, in_flight: dict[int, int], active: set[int], capacity: int = 10) -> int:
@@ -43,7 +56,7 @@ def test_reservations_of_active_tiers_are_honoured() -> None:
 
 
 def test_higher_tiers_borrow_lower_tiers_unused_capacity_never_the_reverse() -> None:
-    shares = [Reservation("interactive", INTERACTIVE, 0.2), Reservation("batch", BATCH, 0.5)]
+    shares = {INTERACTIVE: 2, BATCH: 5}
     active = {INTERACTIVE, BATCH}
     in_flight = {BATCH: 1}  # batch is active but far below its 5 reserved slots
     taken = 0
@@ -58,7 +71,7 @@ def test_higher_tiers_borrow_lower_tiers_unused_capacity_never_the_reverse() -> 
 
 def test_a_full_fleet_admits_nobody() -> None:
     assert not admit(INTERACTIVE, {BATCH: 10}, {BATCH})
-    assert not may_admit(INTERACTIVE, {}, 0, SHARES, set())
+    assert not may_admit(INTERACTIVE, {}, 0, RESERVED, set())
 
 
 def test_an_urgent_tier_using_more_than_its_share_is_owed_nothing_more() -> None:
@@ -95,3 +108,47 @@ def test_validate_shares_names_each_problem() -> None:
     assert validate_shares([Reservation("a", 0, 0.7), Reservation("b", 1, 0.3)]) == []
     twice = validate_shares([Reservation("a", 0, 0.1), Reservation("a", 0, 0.1)])
     assert len(twice) == 1 and "more than once" in twice[0]
+
+
+def poisson_tail(mean: float, k: int) -> float:
+    """P(N >= k) for N ~ Poisson(mean), the slow way."""
+    return 1.0 - sum(math.exp(-mean) * mean**i / math.factorial(i) for i in range(k))
+
+
+@pytest.mark.parametrize("mean", [0.0, 0.05, 0.1, 0.25, 1.0, 4.0, 30.0, 120.0])
+def test_seats_for_covers_the_90th_percentile_of_demand_and_no_more(mean: float) -> None:
+    seats = seats_for(mean)
+    assert seats >= 1
+    assert poisson_tail(mean, seats) <= 0.1 + 1e-9  # at most 10% of arrivals find them taken
+    if seats > 1:
+        assert poisson_tail(mean, seats - 1) > 0.1  # one fewer would not do
+
+
+def test_seats_for_grows_like_the_square_root_past_its_mean() -> None:
+    assert [seats_for(m) for m in (0.1, 1, 4, 100)] == [1, 3, 8, 114]
+    huge = seats_for(10_000)  # past exp's range: the normal approximation
+    assert 10_100 <= huge <= 10_140
+
+
+def test_demand_is_a_time_weighted_mean_of_the_count_in_flight() -> None:
+    demand = Demand()
+    assert demand.mean(INTERACTIVE, 0.0, 10.0) == 0.0
+    demand.change(INTERACTIVE, +2, now=0.0, window_s=10.0)
+    assert demand.mean(INTERACTIVE, 0.0, 10.0) == 0.0  # nothing held for any time yet
+    assert demand.mean(INTERACTIVE, 10.0, 10.0) == pytest.approx(2 * (1 - math.exp(-1)))
+    assert demand.mean(INTERACTIVE, 1_000.0, 10.0) == pytest.approx(2.0)
+    demand.change(INTERACTIVE, -2, now=1_000.0, window_s=10.0)
+    assert demand.mean(INTERACTIVE, 1_010.0, 10.0) == pytest.approx(2 * math.exp(-1))
+    assert demand.mean(API, 1_010.0, 10.0) == 0.0  # ranks are apart
+
+
+def test_the_reserve_follows_demand_up_to_the_tiers_share() -> None:
+    demand = Demand()
+    windows = {INTERACTIVE: 10.0, API: 10.0}
+    assert reserved_seats(SHARES, 100, demand, 0.0, windows) == {INTERACTIVE: 1, API: 1}
+    demand.change(INTERACTIVE, +4, now=0.0, window_s=10.0)  # four chats held for long
+    assert reserved_seats(SHARES, 100, demand, 1e6, windows)[INTERACTIVE] == seats_for(4.0)
+    # on a small fleet the share caps it: 30% of 10 seats
+    assert reserved_seats(SHARES, 10, demand, 1e6, windows)[INTERACTIVE] == 3
+    no_share = [Reservation("interactive", INTERACTIVE, 0.0)]
+    assert reserved_seats(no_share, 100, demand, 1e6, windows) == {}

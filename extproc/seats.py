@@ -1,0 +1,123 @@
+"""How many requests a backend runs at once: its seats, learned from the engine itself.
+
+vLLM runs at most ``--max-num-seqs`` requests per step and never preempts a running one to
+seat a waiting one of higher priority (it preempts only when KV blocks run out). A chat
+request therefore gets its first token quickly only if it finds a seat free, and the
+gateway can keep one free only if it knows how many there are. vLLM does not export
+``max_num_seqs``, so the gateway learns it from what the engine does:
+
+- **Seat-bound scrape**: requests wait (``vllm:num_requests_waiting > 0``) while the KV
+  cache still has room (usage below ``KV_BOUND``). The engine would have scheduled them if
+  it had a seat, so the running count is the seat count. One such scrape can be a request
+  caught between its arrival and the next step, so the same running count must be seen in
+  ``CONFIRMATIONS`` scrapes in a row. A KV-bound scrape (usage at or above ``KV_BOUND``)
+  says nothing about seats: the KV gate handles that limit.
+- **More running than thought**: a scrape with more running than the learned count raises it
+  at once (the engine proved it has those seats).
+- **A restarted engine** (its counters went backwards, or its ``cache_config_info`` changed)
+  may have other flags: what was learned is forgotten and learned again.
+
+Until a count is learned (and when none is declared), the backend gets ``fallback`` seats,
+raised to one more than the most it was ever seen running: as the gateway fills an engine
+whose size it does not know, the estimate grows one seat at a time until the engine shows a
+queue, which teaches the real number. An engine that never shows one stays on that
+estimate, which follows what it demonstrably runs: neither nothing nor everything.
+
+A count declared in the deployment (``seats`` on a backend) wins over any observation. Pure
+state fed by scrapes: no I/O, no clock, unit-tested without sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Literal
+
+from extproc.scrape import EngineMetrics
+
+log = logging.getLogger("fairlane.seats")
+
+KV_BOUND = 0.9
+"""KV-cache use at or above which waiting requests are blamed on KV, not on seats."""
+CONFIRMATIONS = 2
+"""Seat-bound scrapes in a row, with the same running count, before that count is learned."""
+FALLBACK_SEATS = 4
+"""Seats assumed for a backend that declares none and has not shown its limit yet: vLLM's
+smallest common ``--max-num-seqs`` setting in this project's tests, so a fleet of unknown
+engines starts conservatively and grows from there."""
+
+SeatSource = Literal["declared", "learned", "fallback"]
+"""Where a backend's seat count comes from: a bounded metric label."""
+
+
+@dataclass(slots=True)
+class Seats:
+    """One backend's seat count: declared, learned from its scrapes, or the fallback."""
+
+    declared: int | None = None
+    fallback: int = FALLBACK_SEATS
+    learned: int | None = None
+    peak_running: int = 0
+    """The most requests the engine was seen running since it (re)started."""
+    _candidate: int | None = field(default=None, repr=False)
+    _confirmed: int = field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.declared is not None and self.declared < 1:
+            raise ValueError(f"declared seats must be >= 1, got {self.declared}")
+        if self.fallback < 1:
+            raise ValueError(f"fallback seats must be >= 1, got {self.fallback}")
+
+    @property
+    def count(self) -> int:
+        """The seats admission plans with."""
+        if self.declared is not None:
+            return self.declared
+        if self.learned is not None:
+            return self.learned
+        return max(self.fallback, self.peak_running + 1)
+
+    @property
+    def source(self) -> SeatSource:
+        if self.declared is not None:
+            return "declared"
+        return "learned" if self.learned is not None else "fallback"
+
+    def observe(self, previous: EngineMetrics | None, current: EngineMetrics) -> bool:
+        """Learn from one scrape (``previous``: the scrape before it). True when ``count``
+        changed, so admission can re-plan."""
+        before = self.count
+        if previous is not None and restarted(previous, current):
+            self.forget()
+        running = round(current.running)
+        self.peak_running = max(self.peak_running, running)
+        if self.learned is not None and running > self.learned:
+            self.learned = running
+        if current.waiting > 0 and current.kv_cache_usage < KV_BOUND and running > 0:
+            if running == self._candidate:
+                self._confirmed += 1
+            else:
+                self._candidate, self._confirmed = running, 1
+            confirmed = self._confirmed >= CONFIRMATIONS
+            if confirmed and (self.learned is None or running > self.learned):
+                self.learned = running
+        else:
+            self._candidate, self._confirmed = None, 0
+        return self.count != before
+
+    def forget(self) -> None:
+        """The engine restarted: what it showed before says nothing about it now."""
+        self.learned = None
+        self.peak_running = 0
+        self._candidate, self._confirmed = None, 0
+
+
+def restarted(previous: EngineMetrics, current: EngineMetrics) -> bool:
+    """Whether two scrapes of one address come from different engine processes: cumulative
+    counters went backwards, or the KV cache was configured differently."""
+    if current.itl_count < previous.itl_count or current.itl_sum_s < previous.itl_sum_s:
+        return True
+    return (previous.block_size, previous.num_gpu_blocks) != (
+        current.block_size,
+        current.num_gpu_blocks,
+    ) and None not in (previous.num_gpu_blocks, current.num_gpu_blocks)

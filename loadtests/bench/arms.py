@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -103,15 +104,19 @@ def start_arm(
     arm: Arm,
     group: ProcessGroup,
     external: tuple[BackendSpec, ...] = (),
+    policy: Path | None = None,
 ) -> RunningArm:
     """Start ``arm``'s processes in ``group`` and wait until they serve. With ``external``
     backends (``--backend``) no simulator is started: the arm's Envoy (and service) point at
-    them, and their scheduling policy is whatever they run."""
+    them, and their scheduling policy is whatever they run. ``policy``: the file the
+    gateway reads; by default the scenario's (for ``policy: default`` its copy rescaled to
+    the speedup, written into the arm's log directory)."""
     backends = external or start_simulators(scenario, group, SCHEDULING[arm.kind], arm.balanced)
     if arm.kind in ENVOY_ONLY_KINDS:
         url = _start_envoy_only(backends, group, arm.kind)
     else:
-        config = StackConfig(port=free_port(), policy_path=scenario.policy, backends=backends)
+        policy_path = policy or scenario.policy_file(group.log_dir)
+        config = StackConfig(port=free_port(), policy_path=policy_path, backends=backends)
         url = Stack(config, group).start().url
     pids = {child.name: child.popen.pid for child in group.children}
     return RunningArm(arm.name, url, pids, tuple(b.url for b in backends))

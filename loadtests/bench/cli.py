@@ -92,8 +92,10 @@ def run_arm(
     arm_name: str,
     log_dir: Path,
     external: tuple[BackendSpec, ...] = (),
+    policy: Path | None = None,
 ) -> tuple[list[RequestRecord], dict[str, Any]]:
     """Start the arm, play the workload, stop everything; records and the arm's summary.
+    ``policy``: the file the gateway reads (default: the scenario's, see ``start_arm``).
 
     A process of the arm that dies ends the load early and fails the arm with
     :class:`ChildExited` (which process, its exit, its log's last lines); the group still
@@ -101,7 +103,7 @@ def run_arm(
     arm = scenario.arm(arm_name)
     started = time.monotonic()
     with ProcessGroup(log_dir) as group:
-        running = start_arm(scenario, arm, group, external)
+        running = start_arm(scenario, arm, group, external, policy)
         _log(
             f"{arm.name}: up at {running.url} ({len(running.pids)} processes); "
             f"{scenario.wall_duration_s:.1f} s of load"
@@ -157,7 +159,12 @@ def mark_suspect(target: dict[str, Any], arms: dict[str, Any]) -> dict[str, Any]
     return target
 
 
-def scenario_json(scenario: Scenario, external: tuple[BackendSpec, ...] = ()) -> dict[str, Any]:
+def scenario_json(
+    scenario: Scenario, external: tuple[BackendSpec, ...] = (), policy_file: Path | None = None
+) -> dict[str, Any]:
+    """The scenario as run (overrides applied), for ``results.json`` and the report:
+    ``policy`` is the file named, ``policy_scale`` what its durations were divided by
+    (null: used as written) and ``policy_file`` the file the gateway read."""
     return {
         "name": scenario.name,
         "description": scenario.description,
@@ -177,8 +184,17 @@ def scenario_json(scenario: Scenario, external: tuple[BackendSpec, ...] = ()) ->
             "external": [b.url for b in external],
         },
         "policy": os.path.relpath(scenario.policy),
+        "policy_scale": scenario.policy_scale,
+        "policy_file": _shown(policy_file or scenario.policy),
         "time_unit": "simulated seconds (wall seconds x speedup)",
     }
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when it is under it (a file of the
+    checkout), else absolute (a run's output under /tmp)."""
+    relative = os.path.relpath(path)
+    return str(path.resolve()) if relative.startswith("..") else relative
 
 
 def bench(scenario: Scenario, out: Path, external: tuple[BackendSpec, ...] = ()) -> dict[str, Any]:
@@ -187,10 +203,12 @@ def bench(scenario: Scenario, out: Path, external: tuple[BackendSpec, ...] = ())
     records: dict[str, list[RequestRecord]] = {}
     arms: dict[str, Any] = {}
     failed: dict[str, str] = {}
+    # ``policy: default``: the rescaled copy, written once next to the report.
+    policy_file = scenario.policy_file(out)
     for arm in scenario.arms:
         try:
             records[arm.name], arms[arm.name] = run_arm(
-                scenario, arm.name, out / "logs" / arm.name, external
+                scenario, arm.name, out / "logs" / arm.name, external, policy_file
             )
         except (NotReady, EnvoyConfigError, OSError, RuntimeError) as exc:
             # The arm's processes are already stopped (ProcessGroup); the other arms still
@@ -201,7 +219,7 @@ def bench(scenario: Scenario, out: Path, external: tuple[BackendSpec, ...] = ())
     summaries = {name: data["summary"] for name, data in arms.items()}
     targets = report.evaluate(scenario.targets, summaries, weights)
     results = {
-        "scenario": scenario_json(scenario, external),
+        "scenario": scenario_json(scenario, external, policy_file),
         "arms": arms,
         "failed_arms": failed,
         "targets": [mark_suspect(t.to_json(), arms) for t in targets],
@@ -265,13 +283,9 @@ def run(args: argparse.Namespace) -> int:
     except (ScenarioError, BackendError) as exc:
         print(f"fairlane bench: {exc}", file=sys.stderr)
         return 1
-    written_for = load_scenario(args.scenario).speedup
-    if scenario.speedup != written_for:
-        _log(
-            f"warning: the policy {os.path.relpath(scenario.policy)} is in wall-clock seconds "
-            f"for speedup {written_for:g}; at {scenario.speedup:g} its deadlines, aging and "
-            "scrape intervals mean different simulated times (see loadtests/bench/README.md)"
-        )
+    note = policy_note(scenario, load_scenario(args.scenario).speedup)
+    if note:
+        _log(note)
     # Outside the checkout by default: results are not source, and others share the tree.
     out = args.out or (
         Path(tempfile.gettempdir())
@@ -291,6 +305,28 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     print_summary(results, out)
     return 1 if results["failed_arms"] else 0
+
+
+def policy_note(scenario: Scenario, written_for: float) -> str | None:
+    """What to say about the policy's time scale before a run (None: nothing to say).
+
+    A hand-written policy is in wall-clock seconds for the speedup its scenario was written
+    for: run at another ``--speedup`` its deadlines, aging and scrape intervals mean other
+    simulated times, so that is a warning. ``policy: default`` is rescaled to whatever
+    speedup the run uses, so there is nothing to warn about, only which scale was used."""
+    policy = os.path.relpath(scenario.policy)
+    if scenario.policy_scale is not None:
+        return (
+            f"policy: {policy} with its durations divided by {scenario.policy_scale:g} "
+            "(the run's speedup)"
+        )
+    if scenario.speedup != written_for:
+        return (
+            f"warning: the policy {policy} is in wall-clock seconds "
+            f"for speedup {written_for:g}; at {scenario.speedup:g} its deadlines, aging and "
+            "scrape intervals mean different simulated times (see loadtests/bench/README.md)"
+        )
+    return None
 
 
 class BackendError(ValueError):

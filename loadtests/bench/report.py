@@ -331,6 +331,18 @@ def _fleet_text(arm: Mapping[str, Any]) -> str:
     return "balanced" if arm.get("balanced") else "as configured"
 
 
+def policy_text(sc: Mapping[str, Any]) -> str:
+    """The fairlane arms' policy as the report names it: the file, and for ``policy:
+    default`` the speedup its durations were divided by and the copy the gateway read."""
+    scale = sc.get("policy_scale")
+    if scale is None:
+        return f"`{sc['policy']}`"
+    return (
+        f"`{sc['policy']}` with its durations divided by {scale:g} (the speedup; read from "
+        f"`{sc.get('policy_file', '?')}`)"
+    )
+
+
 def fleet_line(sc: Mapping[str, Any]) -> str:
     """What the arms ran against: the simulated fleet (engines switched to fcfs or priority
     per arm), or existing engines given with ``--backend`` (their policy is their own)."""
@@ -343,14 +355,14 @@ def fleet_line(sc: Mapping[str, Any]) -> str:
             "arm runs on it, and fairlane's injected priority orders requests inside the "
             "engines only if they run `--scheduling-policy priority`. FIFO: Envoy round-robin "
             "to them; least-request / random: Envoy's LEAST_REQUEST / RANDOM; fairlane: the "
-            f"gateway with `{sc['policy']}` (scraping their /metrics)."
+            f"gateway with {policy_text(sc)} (scraping their /metrics)."
         )
     return (
         f"- fleet: {sc['backends']['count']} simulated backend(s), profile "
         f"{sc['backends']['profile']}, flags `{' '.join(sc['backends']['flags']) or '-'}`; "
         "FIFO: Envoy round-robin, vLLM fcfs; least-request / random: Envoy's LEAST_REQUEST / "
         "RANDOM, vLLM fcfs; fairlane: the gateway with "
-        f"`{sc['policy']}`, vLLM priority."
+        f"{policy_text(sc)}, vLLM priority."
     )
 
 

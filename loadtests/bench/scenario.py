@@ -7,7 +7,8 @@ benchmark (unknown fields are errors too).
 
 Times in a scenario are **simulated seconds** (the simulators run ``speedup`` times faster
 than the wall clock); the policy file it names is read by the gateway in wall-clock seconds
-(see ``loadtests/bench/README.md``).
+(see ``loadtests/bench/README.md``), except ``policy: default``: fairlane's shipped default
+policy with its durations divided by the speedup (:mod:`loadtests.bench.policy_scale`).
 """
 
 from __future__ import annotations
@@ -180,6 +181,8 @@ class Scenario:
     speedup: float
     backends: Backends
     policy: Path
+    """The fairlane arms' policy file; for ``policy: default`` the shipped default, which the
+    gateway reads rescaled (``policy_rescaled``)."""
     groups: tuple[Group, ...]
     arms: tuple[Arm, ...]
     targets: tuple[Target, ...] = ()
@@ -192,10 +195,28 @@ class Scenario:
     """Cap on requests per arm, whatever the rates say (a bounded run)."""
     model: str = "sim-llama-8b"
     path: Path | None = None
+    policy_rescaled: bool = False
+    """``policy: default``: the gateway reads ``policy`` with every duration divided by the
+    run's ``speedup``, so the shipped policy means on the simulated fleet what it means on
+    real engines, at whatever ``--speedup`` the run uses."""
 
     @property
     def wall_duration_s(self) -> float:
         return self.duration_s / self.speedup
+
+    @property
+    def policy_scale(self) -> float | None:
+        """What the policy's durations are divided by (None: the file is used as written)."""
+        return self.speedup if self.policy_rescaled else None
+
+    def policy_file(self, directory: Path) -> Path:
+        """The file ``fairlane serve --policy`` reads: ``policy`` itself, or for
+        ``policy: default`` its rescaled copy, written into ``directory`` (a run's output)."""
+        if not self.policy_rescaled:
+            return self.policy
+        from loadtests.bench.policy_scale import write_scaled_policy
+
+        return write_scaled_policy(self.policy, self.speedup, directory)
 
     def group(self, name: str) -> Group:
         return next(g for g in self.groups if g.name == name)
@@ -230,9 +251,17 @@ class Scenario:
             changes["duration_s"] = duration_s
             changes["warmup_s"] = min(self.warmup_s, duration_s / 4)
         if speedup is not None:
-            if not speedup > 0:
+            if not (speedup > 0 and math.isfinite(speedup)):
                 raise ScenarioError(f"{where}: --speedup must be > 0, got {speedup}")
             changes["speedup"] = speedup
+            if self.policy_rescaled:
+                # The default policy follows the new speedup; check it still holds there.
+                problems = rescaled_policy_errors(self.policy, speedup)
+                if problems:
+                    raise ScenarioError(
+                        f"{where}: --speedup {speedup:g}: the default policy rescaled for it "
+                        "is not valid:\n" + "\n".join(problems)
+                    )
         if model is not None:
             if not model.strip():
                 raise ScenarioError(f"{where}: --model must not be empty")
@@ -432,7 +461,8 @@ class _Reader:
         max_requests = self.get(top, "", "max_requests", _int(1), "an integer >= 1", 20_000)
         model = self.get(top, "", "model", _text, "a non-empty string", "sim-llama-8b")
         backends = self.backends(top.get("backends", {}))
-        policy = self.policy(top)
+        policy = self.policy(top, speedup)
+        rescaled = is_default_policy(top.get("policy"))
         groups = self.groups(top.get("groups"))
         self.keys_in_policy(policy, groups)
         arms = self.arms(top.get("arms"), {g.name for g in groups})
@@ -457,6 +487,7 @@ class _Reader:
             max_requests=max_requests,
             model=model,
             path=self.path,
+            policy_rescaled=rescaled,
         )
 
     def backends(self, data: Any) -> Backends:
@@ -515,22 +546,36 @@ class _Reader:
             result.append((key, tuple(flags)))
         return tuple(sorted(result))
 
-    def policy(self, top: Mapping[str, Any]) -> Path:
-        raw = self.get(top, "", "policy", _text, "the path of a policy YAML")
+    def policy(self, top: Mapping[str, Any], speedup: float | None = None) -> Path:
+        """The policy file: ``default`` is fairlane's shipped policy
+        (``extproc.policy.DEFAULT_POLICY_PATH``), also validated rescaled for ``speedup``
+        when one is given (the A/B scenarios: the gateway reads it that way); anything else
+        a file relative to the scenario file, used as written (in wall-clock seconds)."""
+        raw = self.get(top, "", "policy", _text, "the path of a policy YAML, or default")
         if raw is None:
             return Path()
-        path = Path(raw)
+        from extproc.policy import DEFAULT_POLICY_PATH, PolicyError, load_policy
+
+        default = is_default_policy(raw)
+        path = DEFAULT_POLICY_PATH if default else Path(raw)
         if not path.is_absolute():
             path = self.path.parent / path
         if not path.is_file():
             self.error("policy", f"no such file {path}")
             return path
-        from extproc.policy import PolicyError, load_policy
-
         try:
             load_policy(path)
         except PolicyError as exc:
             self.error("policy", f"{path} is not a valid policy:\n{exc}")
+            return path
+        if default and speedup is not None:
+            problems = rescaled_policy_errors(path, speedup)
+            if problems:
+                self.error(
+                    "policy",
+                    f"{path} rescaled for speedup {speedup:g} is not a valid policy:\n"
+                    + "\n".join(problems),
+                )
         return path
 
     def keys_in_policy(self, path: Path, groups: Sequence[Group]) -> None:
@@ -816,6 +861,46 @@ class _Reader:
                 )
             )
         return tuple(targets)
+
+
+# --------------------------------------------------------------------------- the default policy
+
+DEFAULT_POLICY = "default"
+"""``policy: default``: fairlane's shipped policy, rescaled to the scenario's speedup."""
+
+
+def is_default_policy(raw: Any) -> bool:
+    """Whether a scenario's ``policy`` value names the shipped default (not a file)."""
+    return isinstance(raw, str) and raw.strip() == DEFAULT_POLICY
+
+
+def rescaled_policy_errors(source: Path, speedup: float) -> list[str]:
+    """What is wrong with ``source`` rescaled for ``speedup`` (nothing, for a valid source
+    at any sane speedup), each problem as ``SOURCE:LINE: field: message``: the line of the
+    field in the file a person edits, not in the generated copy."""
+    from extproc.policy import PolicyError, parse_policy
+    from extproc.yamlfile import YamlSyntaxError, compose
+    from loadtests.bench.policy_scale import render_scaled_policy
+
+    name = f"{source} (rescaled x{speedup:g})"
+    try:
+        parse_policy(render_scaled_policy(source, speedup), name)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        return [f"{source}: cannot rescale: {exc}"]
+    except PolicyError as exc:
+        try:
+            node = compose(source.read_text(encoding="utf-8"), str(source))
+        except (OSError, YamlSyntaxError):
+            node = None
+        problems = []
+        for error in exc.errors:
+            rest = error.removeprefix(f"{name}:").partition(": ")[2]
+            field = rest.partition(": ")[0]
+            line = line_of(node, field) if re.fullmatch(r"[\w.\[\]-]+", field) else None
+            at = f"{source}:{line}" if line is not None else str(source)
+            problems.append(f"{at}: {rest} (after dividing its durations by {speedup:g})")
+        return problems
+    return []
 
 
 # --------------------------------------------------------------------------- field checks

@@ -10,26 +10,40 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from extproc.cli import main
+from extproc.policy import load_policy
 from extproc.processes import ProcessGroup, free_port, wait_http_ready
+from loadtests.bench.scenario import SCENARIO_DIR
 
 pytestmark = pytest.mark.integration
+
+
+def _start_engines(group: ProcessGroup, speedup: str) -> list[str]:
+    urls = []
+    for i in range(2):
+        port = free_port()
+        argv = [sys.executable, "-m", "extproc", "sim", "--port", str(port)]
+        argv += ["--speedup", speedup, "--profile", "llama-8b-l4", "--max-num-seqs", "8"]
+        child = group.start(f"engine-{i}", argv)
+        urls.append(f"http://127.0.0.1:{port}")
+        wait_http_ready(f"{urls[-1]}/health", child, timeout=30)
+    return urls
 
 
 @pytest.fixture
 def engines(tmp_path: Path) -> Iterator[list[str]]:
     """Two simulators on fcfs, at the smoke scenario's speedup, stopped after the test."""
     with ProcessGroup(tmp_path / "engines") as group:
-        urls = []
-        for i in range(2):
-            port = free_port()
-            argv = [sys.executable, "-m", "extproc", "sim", "--port", str(port)]
-            argv += ["--speedup", "20", "--profile", "llama-8b-l4", "--max-num-seqs", "8"]
-            child = group.start(f"engine-{i}", argv)
-            urls.append(f"http://127.0.0.1:{port}")
-            wait_http_ready(f"{urls[-1]}/health", child, timeout=30)
-        yield urls
+        yield _start_engines(group, "20")
+
+
+@pytest.fixture
+def real_time_engines(tmp_path: Path) -> Iterator[list[str]]:
+    """Two simulators on the wall clock (speedup 1), like real engines."""
+    with ProcessGroup(tmp_path / "engines") as group:
+        yield _start_engines(group, "1")
 
 
 def test_bench_against_existing_backends(
@@ -54,6 +68,34 @@ def test_bench_against_existing_backends(
     for url in engines:
         metrics = _get(f"{url}/metrics")
         assert "vllm:request_success_total" in metrics
+
+
+def test_default_policy_against_existing_backends(
+    real_time_engines: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``policy: default`` with ``--backend`` and ``--speedup 1`` (real engines): the shipped
+    policy at scale 1, written next to the report and read by the gateway."""
+    scenario = yaml.safe_load((SCENARIO_DIR / "smoke.yaml").read_text())
+    scenario.update(policy="default", speedup=20, duration_s=6, drain_s=10)
+    path = tmp_path / "smoke-default.yaml"
+    path.write_text(yaml.safe_dump(scenario))
+    out = tmp_path / "out"
+    args = ["bench", str(path), "--speedup", "1", "--out", str(out)]
+    for url in real_time_engines:
+        args += ["--backend", url]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "divided by 1 (the run's speedup)" in err
+    assert "warning: the policy" not in err
+    data = json.loads((out / "results.json").read_text())
+    assert data["failed_arms"] == {}
+    assert data["scenario"]["policy_scale"] == 1
+    written = Path(data["scenario"]["policy_file"])
+    assert written == (out / "policy-default-x1.yaml").resolve()
+    assert load_policy(written).tiers[0].queue_deadline_s == 10  # the default's, unscaled
+    for name, arm in data["arms"].items():
+        assert arm["summary"]["by_tier"]["interactive"]["ok"] > 0, name
+    assert "durations divided by 1" in (out / "report.md").read_text()
 
 
 def _get(url: str) -> str:

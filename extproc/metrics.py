@@ -66,6 +66,7 @@ class GatewayCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield from self._queues()
         yield from self._slos()
+        yield from self._seats()
         yield from self._backends()
         yield from self._outcomes()
         yield from self._latencies()
@@ -115,6 +116,37 @@ class GatewayCollector(Collector):
             if tier.slo_latency_s is not None:
                 latency.add_metric([tier.name], tier.slo_latency_s)
         return (ttft, latency)
+
+    def _seats(self) -> Iterable[Metric]:
+        """What admission plans with: each backend's seats (and where that count comes
+        from), the fleet's total and each tier's reserve, so an operator can see why batch
+        is held back and whether a backend's real size was learned."""
+        seats = GaugeMetricFamily(
+            "fairlane_backend_seats",
+            "Requests the backend's engine runs at once, as the gateway plans with it; source: "
+            "declared (deployment), learned (requests waited while KV had room), fallback "
+            "(not learned yet: the larger of the default and one more than it ran).",
+            labels=[*BACKEND_LABELS, "source"],
+        )
+        for backend in self.admission.pool.backends:
+            count = backend.seats  # one series per backend: its current source only
+            seats.add_metric([backend.address, backend.region, count.source], count.count)
+        fleet = GaugeMetricFamily(
+            "fairlane_fleet_seats",
+            "Seats of the healthy backends (each capped at max_in_flight_per_backend): what "
+            "reservations are shares of.",
+        )
+        fleet.add_metric([], self.admission.capacity)
+        reserved = GaugeMetricFamily(
+            "fairlane_tier_reserved_seats",
+            "Seats a tier keeps from less urgent tiers, sized to its recent demand and capped "
+            "by its reserved_share (0 without one); enforced while the tier is active.",
+            labels=["tier"],
+        )
+        by_rank = self.admission.reserved()
+        for tier in self.admission.policy.tiers:
+            reserved.add_metric([tier.name], by_rank.get(tier.rank, 0))
+        return (seats, fleet, reserved)
 
     def _backends(self) -> Iterable[Metric]:
         def gauge(name: str, doc: str) -> GaugeMetricFamily:

@@ -7,11 +7,24 @@ import math
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from extproc.admission import Admission
+from extproc.backends import BackendPool, BackendSpec
 from extproc.gateway import Gateway, Pending
 from extproc.messages import Completion, Forward, Respond
 from extproc.metrics import GatewayCollector
+from extproc.scrape import EngineMetrics
+from extproc.seats import FALLBACK_SEATS
+from extproc.stats import GatewayStats
 from tests.exported_metrics import gateway_exposition, parse_samples
-from tests.extproc.factories import FakeClock, make_gateway, request
+from tests.extproc.factories import (
+    API,
+    BATCH,
+    INTERACTIVE,
+    FakeClock,
+    make_gateway,
+    policy,
+    request,
+)
 
 
 def value(text: str, name: str, **labels: str) -> float:
@@ -40,6 +53,14 @@ def test_every_outcome_is_counted_where_an_operator_looks_for_it() -> None:
     assert value(text, "fairlane_tier_slo_ttft_seconds", tier="interactive") == 0.5
     assert value(text, "fairlane_tier_in_flight", tier="api") == 1
     assert value(text, "fairlane_tier_in_flight", tier="batch") == 0  # present, not missing
+    assert (
+        value(
+            text, "fairlane_backend_seats", backend="127.0.0.1:8101", region="a", source="declared"
+        )
+        == 2
+    )
+    assert value(text, "fairlane_fleet_seats") == 4
+    assert value(text, "fairlane_tier_reserved_seats", tier="batch") == 0  # reserves nothing
     assert value(text, "fairlane_request_duration_seconds_count", tier="interactive") == 1
     assert value(text, "fairlane_request_duration_seconds_sum", tier="interactive") == 0.8
     assert (
@@ -128,3 +149,48 @@ async def test_thousands_of_made_up_users_and_models_cannot_grow_the_exposition(
     assert len(models) == 51  # the first 50 models, then "other"
     assert value(text, "fairlane_requests_admitted_total", tier="api", model="other") == 4950
     assert value(text, "fairlane_flow_requests_total", tier="api", flow="other") == 4800
+
+
+def test_seats_show_each_backends_count_and_source_the_fleet_and_each_tiers_reserve() -> None:
+    """One ``fairlane_backend_seats`` series per backend, labelled with where its count
+    comes now (a learned count replaces the fallback series), the fleet's seats and each
+    tier's reserve by name (0 for a tier that reserves nothing)."""
+    clock = FakeClock()
+    pool = BackendPool(
+        [BackendSpec("127.0.0.1", 8001, "east"), BackendSpec("127.0.0.1", 8002, "west", seats=6)],
+        clock=clock,
+    )
+    learning, declared = pool.backends
+    tiers = (dataclasses.replace(INTERACTIVE, reserved_share=0.5), API, BATCH)
+    admission = Admission(pool, policy(limit=32, tiers=tiers), clock=clock)
+    collector = GatewayCollector(admission, GatewayStats())
+
+    def render() -> str:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(collector)
+        return generate_latest(registry).decode()
+
+    def seats(text: str) -> dict[tuple[str, str], float]:
+        return {
+            (dict(labels)["backend"], dict(labels)["source"]): v
+            for (name, labels), v in parse_samples(text).items()
+            if name == "fairlane_backend_seats"
+        }
+
+    text = render()
+    assert seats(text) == {
+        (learning.address, "fallback"): FALLBACK_SEATS,
+        (declared.address, "declared"): 6,
+    }
+    assert value(text, "fairlane_fleet_seats") == FALLBACK_SEATS + 6
+    assert value(text, "fairlane_tier_reserved_seats", tier="interactive") == 1  # idle: 1 seat
+    assert value(text, "fairlane_tier_reserved_seats", tier="api") == 0
+    assert value(text, "fairlane_tier_reserved_seats", tier="batch") == 0
+
+    for _ in range(2):  # requests wait while KV has room: the engine runs 12 at once
+        learning.record_scrape(EngineMetrics(3, 12, 0.4, 1.0, 10.0, clock()), 0)
+    text = render()
+    assert seats(text) == {(learning.address, "learned"): 12, (declared.address, "declared"): 6}
+    assert value(text, "fairlane_fleet_seats") == 18 == admission.capacity
+    learning.healthy = False  # the fleet counts healthy backends only
+    assert value(render(), "fairlane_fleet_seats") == 6

@@ -13,8 +13,8 @@ Shape (``deploy/fairlane.yaml`` is the shipped example)::
     service: {host: 127.0.0.1, port: 50051}    # the ext_proc service (fairlane serve)
     policy: ../policies/default.yaml           # relative to this file; default: the built-in
     backends:                                  # regions are priority levels, first named = 0
-      - {url: http://10.0.0.11:8000, region: us-east-1, weight: 2}
-      - {url: http://10.1.0.11:8000, region: us-west-2}
+      - {url: http://10.0.0.11:8000, region: us-east-1, weight: 2, seats: 64}
+      - {url: http://10.1.0.11:8000, region: us-west-2}          # seats learned
     # optional, default from the policy:
     # max_body_bytes, longest_hold_s, max_held_requests, message_timeout_s, access_log_path
     # optional: what Envoy does when the service is down (default closed: 503, never forwarded)
@@ -29,6 +29,12 @@ service never sends, so every request would fall through to the fallback load ba
 backends fixed addresses instead (in docker-compose: ``ipv4_address`` on a network with a
 fixed subnet, see ``deploy/compose/``). The service itself may be a DNS name: nothing matches
 strings against the ext_proc cluster, which is rendered as STRICT_DNS then.
+
+A backend's optional ``seats`` declares how many requests its engine runs at once (its
+``--max-num-seqs``, which vLLM does not export); without it the service learns the count from
+the engine (``extproc.seats``). Envoy does not use it: the service does, and it is given its
+backends on its command line, so the same count goes on the service's ``--backend`` as
+``#seats=N`` (``tests/deploy/test_compose.py`` checks that the compose files agree).
 
 Every problem in the file is reported at once, as ``file:line: field.path: message`` (line
 numbers from PyYAML's node marks), like the policy parser does.
@@ -75,7 +81,7 @@ _TOP_KEYS = (
     "routes",
 )
 _ADDRESS_KEYS = ("host", "port")
-_BACKEND_KEYS = ("url", "region", "weight")
+_BACKEND_KEYS = ("url", "region", "weight", "seats")
 _ROUTE_KEYS = ("name", "prefix", "path", "failure_mode")
 FAILURE_MODES = {"closed": False, "open": True}
 """``failure_mode`` values -> ext_proc ``failure_mode_allow``."""
@@ -280,7 +286,7 @@ def _read_routes(reader: LocatedReader, node: Node) -> tuple[RouteSpec, ...]:
 
 def _read_backends(reader: LocatedReader, node: Node) -> tuple[BackendSpec, ...]:
     if not isinstance(node, SequenceNode) or not node.value:
-        reader.error(node, "backends", "must be a non-empty list of {url, region, weight}")
+        reader.error(node, "backends", "must be a non-empty list of {url, region, weight, seats}")
         return ()
     specs: list[BackendSpec] = []
     seen: dict[str, int] = {}
@@ -308,7 +314,23 @@ def _read_backends(reader: LocatedReader, node: Node) -> tuple[BackendSpec, ...]
             if "weight" in fields
             else 1
         )
+        seats = (
+            reader.value(
+                fields["seats"],
+                f"{path}.seats",
+                int,
+                lambda v: (
+                    None
+                    if v >= 1
+                    else "must be >= 1 (the requests the engine runs at once, --max-num-seqs)"
+                ),
+            )
+            if "seats" in fields
+            else None
+        )
         if url is None or region is None or weight is None:
+            continue
+        if "seats" in fields and seats is None:
             continue
         parts = urlsplit(url if "://" in url else f"http://{url}")
         try:
@@ -319,7 +341,7 @@ def _read_backends(reader: LocatedReader, node: Node) -> tuple[BackendSpec, ...]
             reader.error(fields["url"], f"{path}.url", f"expected http://IP:PORT, got {url!r}")
             continue
         try:
-            spec = BackendSpec(parts.hostname, port, region.strip(), weight)
+            spec = BackendSpec(parts.hostname, port, region.strip(), weight, seats)
         except ValueError as exc:
             hint = (
                 "; give the backend a fixed address (docker-compose: ipv4_address) and use it"

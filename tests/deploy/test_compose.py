@@ -6,7 +6,8 @@
   files and pass ``envoy --mode validate``;
 - the compose file and the Envoy config agree: the ext_proc cluster is the ``fairlane``
   service on its gRPC port, the backend endpoints are the backends' pinned addresses and
-  container ports (and exactly the service's ``--backend`` list, region by region), the
+  container ports (and exactly the service's ``--backend`` list, region by region, whose
+  ``#seats=N`` match the deployment file's ``seats``), the
   listener and admin ports are the published ones, Prometheus scrapes the ports the
   processes listen on, Grafana's datasource is the Prometheus service, and every bind-mounted
   file exists in the repository;
@@ -24,11 +25,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
+from extproc.backends import parse_backend
 from extproc.deployment import load_deployment
 from extproc.envoy_config import BACKEND_CLUSTER, EXTPROC_CLUSTER, validate
 from extproc.render_envoy import render
@@ -255,11 +256,12 @@ def test_backends_agree_everywhere(stack: tuple[Variant, dict[str, Any]]) -> Non
         in_compose.add((address, port))
 
     backend_urls = flags(services["fairlane"]["command"])["backend"]
-    in_service = []
-    for item in backend_urls:
-        region, url = item.split("=", 1)
-        parts = urlsplit(url)
-        in_service.append((region, parts.hostname, parts.port))
+    specs = [parse_backend(item) for item in backend_urls]  # as `fairlane serve` reads them
+    in_service = [(spec.region, spec.host, spec.port) for spec in specs]
+    # seats declared in the deployment file are the service's to plan with (Envoy has no
+    # use for them): its --backend list must declare the same, or learn them all
+    declared = {b.address: b.seats for b in load_deployment(variant.deployment).params.backends}
+    assert {spec.address: spec.seats for spec in specs} == declared
     in_envoy = endpoints(cluster(envoy_bootstrap(variant), BACKEND_CLUSTER))
     assert sorted(in_envoy, key=str) == sorted(in_service, key=str)
     assert {(address, port) for _, address, port in in_envoy} == in_compose

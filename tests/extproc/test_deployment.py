@@ -1,0 +1,71 @@
+"""The deployment file's per-backend ``seats``: read into ``BackendSpec.seats``, refused with
+``file:line`` when it is not a count of at least one, and of no concern to Envoy."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.deployment import DeploymentError, parse_deployment
+from extproc.envoy_config import render_yaml
+
+BACKENDS = """\
+backends:
+  - {url: http://10.0.0.11:8000, region: east, weight: 2, seats: 64}
+  - url: http://10.0.0.12:8000
+    region: east
+    seats: %s
+  - {url: http://10.1.0.11:8000, region: west}
+"""
+
+
+def errors(text: str) -> list[str]:
+    with pytest.raises(DeploymentError) as caught:
+        parse_deployment(text, "d.yaml")
+    return caught.value.errors
+
+
+def test_declared_seats_reach_the_backend_specs_and_the_rest_are_learned() -> None:
+    backends = parse_deployment(BACKENDS % 8, "d.yaml").params.backends
+    assert [(b.address, b.weight, b.seats) for b in backends] == [
+        ("10.0.0.11:8000", 2, 64),
+        ("10.0.0.12:8000", 1, 8),
+        ("10.1.0.11:8000", 1, None),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("0", "must be >= 1 (the requests the engine runs at once, --max-num-seqs)"),
+        ("-4", "must be >= 1 (the requests the engine runs at once, --max-num-seqs)"),
+        ("lots", "must be an integer, not a string"),
+        ("2.5", "must be an integer, not a number"),
+        ("true", "must be an integer, not a boolean"),
+        ("null", "must be an integer, not null"),
+    ],
+)
+def test_a_bad_seat_count_is_named_with_its_line(value: str, message: str) -> None:
+    assert errors(BACKENDS % value) == [f"d.yaml:5: backends[1].seats: {message}"]
+
+
+def test_every_bad_backend_is_reported_at_once() -> None:
+    text = """\
+backends:
+  - {url: http://10.0.0.11:8000, seats: 0}
+  - {url: http://10.0.0.12:8000, seats: 4, seat: 4}
+  - {url: http://10.0.0.13:8000, weight: 0, seats: many}
+"""
+    found = errors(text)
+    assert "d.yaml:2: backends[0].seats: must be >= 1" in found[0]
+    assert any(e.startswith("d.yaml:3: backends[1].seat:") for e in found), found
+    assert "d.yaml:4: backends[2].weight: must be >= 1" in found
+    assert "d.yaml:4: backends[2].seats: must be an integer, not a string" in found
+
+
+def test_envoy_is_rendered_the_same_with_or_without_seats() -> None:
+    """Seats are the service's business (admission); Envoy routes to the same endpoints."""
+    declared = parse_deployment(BACKENDS % 8, "d.yaml").params
+    plain = parse_deployment(
+        BACKENDS.replace(", seats: 64", "").replace("    seats: %s\n", ""), "d.yaml"
+    ).params
+    assert render_yaml(declared) == render_yaml(plain)

@@ -23,6 +23,8 @@ from loadtests.bench.scenario import (
     read_document,
 )
 
+FLOOD_SCENARIOS = ("flood-4seat", "flood-8seat", "flood-32seat", "flood-256seat", "flood-kv-bound")
+
 
 def default_scenario(speedup: float = 4) -> dict[str, Any]:
     return {
@@ -81,6 +83,28 @@ def test_every_scenario_file_loads(path: Path) -> None:
         scenario = load_scenario(path)
         assert scenario.name == path.stem
         assert scenario.targets
+
+
+@pytest.mark.parametrize("name", FLOOD_SCENARIOS)
+def test_flood_scenarios(name: str) -> None:
+    scenario = load_scenario(name)
+    assert scenario.policy == DEFAULT_POLICY_PATH
+    assert scenario.policy_rescaled and scenario.policy_scale == scenario.speedup
+    assert [a.name for a in scenario.arms] == [
+        "fifo",
+        "fairlane",
+        "fairlane-no-flood",
+        "fifo-no-flood",
+    ]
+    assert {t.metric for t in scenario.targets} == {"ttft_p90", "goodput"}
+    assert scenario.seed and scenario.max_requests <= 20_000
+    # sized for a 2-core machine shared with others: about 25 wall seconds of load and a few
+    # of drain per arm, 4 arms in ~2.5 minutes
+    assert scenario.wall_duration_s <= 25
+    assert scenario.drain_s / scenario.speedup <= 5
+    # the faithful scrape interval (0.1 simulated s) costs each simulator ~10 x speedup
+    # /metrics renders per wall second: the scenarios keep the speedup low
+    assert scenario.speedup <= 3
 
 
 def test_default_is_the_shipped_policy_rescaled(tmp_path: Path) -> None:

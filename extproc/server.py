@@ -23,7 +23,7 @@ from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
 from extproc.admission import Admission
-from extproc.backends import BackendPool, BackendSpec, parse_backend
+from extproc.backends import BACKEND_SYNTAX, BackendPool, BackendSpec, parse_backend
 from extproc.gateway import Gateway
 from extproc.metrics import GatewayCollector, start_metrics_server
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyStore
@@ -171,16 +171,31 @@ def add_policy_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+SEATS_HELP = (
+    "; #seats=N declares how many requests the engine runs at once (its --max-num-seqs), "
+    "otherwise learned from its /metrics"
+)
+"""What every ``--backend`` help says about ``#seats=N``."""
+
+
 def add_backend_argument(parser: argparse.ArgumentParser, required: bool, help: str) -> None:
-    """``--backend [REGION=]URL`` (repeatable), shared by ``serve`` and ``up``."""
+    """``--backend [REGION=]http://IP:PORT[#seats=N]`` (repeatable), shared by ``serve`` and
+    ``up``; ``help`` says what the option means to that command, the seat syntax is added."""
     parser.add_argument(
         "--backend",
         action="append",
         default=[],
-        metavar="[REGION=]URL",
+        metavar=BACKEND_SYNTAX,
         required=required,
-        help=help,
+        help=help + SEATS_HELP,
     )
+
+
+def backend_argument(spec: BackendSpec) -> str:
+    """``spec`` as ``--backend`` takes it (``parse_backend`` reads it back unchanged), so
+    ``fairlane up`` hands the service its backends with their declared seats."""
+    declared = f"#seats={spec.seats}" if spec.seats is not None else ""
+    return f"{spec.region}={spec.url}{declared}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -190,8 +205,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_backend_argument(
         parser,
         required=True,
-        help="a vLLM server, e.g. region-a=http://10.0.0.5:8000 "
-        "(repeatable; the first region named is the local one)",
+        help="a vLLM server, e.g. region-a=http://10.0.0.5:8000 or "
+        "region-a=http://10.0.0.5:8000#seats=64 (repeatable; the first region named is the "
+        "local one)",
     )
     parser.add_argument(
         "--metrics-port",

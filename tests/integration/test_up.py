@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
 import signal
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from extproc.processes import ProcessGroup, free_port
+from extproc.stack import SeatCount, SeatWatch
+from tests.integration.conftest import SIM_ARGS, auth, chat, start_stack
 from tests.pids import alive
 
 pytestmark = pytest.mark.integration
@@ -42,6 +47,13 @@ def test_up_serves_a_demo_key_and_sigterm_stops_every_process(processes: Process
         ).encode(),
         headers={"authorization": "Bearer sk-chat-demo", "content-type": "application/json"},
     )
+    banner = up.log_path.read_text()
+    seat_lines = re.findall(r"backend (region-[ab]) 127\.0\.0\.1:\d+: seats (\d+) \((.*)\)", banner)
+    # two simulators of unknown size, before any load: the fallback
+    assert sorted(seat_lines) == [
+        ("region-a", "4", "fallback: not learned yet"),
+        ("region-b", "4", "fallback: not learned yet"),
+    ], banner
     with urllib.request.urlopen(request, timeout=30) as response:
         assert response.status == 200
         assert response.headers["x-fairlane-tier"] == "interactive"
@@ -55,3 +67,48 @@ def test_up_serves_a_demo_key_and_sigterm_stops_every_process(processes: Process
     while any(alive(pid) for pid in started) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in started if alive(pid)]
+
+
+SEATS_POLICY = """\
+max_in_flight_per_backend: 16
+tiers:
+  - name: interactive
+    priority: 0
+    queue_limit: 16
+    queue_deadline_s: 30
+    gate: {max_waiting: 8}
+tenants:
+  - name: chat-app
+    api_keys: [sk-chat-demo]
+    tiers: [interactive]
+"""
+
+
+async def test_seats_are_learned_from_a_queueing_engine_and_printed_by_up(tmp_path: Path) -> None:
+    """An engine of two seats (``--max-num-seqs 2``) that the gateway fills past them
+    queues requests while its KV cache has room: the service learns 2, exports it, and the
+    watch ``fairlane up`` runs turns it into a line, starting from the fallback."""
+    group, stack = start_stack(tmp_path, SEATS_POLICY, sim_args=(*SIM_ARGS, "--max-num-seqs", "2"))
+    try:
+        (backend,) = stack.backends
+        watch = SeatWatch(f"http://127.0.0.1:{stack.metrics_port}/metrics")
+        assert watch.first() == {backend.address: SeatCount("region-a", 4, "fallback")}
+        lines: list[str] = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+            async def send() -> int:
+                body = chat(max_tokens=60)  # ~3 s each: six of them keep four waiting
+                url = f"{stack.url}/v1/chat/completions"
+                async with session.post(url, json=body, headers=auth("sk-chat-demo")) as r:
+                    await r.read()
+                    return r.status
+
+            requests = [asyncio.create_task(send()) for _ in range(6)]
+            deadline = time.monotonic() + 20
+            while not lines and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+                lines += await asyncio.to_thread(watch.poll)
+            assert await asyncio.gather(*requests) == [200] * 6
+        assert lines == [f"backend region-a {backend.address}: seats 2 (learned from the engine)"]
+    finally:
+        group.stop()

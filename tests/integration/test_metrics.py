@@ -140,6 +140,21 @@ async def test_traffic_through_envoy_shows_up_in_every_family(stack: Stack) -> N
     assert get(samples, "fairlane_backend_metrics_age_seconds", **where) < 1.0
     assert ("fairlane_backend_kv_cache_usage_ratio", frozenset(where.items())) in samples
     assert get(samples, "fairlane_backend_in_flight", **where) == 0
+    # one seats series for the backend: the simulator (256 seats) never queued, so the
+    # fallback, grown to one more than it ran; the fleet caps it at the policy's 8
+    seats = {
+        labels: count
+        for (name, labels), count in samples.items()
+        if name == "fairlane_backend_seats"
+    }
+    assert len(seats) == 1, seats
+    ((labels, count),) = seats.items()
+    assert dict(labels) == {**where, "source": "fallback"}
+    assert count >= 4
+    assert get(samples, "fairlane_fleet_seats") == min(count, 8)
+    for tier in ("interactive", "api"):  # no reserved_share: nothing reserved, still a series
+        assert ("fairlane_tier_reserved_seats", frozenset({("tier", tier)})) in samples
+        assert get(samples, "fairlane_tier_reserved_seats", tier=tier) == 0
     processed = get(samples, "fairlane_service_processing_seconds_count")
     assert processed == CHATS + 2  # every request the servicer answered, shed and refused too
     assert 0 < get(samples, "fairlane_service_processing_seconds_sum") / processed < 0.05

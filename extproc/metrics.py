@@ -125,7 +125,7 @@ class GatewayCollector(Collector):
             "fairlane_backend_seats",
             "Requests the backend's engine runs at once, as the gateway plans with it; source: "
             "declared (deployment), learned (requests waited while KV had room), fallback "
-            "(not learned yet: the larger of the default and one more than it ran).",
+            "(not learned yet: a step more than the engine was seen running).",
             labels=[*BACKEND_LABELS, "source"],
         )
         for backend in self.admission.pool.backends:

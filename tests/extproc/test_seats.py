@@ -10,6 +10,9 @@ import pytest
 from extproc.backends import Backend, BackendSpec
 from extproc.scrape import EngineMetrics
 from extproc.seats import CONFIRMATIONS, FALLBACK_SEATS, KV_BOUND, Seats, restarted
+from loadtests.sim.engine import Engine as SimEngine
+from loadtests.sim.engine import EngineConfig, EngineRequest
+from loadtests.sim.profiles import get_profile
 
 BLOCKS = 1000
 BLOCK_SIZE = 16
@@ -79,7 +82,7 @@ def test_one_seat_bound_scrape_is_not_enough() -> None:
     engine, seats = Engine(), Seats()
     feed(seats, seat_bound(engine, 8, times=CONFIRMATIONS - 1))
     assert seats.learned is None and seats.source == "fallback"
-    assert seats.count == 9  # the fallback follows what it ran: peak + 1
+    assert seats.count > 8  # the fallback plans with more than the engine was seen running
 
 
 def test_the_confirmations_must_be_in_a_row_and_agree() -> None:
@@ -98,7 +101,7 @@ def test_a_kv_bound_scrape_teaches_nothing(kv: float) -> None:
     engine, seats = Engine(), Seats()
     feed(seats, [engine.scrape(5, waiting=4, kv=kv) for _ in range(5)])
     assert seats.learned is None and seats.source == "fallback"
-    assert seats.count == 6  # only the fallback, from what it demonstrably runs
+    assert seats.count > 5  # only the fallback, from what it demonstrably runs
 
 
 def test_a_queue_with_nothing_running_teaches_nothing() -> None:
@@ -126,6 +129,51 @@ def test_fewer_running_with_a_queue_does_not_lower_a_learned_count_without_a_res
     assert seats.learned == 8
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap in extproc.seats: a queue held back by the step's token budget "
+    "(max_num_batched_tokens spent on chunked prefill of long prompts) reads as every seat "
+    "taken; needs a prefill signal (vllm:prompt_tokens_total) that scrape.py does not read",
+)
+def test_a_queue_behind_a_long_prefill_is_not_a_full_engine() -> None:
+    """vLLM (and the simulator, which follows its scheduler) also leaves requests waiting
+    while seats are free when the step's token budget is spent on prefill chunks. One step
+    of a long prefill outlasts two 100 ms scrapes, so both see the same running count with
+    a queue and KV room: the count is learned as 1 on a 16-seat engine. Only more running
+    than that raises it, and a tier that needs a free seat (batch, max_waiting 0) never
+    sends more: a batch-only long-prompt workload stays capped at the wrong count."""
+    config = EngineConfig(
+        profile=get_profile("llama-8b-l4"),
+        max_num_seqs=16,
+        max_num_batched_tokens=2048,
+        num_gpu_blocks=100_000,  # KV far from full: only seats or the budget can hold them
+        max_model_len=32_768,
+    )
+    engine = SimEngine(config)
+    for i in range(6):
+        request = EngineRequest(f"r{i}", 16_000, [], max_tokens=100, output_len=100)
+        engine.add(request, 0.0)
+    seats, previous, now, scrape_at, tokens = Seats(), None, 0.0, 0.1, 0
+    while now < 3.0:
+        step = engine.step(now)
+        now, tokens = step.end, tokens + len(step.outputs)
+        while scrape_at <= now:  # the engine's numbers as of its last finished step
+            current = EngineMetrics(
+                engine.num_waiting,
+                engine.num_running,
+                engine.pool.usage,
+                tokens * 0.05,
+                tokens,
+                scrape_at,
+                BLOCK_SIZE,
+                config.num_gpu_blocks,
+            )
+            seats.observe(previous, current)
+            assert current.kv_cache_usage < KV_BOUND and current.waiting > 0
+            previous, scrape_at = current, scrape_at + 0.1
+    assert seats.learned in (None, 16)
+
+
 # --- restarts ---------------------------------------------------------------------------
 
 
@@ -146,10 +194,12 @@ def test_a_restart_forgets_the_peak_the_fallback_grew_from() -> None:
     engine, seats = Engine(), Seats()
     last = engine.scrape(12)
     feed(seats, [last])
-    assert seats.count == 13
+    grown = seats.count
+    assert grown > 12
     engine.restart()
     assert seats.observe(last, engine.scrape(1)) is True
-    assert (seats.count, seats.source) == (FALLBACK_SEATS, "fallback")
+    assert seats.peak_running == 1 and seats.source == "fallback"
+    assert seats.count == Seats(peak_running=1).count < grown
 
 
 @pytest.mark.parametrize(
@@ -199,11 +249,13 @@ def test_a_cache_size_not_known_yet_is_not_a_restart() -> None:
 def test_the_fallback_grows_with_the_most_ever_seen_running() -> None:
     engine, seats = Engine(), Seats()
     assert (seats.count, seats.source) == (FALLBACK_SEATS, "fallback")
-    assert feed(seats, [engine.scrape(2)]) == [False]  # within the fallback
     assert feed(seats, [engine.scrape(6)]) == [True]
-    assert (seats.count, seats.peak_running) == (7, 6)
+    grown = seats.count
+    assert grown > 6 and seats.peak_running == 6  # a little more than it demonstrably runs
     assert feed(seats, [engine.scrape(1)]) == [False]  # a quiet moment keeps the peak
-    assert seats.count == 7
+    assert seats.count == grown
+    assert feed(seats, [engine.scrape(9)]) == [True]
+    assert seats.count > 9 and seats.source == "fallback"
 
 
 def test_a_larger_configured_fallback_is_kept_until_the_engine_runs_past_it() -> None:
@@ -211,7 +263,7 @@ def test_a_larger_configured_fallback_is_kept_until_the_engine_runs_past_it() ->
     feed(seats, [engine.scrape(3)])
     assert seats.count == 10
     feed(seats, [engine.scrape(12)])
-    assert seats.count == 13
+    assert seats.count > 12
 
 
 def test_declared_seats_win_over_everything_observed() -> None:
@@ -234,7 +286,7 @@ def test_observe_says_whether_the_count_changed() -> None:
     last = engine.scrape(0)
     assert feed(seats, [last]) == [False]
     learn = seat_bound(engine, 6, times=CONFIRMATIONS + 2)
-    # the first raises the fallback to 7, the confirming one teaches 6, the rest repeat it
+    # the first raises the fallback past 6, the confirming one teaches 6, the rest repeat it
     assert feed(seats, learn, last) == [True, *[False] * (CONFIRMATIONS - 2), True, False, False]
     assert seats.observe(learn[-1], engine.scrape(6)) is False  # a queue that drained
     assert seats.observe(learn[-1], engine.scrape(7)) is True

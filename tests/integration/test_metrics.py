@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
+from extproc.seats import FALLBACK_SEATS
 from extproc.stack import Stack
 from tests.exported_metrics import Samples, parse_samples
 from tests.integration.conftest import auth, chat, start_stack
@@ -141,7 +142,7 @@ async def test_traffic_through_envoy_shows_up_in_every_family(stack: Stack) -> N
     assert ("fairlane_backend_kv_cache_usage_ratio", frozenset(where.items())) in samples
     assert get(samples, "fairlane_backend_in_flight", **where) == 0
     # one seats series for the backend: the simulator (256 seats) never queued, so the
-    # fallback, grown to one more than it ran; the fleet caps it at the policy's 8
+    # fallback, grown a step past what it ran; the fleet caps it at the policy's 8
     seats = {
         labels: count
         for (name, labels), count in samples.items()
@@ -150,7 +151,7 @@ async def test_traffic_through_envoy_shows_up_in_every_family(stack: Stack) -> N
     assert len(seats) == 1, seats
     ((labels, count),) = seats.items()
     assert dict(labels) == {**where, "source": "fallback"}
-    assert count >= 4
+    assert count >= FALLBACK_SEATS
     assert get(samples, "fairlane_fleet_seats") == min(count, 8)
     for tier in ("interactive", "api"):  # no reserved_share: nothing reserved, still a series
         assert ("fairlane_tier_reserved_seats", frozenset({("tier", tier)})) in samples

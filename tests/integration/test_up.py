@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from extproc.processes import ProcessGroup, free_port
+from extproc.seats import FALLBACK_SEATS
 from extproc.stack import SeatCount, SeatWatch
 from tests.integration.conftest import SIM_ARGS, auth, chat, start_stack
 from tests.pids import alive
@@ -51,8 +52,8 @@ def test_up_serves_a_demo_key_and_sigterm_stops_every_process(processes: Process
     seat_lines = re.findall(r"backend (region-[ab]) 127\.0\.0\.1:\d+: seats (\d+) \((.*)\)", banner)
     # two simulators of unknown size, before any load: the fallback
     assert sorted(seat_lines) == [
-        ("region-a", "4", "fallback: not learned yet"),
-        ("region-b", "4", "fallback: not learned yet"),
+        ("region-a", str(FALLBACK_SEATS), "fallback: not learned yet"),
+        ("region-b", str(FALLBACK_SEATS), "fallback: not learned yet"),
     ], banner
     with urllib.request.urlopen(request, timeout=30) as response:
         assert response.status == 200
@@ -92,7 +93,7 @@ async def test_seats_are_learned_from_a_queueing_engine_and_printed_by_up(tmp_pa
     try:
         (backend,) = stack.backends
         watch = SeatWatch(f"http://127.0.0.1:{stack.metrics_port}/metrics")
-        assert watch.first() == {backend.address: SeatCount("region-a", 4, "fallback")}
+        assert watch.first() == {backend.address: SeatCount("region-a", FALLBACK_SEATS, "fallback")}
         lines: list[str] = []
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
 

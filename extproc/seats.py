@@ -17,10 +17,13 @@ gateway can keep one free only if it knows how many there are. vLLM does not exp
 - **A restarted engine** (its counters went backwards, or its ``cache_config_info`` changed)
   may have other flags: what was learned is forgotten and learned again.
 
-Until a count is learned (and when none is declared), the backend gets ``fallback`` seats,
-raised to one more than the most it was ever seen running: as the gateway fills an engine
-whose size it does not know, the estimate grows one seat at a time until the engine shows a
-queue, which teaches the real number. An engine that never shows one stays on that
+Until a count is learned (and when none is declared), the backend gets ``fallback`` seats
+(one), raised to a little more than the most it was ever seen running (``probe``: one more,
+or a quarter more on big engines): as the gateway fills an engine whose size it does not
+know, the estimate grows a step per scrape until the engine shows a queue, which teaches the
+real number. Learning costs that one step of over-commitment, once per engine start: a few
+requests wait inside vLLM, and chat that arrives before they drain may wait for a seat
+(declare ``seats`` to avoid even that). An engine that never shows a queue stays on the
 estimate, which follows what it demonstrably runs: neither nothing nor everything.
 
 A count declared in the deployment (``seats`` on a backend) wins over any observation. Pure
@@ -41,10 +44,10 @@ KV_BOUND = 0.9
 """KV-cache use at or above which waiting requests are blamed on KV, not on seats."""
 CONFIRMATIONS = 2
 """Seat-bound scrapes in a row, with the same running count, before that count is learned."""
-FALLBACK_SEATS = 4
-"""Seats assumed for a backend that declares none and has not shown its limit yet: vLLM's
-smallest common ``--max-num-seqs`` setting in this project's tests, so a fleet of unknown
-engines starts conservatively and grows from there."""
+FALLBACK_SEATS = 1
+"""Seats assumed for a backend that declares none and has not shown its limit yet: the
+fewest an engine can have, so an unknown engine is never over-committed by more than one
+probing step (``probe``)."""
 
 SeatSource = Literal["declared", "learned", "fallback"]
 """Where a backend's seat count comes from: a bounded metric label."""
@@ -75,7 +78,7 @@ class Seats:
             return self.declared
         if self.learned is not None:
             return self.learned
-        return max(self.fallback, self.peak_running + 1)
+        return max(self.fallback, probe(self.peak_running))
 
     @property
     def source(self) -> SeatSource:
@@ -110,6 +113,13 @@ class Seats:
         self.learned = None
         self.peak_running = 0
         self._candidate, self._confirmed = None, 0
+
+
+def probe(peak_running: int) -> int:
+    """The seats to plan with for an engine seen running ``peak_running`` at most and never
+    queueing: one more (a quarter more past 8), so a 256-seat engine is found in about 20
+    steps while a small one is over-committed by one request at most."""
+    return peak_running + max(1, peak_running // 4)
 
 
 def restarted(previous: EngineMetrics, current: EngineMetrics) -> bool:

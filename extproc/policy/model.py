@@ -239,7 +239,9 @@ class Policy:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     on_escalation: EscalationMode = "downgrade"
     """What happens when a client asks for a tier more urgent than its key allows."""
-    max_in_flight_per_backend: int = 16
+    max_in_flight_per_backend: int = 4096
+    """A safety cap on requests sent to one backend; its seats (learned or declared) decide
+    first, so this need not match the engines."""
     user_header: str = "x-user-id"
     """Where the end-user id comes from when the body has no ``"user"`` string."""
     fairness: Fairness = Fairness()

@@ -14,7 +14,7 @@ SYSTEM = "You are the support assistant of ACME. Answer briefly and politely. " 
 def fleet(*loads: tuple[str, int, bool]) -> list[Backend]:
     backends = []
     for i, (region, in_flight, healthy) in enumerate(loads):
-        backend = Backend(BackendSpec("127.0.0.1", 9000 + i, region))
+        backend = Backend(BackendSpec("127.0.0.1", 9000 + i, region, seats=SLOTS))
         backend.in_flight = in_flight
         backend.healthy = healthy
         scraped(backend, FakeClock())
@@ -34,7 +34,7 @@ def scraped_fleet(*regions: str, clock: FakeClock | None = None) -> list[Backend
     clock = clock or FakeClock()
     backends = []
     for i, region in enumerate(regions):
-        backend = Backend(BackendSpec("127.0.0.1", 9000 + i, region), clock)
+        backend = Backend(BackendSpec("127.0.0.1", 9000 + i, region, seats=SLOTS), clock)
         scraped(backend, clock)
         backends.append(backend)
     return backends

@@ -284,3 +284,40 @@ def test_scrapes_size_the_prefix_model_from_cache_config_info() -> None:
     cpu = dataclasses.replace(sized, block_size=128)  # blocks cut differently: forget all
     backend.record_scrape(cpu, 0)
     assert backend.block_size == 128 and len(backend.prefix_cache) == 0
+
+
+async def test_one_late_scrape_is_missed_two_in_a_row_mark_the_backend_unscrapable() -> None:
+    """A busy engine's API server answers /metrics late now and then: one timeout keeps the
+    backend usable (its metrics age meanwhile); a second one in a row does not."""
+    slow_next = [0]
+    answered = [0]
+    release = asyncio.Event()
+
+    async def metrics(_: web.Request) -> web.Response:
+        if slow_next[0]:
+            slow_next[0] -= 1
+            await release.wait()  # past the scrape timeout
+        answered[0] += 1
+        return web.Response(text=METRICS_PAGE.format(waiting=0, running=1, count=0, itl_sum=0))
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner, port = await _serve(app)
+    pool = BackendPool([BackendSpec("127.0.0.1", port)])
+    (backend,) = pool.backends
+    watch = asyncio.create_task(pool.watch_metrics(interval_s=0.02, timeout_s=0.2))
+    try:
+        await _until(lambda: answered[0] >= 2)
+        slow_next[0] = 1
+        await _until(lambda: backend.timeouts == 1)
+        assert backend.scrape_ok and backend.healthy  # one late answer: a missed scrape
+        await _until(lambda: backend.timeouts == 0)  # the next one answered
+        slow_next[0] = 2
+        await _until(lambda: not backend.scrape_ok)
+        assert backend.timeouts >= 2 and not backend.healthy
+        await _until(lambda: backend.scrape_ok)  # answers again: usable again
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        release.set()
+        await runner.cleanup()

@@ -12,8 +12,12 @@ A request may leave its queue for a backend only when, together:
   show a short enough waiting queue (plus our grants it has not yet counted), KV cache and
   inter-token latency within bounds, the gateway's own in-flight count under the cap;
 - the tier's **reservation** check passes (``extproc.reservations``): less urgent tiers
-  never take the slots an active more urgent tier has reserved;
-- the backend is under ``max_in_flight_per_backend``, the fleet's slot count.
+  never take the seats an active more urgent tier holds, a reserve sized to that tier's
+  recent demand, out of the fleet's seats (``extproc.seats``: learned from the engines);
+- the backend has a seat for it: a free one, or for a tier allowed to queue inside vLLM
+  (``max_waiting``), a place in its short queue; and it is under the policy's safety cap
+  ``max_in_flight_per_backend``. A backend with a free seat wins over one without, because
+  vLLM never preempts a running request to seat a waiting one.
 
 Which of the backends that may take it serves it is decided per request, when it is granted
 (``extproc.picker.choose``): queue depth, KV-cache use, region and the prompt's prefix

@@ -11,6 +11,7 @@ from extproc.gates import Gate
 from extproc.policy import Tier
 from extproc.prefix import PromptBlocks
 from extproc.reservations import seats_for
+from extproc.scrape import EngineMetrics
 from tests.extproc.factories import (
     API,
     BATCH,
@@ -416,3 +417,33 @@ async def test_shutting_down_turns_every_held_request_away_with_a_503() -> None:
         assert caught.value.status == 503 and caught.value.tier == tier
         assert caught.value.headers == {"retry-after": "1"}
     assert len(admission.scheduler) == 0 and admission.in_flight == 1  # the running one stays
+
+
+async def test_requests_beyond_the_fleets_seats_wait_here_not_inside_an_engine() -> None:
+    """Held here, a request takes the first seat that frees anywhere in the fleet; sent to
+    a full engine, it would wait for that engine's seat only."""
+    batch = with_gate(BATCH, Gate(max_waiting=0, max_kv_cache_usage=None))
+    chat = with_gate(INTERACTIVE, Gate(max_waiting=2, max_kv_cache_usage=None))
+    admission, pool, clock = make_admission(limit=100, seats=2, tiers=(chat, API, batch))
+    # An engine whose KV size it reports (cache_config_info): grants fill its free seats
+    # at once; one whose KV size is unknown gets one grant per scrape (it might refuse for KV).
+    engine = EngineMetrics(0, 0, 0.1, 0.0, 0.0, clock(), block_size=16, num_gpu_blocks=1000)
+    pool.backends[0].record_scrape(engine, granted_before=0)
+    tickets = [submit(admission, f"b{i}", Request(batch)) for i in range(3)]
+    assert [t.granted for t in tickets] == [True, True, False]  # two seats, no queueing
+    waiting_chat = submit(admission, "c0", Request(chat))
+    assert not waiting_chat.granted  # chat too: vLLM would not seat it any sooner
+    admission.release("b0")
+    assert waiting_chat.granted and not tickets[2].granted  # the freed seat goes to chat
+
+
+async def test_a_free_seat_beats_a_better_score_on_a_full_engine() -> None:
+    chat = with_gate(INTERACTIVE, Gate(max_waiting=3, max_kv_cache_usage=None))
+    admission, pool, _ = make_admission(limit=100, seats=1, backends=2, tiers=(chat, API, BATCH))
+    full, free = pool.backends
+    submit(admission, "running", Request(chat, prompt_text="hello " * 50))
+    assert admission.backend_of("running") is full  # the local tie-break
+    # The follow-up's prefix is on the full engine, which alone would keep it there; but
+    # it would wait for the running request to finish, so it goes where a seat is free.
+    submit(admission, "follow-up", Request(chat, prompt_text="hello " * 50 + "and then?"))
+    assert admission.backend_of("follow-up") is free

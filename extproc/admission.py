@@ -55,6 +55,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fairlane.admission")
 
+DEMAND_WINDOW_SHARE = 0.25
+"""A tier's demand (its mean requests in flight) is averaged over this share of its
+``reserved_idle_s``: long enough to smooth Poisson arrivals, short enough that the reserve
+follows a change of load within a fraction of the time it is kept."""
+
 
 @dataclass(frozen=True, slots=True)
 class Grant:
@@ -182,7 +187,7 @@ class Admission:
         self._reservations = [
             Reservation(t.name, t.rank, t.reserved_share) for t in policy.tiers if t.reserved_share
         ]
-        self._windows = {t.rank: t.reserved_idle_s for t in policy.tiers}
+        self._windows = {t.rank: t.reserved_idle_s * DEMAND_WINDOW_SHARE for t in policy.tiers}
         self.dispatch()
 
     @property

@@ -9,8 +9,11 @@ gateway can keep one free only if it knows how many there are. vLLM does not exp
 - **Seat-bound scrape**: requests wait (``vllm:num_requests_waiting > 0``) while the KV
   cache still has room (usage below ``KV_BOUND``). The engine would have scheduled them if
   it had a seat, so the running count is the seat count. One such scrape can be a request
-  caught between its arrival and the next step, so the same running count must be seen in
-  ``CONFIRMATIONS`` scrapes in a row. A KV-bound scrape (usage at or above ``KV_BOUND``)
+  caught between its arrival and the next step, or a queue waiting for the step's token
+  budget (chunked prefill), so the same running count must hold, with the queue, over
+  ``STEPS_TO_CONFIRM`` engine steps (counted from the decode tokens it produced). A prompt
+  longer than several steps' budget can still fool it; the count is then raised as soon as
+  the engine runs more (below). A KV-bound scrape (usage at or above ``KV_BOUND``)
   says nothing about seats: the KV gate handles that limit.
 - **More running than thought**: a scrape with more running than the learned count raises it
   at once (the engine proved it has those seats).
@@ -42,8 +45,11 @@ log = logging.getLogger("fairlane.seats")
 
 KV_BOUND = 0.9
 """KV-cache use at or above which waiting requests are blamed on KV, not on seats."""
-CONFIRMATIONS = 2
-"""Seat-bound scrapes in a row, with the same running count, before that count is learned."""
+STEPS_TO_CONFIRM = 2
+"""Engine steps (decode tokens of every running request) that must pass with requests
+waiting, KV room and the same running count before that count is learned. Scrapes alone
+would not do: two scrapes inside one long step (a prefill) see the same moment, and a queue
+that only waits for the step's token budget (chunked prefill) is admitted in the next."""
 FALLBACK_SEATS = 1
 """Seats assumed for a backend that declares none and has not shown its limit yet: the
 fewest an engine can have, so an unknown engine is never over-committed by more than one
@@ -63,7 +69,7 @@ class Seats:
     peak_running: int = 0
     """The most requests the engine was seen running since it (re)started."""
     _candidate: int | None = field(default=None, repr=False)
-    _confirmed: int = field(default=0, repr=False)
+    _tokens_at: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
         if self.declared is not None and self.declared < 1:
@@ -97,22 +103,23 @@ class Seats:
         if self.learned is not None and running > self.learned:
             self.learned = running
         if current.waiting > 0 and current.kv_cache_usage < KV_BOUND and running > 0:
-            if running == self._candidate:
-                self._confirmed += 1
-            else:
-                self._candidate, self._confirmed = running, 1
-            confirmed = self._confirmed >= CONFIRMATIONS
+            if running != self._candidate:
+                self._candidate, self._tokens_at = running, current.itl_count
+            # Full decode steps since the queue was first seen with this running count:
+            # the engine scheduled again and again and still admitted nobody.
+            steps = (current.itl_count - self._tokens_at) / running
+            confirmed = steps >= STEPS_TO_CONFIRM
             if confirmed and (self.learned is None or running > self.learned):
                 self.learned = running
         else:
-            self._candidate, self._confirmed = None, 0
+            self._candidate = None
         return self.count != before
 
     def forget(self) -> None:
         """The engine restarted: what it showed before says nothing about it now."""
         self.learned = None
         self.peak_running = 0
-        self._candidate, self._confirmed = None, 0
+        self._candidate = None
 
 
 def probe(peak_running: int) -> int:

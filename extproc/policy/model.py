@@ -45,11 +45,14 @@ class Tier:
     aging_cap: float = 0.0
     """The most ranks aging can lift a request (bounds how far batch can climb)."""
     reserved_share: float = 0.0
-    """Share (0..1) of the fleet's slots that less urgent tiers may not take while this
-    tier is active."""
-    reserved_idle_s: float = 10.0
-    """The reservation holds this long after the tier's last request, so that a steady
-    trickle of chat does not lose its slots to batch between two requests."""
+    """The most (0..1) of the fleet's seats that less urgent tiers may not take while this
+    tier is active; the reserve itself follows the tier's recent demand
+    (``extproc.reservations``)."""
+    reserved_idle_s: float = 120.0
+    """The reservation holds this long after the tier's last request: vLLM never preempts,
+    so once batch has taken a seat the next chat request waits for a batch request to
+    finish. Its demand is averaged over a quarter of this (``DEMAND_WINDOW_SHARE``), so an
+    idle tier shrinks to one reserved seat long before it gives up the last one."""
     gate: Gate = DEFAULT_GATE
     """What a backend's scraped metrics must show for a request of this tier to go there."""
     hedge_after_ms: int | None = None

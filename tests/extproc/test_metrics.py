@@ -187,8 +187,9 @@ def test_seats_show_each_backends_count_and_source_the_fleet_and_each_tiers_rese
     assert value(text, "fairlane_tier_reserved_seats", tier="api") == 0
     assert value(text, "fairlane_tier_reserved_seats", tier="batch") == 0
 
-    for _ in range(2):  # requests wait while KV has room: the engine runs 12 at once
-        learning.record_scrape(EngineMetrics(3, 12, 0.4, 1.0, 10.0, clock()), 0)
+    # requests wait while KV has room for steps on end: the engine runs 12 at once
+    for tokens in (10.0, 40.0):
+        learning.record_scrape(EngineMetrics(3, 12, 0.4, tokens / 10, tokens, clock()), 0)
     text = render()
     assert seats(text) == {(learning.address, "learned"): 12, (declared.address, "declared"): 6}
     assert value(text, "fairlane_fleet_seats") == 18 == admission.capacity

@@ -3,16 +3,21 @@ how ``Backend`` plans with them (free and busy seats, the effective waiting queu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 
 from extproc.backends import Backend, BackendSpec
 from extproc.scrape import EngineMetrics
-from extproc.seats import CONFIRMATIONS, FALLBACK_SEATS, KV_BOUND, Seats, restarted
+from extproc.seats import FALLBACK_SEATS, KV_BOUND, STEPS_TO_CONFIRM, Seats, restarted
 from loadtests.sim.engine import Engine as SimEngine
 from loadtests.sim.engine import EngineConfig, EngineRequest
 from loadtests.sim.profiles import get_profile
+
+CONFIRMATIONS = 2
+"""Seat-bound scrapes in a row that confirm a count when, as in ``Engine``, each scrape spans
+many engine steps: the first starts the count of steps, the second finds them passed."""
 
 BLOCKS = 1000
 BLOCK_SIZE = 16
@@ -70,7 +75,7 @@ def seat_bound(engine: Engine, running: int, times: int = CONFIRMATIONS) -> list
 
 def test_a_count_is_learned_after_confirmations_seat_bound_scrapes_alike() -> None:
     engine, seats = Engine(), Seats()
-    assert CONFIRMATIONS >= 2  # one scrape can catch a request between arrival and a step
+    assert STEPS_TO_CONFIRM >= 2  # one scrape can catch a request between arrival and a step
     scrapes = seat_bound(engine, 8)
     changed = feed(seats, scrapes)
     assert (seats.learned, seats.count, seats.source) == (8, 8, "learned")
@@ -129,12 +134,6 @@ def test_fewer_running_with_a_queue_does_not_lower_a_learned_count_without_a_res
     assert seats.learned == 8
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap in extproc.seats: a queue held back by the step's token budget "
-    "(max_num_batched_tokens spent on chunked prefill of long prompts) reads as every seat "
-    "taken; needs a prefill signal (vllm:prompt_tokens_total) that scrape.py does not read",
-)
 def test_a_queue_behind_a_long_prefill_is_not_a_full_engine() -> None:
     """vLLM (and the simulator, which follows its scheduler) also leaves requests waiting
     while seats are free when the step's token budget is spent on prefill chunks. One step
@@ -416,3 +415,21 @@ def test_projected_kv_usage_of_an_unknown_cache_is_the_scraped_figure() -> None:
     b.record_scrape(Engine(blocks=None).scrape(2, kv=0.3), 0)
     b.note_grant(50_000)
     assert b.projected_kv_usage() == pytest.approx(0.3)
+
+
+def test_scrapes_inside_one_long_step_confirm_nothing() -> None:
+    """A long prefill step outlasts several scrapes: they all see the same moment, so they
+    cannot show that the engine scheduled again and still admitted nobody."""
+    engine, seats = Engine(), Seats()
+    first = engine.scrape(8, waiting=3, kv=0.4)
+    same_step = [dataclasses.replace(first, scraped_at=first.scraped_at + i) for i in (1, 2, 3)]
+    feed(seats, [first, *same_step])
+    assert seats.learned is None
+
+
+def test_a_queue_admitted_at_the_next_step_was_the_token_budget_not_seats() -> None:
+    engine, seats = Engine(), Seats()
+    waiting = engine.scrape(8, waiting=4, kv=0.4)  # budget spent on prefill this step
+    admitted = engine.scrape(12, waiting=0, kv=0.5)  # the next steps seated them
+    feed(seats, [waiting, admitted])
+    assert seats.learned is None and seats.count > 12

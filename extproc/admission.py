@@ -344,7 +344,7 @@ class Admission:
             if b.in_flight < limit
             and b.healthy
             and (queue is None or b.free_seats() > -queue)
-            and (tier is None or passes(tier.gate, b, now, stale))
+            and (tier is None or passes(tier.gate, b, now, stale, rank))
         ]
         # vLLM never preempts a running request to seat a waiting one: a request sent to a
         # full engine waits for someone else's request to finish, so a free seat anywhere
@@ -371,7 +371,7 @@ class Admission:
         backend = pick.chosen
         backend.prefix_cache.record(prompt.blocks(backend.block_size))
         self.picks[(backend.address, pick.reason)] += 1
-        backend.note_grant(entry.input_tokens + entry.output_tokens_estimate)
+        backend.note_grant(entry.input_tokens + entry.output_tokens_estimate, where.rank)
         self._pending[user] += 1
         self._in_flight_by_rank[where.rank] += 1
         now = self._clock()
@@ -421,7 +421,7 @@ class Admission:
         record = self._in_flight.pop(request_id, None)
         if record is None:
             return False
-        record.backend.note_completion()
+        record.backend.note_completion(record.rank)
         self._pending[record.user] -= 1
         if self._pending[record.user] <= 0:
             del self._pending[record.user]

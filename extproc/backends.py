@@ -25,6 +25,7 @@ import contextlib
 import ipaddress
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -178,6 +179,7 @@ class Backend:
         "granted_since_scrape",
         "health_ok",
         "in_flight",
+        "in_flight_by_rank",
         "itl_s",
         "kv_tokens_since_scrape",
         "metrics",
@@ -193,6 +195,7 @@ class Backend:
         self.health_ok = True
         self.scrape_ok = True
         self.in_flight = 0
+        self.in_flight_by_rank: Counter[int] = Counter()
         self.metrics: EngineMetrics | None = None
         self.itl_s: float | None = None
         self.granted_since_scrape = 0
@@ -234,12 +237,27 @@ class Backend:
     def region(self) -> str:
         return self.spec.region
 
-    def note_grant(self, kv_tokens: int = 0) -> None:
+    def note_grant(self, kv_tokens: int = 0, rank: int = 0) -> None:
         """Admission sent one request here: count it in flight and as not yet scraped, with
-        the ``kv_tokens`` (prompt plus expected output) it will hold in the KV cache."""
+        the ``kv_tokens`` (prompt plus expected output) it will hold in the KV cache and the
+        ``rank`` (tier, lower = more urgent) it runs as."""
         self.in_flight += 1
+        self.in_flight_by_rank[rank] += 1
         self.granted_since_scrape += 1
         self.kv_tokens_since_scrape += kv_tokens
+
+    def waiting_ahead_of(self, rank: int) -> float:
+        """The engine's waiting requests that a request of ``rank`` would wait behind.
+
+        vLLM with priority scheduling orders its waiting queue by priority, so the requests
+        this gateway sent as less urgent ranks never hold a more urgent one back: they are
+        taken off the queue count (as many as are in flight here, since the gateway cannot
+        see which of its requests the engine has seated). Under a batch flood the engine's
+        queue is often a few batch requests waiting for the step's token budget; counting
+        them would hold chat in the gateway while vLLM would have seated it first.
+        """
+        behind = sum(n for r, n in self.in_flight_by_rank.items() if r > rank)
+        return max(0.0, self.effective_waiting() - behind)
 
     def projected_kv_usage(self) -> float:
         """KV-cache use as last scraped plus what the grants since will take (0..1+).
@@ -262,9 +280,10 @@ class Backend:
             return None
         return metrics.num_gpu_blocks * metrics.block_size
 
-    def note_completion(self) -> None:
+    def note_completion(self, rank: int = 0) -> None:
         """A request sent here finished: its seat is free before the next scrape shows it."""
         self.in_flight -= 1
+        self.in_flight_by_rank[rank] -= 1
         self.completed_since_scrape += 1
 
     def note_outcome(self, ok: bool) -> None:

@@ -76,25 +76,32 @@ DEFAULT_GATES: Mapping[str, Gate] = MappingProxyType(
         # One step below interactive (see the module docstring), and a little more KV
         # headroom; no ITL bound, as api clients stream too and vLLM priority protects them.
         "api": Gate(max_waiting=2, max_kv_cache_usage=0.90),
-        # Only into an empty queue, with KV headroom left for the tiers above, and only while
-        # decoding is fast (TNG: time per output token below ~150 ms): batch is what makes
-        # decode batches large and slow, so it backs off first.
-        "batch": Gate(max_waiting=0, max_kv_cache_usage=0.85, max_itl_s=0.15),
+        # Only into a free seat, with KV headroom left for the tiers above. No ITL bound by
+        # default: what a normal inter-token latency is depends on the engine (an L4-class
+        # GPU's prefill steps pass 150 ms, TNG's number, and batch then starved); set
+        # max_itl_ms for an engine whose latency you know.
+        "batch": Gate(max_waiting=0, max_kv_cache_usage=0.85),
     }
 )
 
 
-def passes(gate: Gate, backend: Backend, now: float, stale_after_s: float) -> bool:
+def passes(
+    gate: Gate, backend: Backend, now: float, stale_after_s: float, rank: int | None = None
+) -> bool:
     """Whether ``backend`` may take one more request of the tier ``gate`` belongs to now.
 
     ``now`` is on the pool's clock (``BackendPool.clock``, monotonic by default), the clock
-    that stamped ``backend.metrics.scraped_at``.
+    that stamped ``backend.metrics.scraped_at``. With the tier's ``rank``, ``max_waiting``
+    counts only the waiting requests it would wait behind (``Backend.waiting_ahead_of``):
+    vLLM's priority queue lets it pass the less urgent ones.
     """
     metrics = backend.metrics
     if not backend.healthy or metrics is None or now - metrics.scraped_at > stale_after_s:
         return False
-    if gate.max_waiting is not None and backend.effective_waiting() >= max(gate.max_waiting, 1):
-        return False
+    if gate.max_waiting is not None:
+        waiting = backend.effective_waiting() if rank is None else backend.waiting_ahead_of(rank)
+        if waiting >= max(gate.max_waiting, 1):
+            return False
     kv_bound = gate.max_kv_cache_usage
     if kv_bound is not None and backend.projected_kv_usage() > kv_bound:
         return False

@@ -99,8 +99,8 @@ def test_default_tiers_step_down_so_a_lower_tier_never_locks_out_a_higher_one() 
         while passes(lower, b, NOW, STALE):  # the lower tier takes all it may
             b.note_grant()
         assert passes(higher, b, NOW, STALE)
-    assert not passes(batch, backend(itl_s=0.2), NOW, STALE)
-    assert passes(interactive, backend(itl_s=0.2), NOW, STALE)
+    # no tier is gated on an absolute ITL by default: a normal ITL depends on the engine
+    assert all(passes(g, backend(itl_s=0.2), NOW, STALE) for g in (interactive, api, batch))
     assert not passes(batch, backend(kv=0.9), NOW, STALE)
     assert passes(api, backend(kv=0.9), NOW, STALE)
     assert not passes(interactive, backend(kv=0.96), NOW, STALE)
@@ -120,3 +120,16 @@ def test_default_tiers_step_down_so_a_lower_tier_never_locks_out_a_higher_one() 
 def test_nonsense_bounds_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         Gate(**kwargs)  # type: ignore[arg-type]
+
+
+def test_chat_waits_behind_no_batch_request_in_a_priority_queue() -> None:
+    """Three batch requests wait inside vLLM for the step's token budget: with priority
+    scheduling chat passes them, so chat's gate does not count them; batch's does."""
+    b = backend(waiting=3)
+    for _ in range(3):
+        b.note_grant(rank=2)
+    chat = Gate(max_waiting=3, max_kv_cache_usage=None)
+    assert passes(chat, b, NOW, STALE, rank=0)
+    assert not passes(chat, b, NOW, STALE)  # without a rank: every waiting request counts
+    assert not passes(Gate(max_waiting=0, max_kv_cache_usage=None), b, NOW, STALE, rank=2)
+    assert b.waiting_ahead_of(0) == 0 and b.waiting_ahead_of(2) == b.effective_waiting()

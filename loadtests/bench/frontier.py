@@ -1,0 +1,145 @@
+"""The chat-versus-batch frontier of a flood scenario, measured.
+
+Under a batch flood a non-preemptive engine (vLLM never preempts a running request to seat
+a waiting one) trades chat latency for batch throughput through one thing: how many seats
+are kept free for chat. fairlane sizes that reserve to chat's recent demand, capped by the
+interactive tier's ``reserved_share``. This tool re-runs a scenario's ``fairlane`` arm with
+the shipped default policy and that ceiling at several values (0: no reserve at all),
+against the scenario's own ``fifo`` and ``fairlane-no-flood`` baselines, and plots each
+point as (batch goodput / FIFO's, interactive p90 TTFT / no flood's), with the scenario's
+targets as the corner to reach::
+
+    python -m loadtests.bench.frontier flood-8seat --shares 0,0.1,0.25,0.5 --out DIR
+
+It writes ``frontier.json`` and ``frontier.png`` into ``DIR``. Each point is one arm of
+the scenario (its wall time), one after the other, on the same seeded workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.policy import DEFAULT_POLICY_PATH
+from loadtests.bench.cli import run_arm
+from loadtests.bench.policy_scale import rescale_policy
+from loadtests.bench.scenario import Scenario, load_scenario
+
+DEFAULT_SHARES = (0.0, 0.1, 0.25, 0.5)
+
+
+def policy_with_ceiling(share: float, speedup: float, directory: Path) -> Path:
+    """The default policy with the interactive tier's ``reserved_share`` set to ``share``,
+    rescaled to ``speedup`` like ``policy: default``; written into ``directory``."""
+    policy = yaml.safe_load(DEFAULT_POLICY_PATH.read_text())
+    for tier in policy["tiers"]:
+        if tier["name"] == "interactive":
+            tier["reserved_share"] = share
+    path = directory / f"policy-interactive-share-{share:g}.yaml"
+    path.write_text(yaml.safe_dump(rescale_policy(policy, speedup), sort_keys=False))
+    return path
+
+
+def _tier(data: dict[str, Any], tier: str, metric: str) -> float | None:
+    value = data["summary"]["by_tier"].get(tier, {}).get(metric)
+    return None if value is None else float(value)
+
+
+def measure(scenario: Scenario, shares: list[float], out: Path) -> dict[str, Any]:
+    """Run the baselines and one fairlane arm per ceiling; the points of the frontier."""
+    _, fifo = run_arm(scenario, "fifo", out / "logs" / "fifo")
+    _, alone = run_arm(scenario, "fairlane-no-flood", out / "logs" / "fairlane-no-flood")
+    fifo_goodput = _tier(fifo, "batch", "goodput")
+    alone_p90 = _tier(alone, "interactive", "ttft_p90")
+    points = []
+    for share in shares:
+        where = out / "logs" / f"fairlane-share-{share:g}"
+        where.mkdir(parents=True, exist_ok=True)
+        policy = policy_with_ceiling(share, scenario.speedup, where)
+        _, arm = run_arm(scenario, "fairlane", where, policy=policy)
+        goodput, p90 = _tier(arm, "batch", "goodput"), _tier(arm, "interactive", "ttft_p90")
+        points.append(
+            {
+                "reserved_share": share,
+                "batch_goodput_vs_fifo": goodput / fifo_goodput
+                if goodput and fifo_goodput
+                else None,
+                "interactive_p90_vs_no_flood": p90 / alone_p90 if p90 and alone_p90 else None,
+                "cpu": arm.get("cpu"),
+            }
+        )
+        print(f"frontier: share {share:g}: {points[-1]}", file=sys.stderr)
+    return {
+        "scenario": scenario.name,
+        "fifo_batch_goodput": fifo_goodput,
+        "no_flood_interactive_p90_s": alone_p90,
+        "points": points,
+    }
+
+
+def plot(result: dict[str, Any], targets: tuple[float | None, float | None], path: Path) -> None:
+    """Batch goodput against chat p90 TTFT, one labelled point per ceiling."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    points = [
+        p
+        for p in result["points"]
+        if None not in (p["batch_goodput_vs_fifo"], p["interactive_p90_vs_no_flood"])
+    ]
+    xs = [p["batch_goodput_vs_fifo"] for p in points]
+    ys = [p["interactive_p90_vs_no_flood"] for p in points]
+    ax.plot(xs, ys, "o-", color="tab:blue")
+    for p, x, y in zip(points, xs, ys, strict=True):
+        ax.annotate(
+            f"share {p['reserved_share']:g}", (x, y), textcoords="offset points", xytext=(5, 5)
+        )
+    min_goodput, max_p90 = targets
+    if min_goodput is not None and max_p90 is not None:
+        ax.axvline(min_goodput, color="tab:green", linestyle="--", linewidth=1)
+        ax.axhline(max_p90, color="tab:green", linestyle="--", linewidth=1)
+        ax.text(min_goodput, max_p90, " target corner", color="tab:green", va="bottom")
+    ax.set_yscale("log")
+    ax.set_xlabel("batch goodput / FIFO's")
+    ax.set_ylabel("interactive p90 TTFT / no flood's")
+    ax.set_title(f"{result['scenario']}: the reserve ceiling's frontier")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _targets(scenario: Scenario) -> tuple[float | None, float | None]:
+    min_goodput = next((t.bound for t in scenario.targets if t.metric == "goodput"), None)
+    max_p90 = next((t.bound for t in scenario.targets if t.metric.startswith("ttft_p")), None)
+    return min_goodput, max_p90
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtests.bench.frontier")
+    parser.add_argument(
+        "scenario", help="a flood scenario with fifo, fairlane, fairlane-no-flood arms"
+    )
+    parser.add_argument("--shares", default=",".join(f"{s:g}" for s in DEFAULT_SHARES))
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    scenario = load_scenario(args.scenario)
+    shares = [float(s) for s in args.shares.split(",") if s.strip()]
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = measure(scenario, shares, args.out)
+    (args.out / "frontier.json").write_text(json.dumps(result, indent=2))
+    plot(result, _targets(scenario), args.out / "frontier.png")
+    print(f"frontier: {args.out / 'frontier.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -128,6 +128,7 @@ def test_chat_waits_behind_no_batch_request_in_a_priority_queue() -> None:
     b = backend(waiting=3)
     for _ in range(3):
         b.note_grant(rank=2)
+    b.granted_since_scrape = 0  # the scrape (waiting=3) came after those grants
     chat = Gate(max_waiting=3, max_kv_cache_usage=None)
     assert passes(chat, b, NOW, STALE, rank=0)
     assert not passes(chat, b, NOW, STALE)  # without a rank: every waiting request counts

@@ -203,8 +203,13 @@ class Admission:
 
     def reserved(self) -> dict[int, int]:
         """Seats each reserving tier (by rank) holds now, sized to its recent demand."""
+        present = {
+            t.rank: self._in_flight_by_rank[t.rank] + self.scheduler.depth(t.name)
+            for t in self._tiers.values()
+            if t.reserved_share
+        }
         return reserved_seats(
-            self._reservations, self.capacity, self._demand, self._clock(), self._windows
+            self._reservations, self.capacity, self._demand, self._clock(), self._windows, present
         )
 
     def in_flight_by_tier(self) -> dict[str, int]:

@@ -13,9 +13,11 @@ work-conserving:
   with no interactive traffic batch may fill the whole fleet.
 
 **How many seats an active tier reserves** follows its own recent demand, not a fixed
-share: ``Demand`` keeps the time-weighted mean ``a`` of the tier's requests in flight, and
-the reserve is the smallest ``r`` with ``P(N >= r) <= MISS`` for ``N ~ Poisson(a)``: the
-number of the tier's requests in flight that an arrival finds is about Poisson for many
+share: ``Demand`` keeps the time-weighted mean of the tier's requests in flight; ``a`` is
+that mean, or the tier's requests in flight and queued right now if more (a surge must not
+wait a whole averaging window for its seats), and the reserve is the smallest ``r`` with
+``P(N >= r) <= MISS`` for ``N ~ Poisson(a)``: the number of the tier's requests in flight
+that an arrival finds is about Poisson for many
 independent users (M/G/infinity), so at most ``MISS`` of arrivals find all reserved seats
 taken. At least one seat is kept while the tier is active, and never more than the tier's
 ``reserved_share`` of the fleet (the policy's ceiling). A fixed share would be either
@@ -110,17 +112,23 @@ def reserved_seats(
     demand: Demand,
     now: float,
     windows: Mapping[int, float],
+    current: Mapping[int, int] | None = None,
 ) -> dict[int, int]:
     """Seats each reserving rank holds now: its adaptive reserve, capped by its share.
 
-    ``windows`` gives each rank's averaging window (the tier's ``reserved_idle_s``).
+    ``windows`` gives each rank's averaging window; ``current`` each rank's requests in
+    flight or queued right now. The reserve follows whichever is larger, the average or
+    now: a surge of chat must not wait a whole window for its seats, and a lull keeps them
+    for a while.
     """
     reserved: dict[int, int] = {}
+    present = current or {}
     for reservation in reservations:
         cap = reserved_slots(reservation.share, capacity)
         if cap <= 0:
             continue
         mean = demand.mean(reservation.rank, now, windows.get(reservation.rank, 0.0))
+        mean = max(mean, float(present.get(reservation.rank, 0)))
         seats = min(cap, seats_for(mean))
         reserved[reservation.rank] = reserved.get(reservation.rank, 0) + seats
     return reserved

@@ -1,6 +1,7 @@
 """Admission without sockets: the fair scheduler, gates, reservations and releases together."""
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -425,11 +426,11 @@ async def test_requests_beyond_the_fleets_seats_wait_here_not_inside_an_engine()
     batch = with_gate(BATCH, Gate(max_waiting=0, max_kv_cache_usage=None))
     chat = with_gate(INTERACTIVE, Gate(max_waiting=2, max_kv_cache_usage=None))
     admission, pool, clock = make_admission(limit=100, seats=2, tiers=(chat, API, batch))
-    # An engine whose KV size it reports (cache_config_info): grants fill its free seats
-    # at once; one whose KV size is unknown gets one grant per scrape (it might refuse for KV).
-    engine = EngineMetrics(0, 0, 0.1, 0.0, 0.0, clock(), block_size=16, num_gpu_blocks=1000)
-    pool.backends[0].record_scrape(engine, granted_before=0)
     tickets = [submit(admission, f"b{i}", Request(batch)) for i in range(3)]
+    assert [t.granted for t in tickets] == [True, False, False]  # one batch grant a scrape
+    engine = EngineMetrics(0, 1, 0.1, 0.0, 0.0, clock())
+    pool.backends[0].record_scrape(engine, granted_before=1)  # b0 seen running
+    pool.capacity_changed()
     assert [t.granted for t in tickets] == [True, True, False]  # two seats, no queueing
     waiting_chat = submit(admission, "c0", Request(chat))
     assert not waiting_chat.granted  # chat too: vLLM would not seat it any sooner
@@ -439,6 +440,7 @@ async def test_requests_beyond_the_fleets_seats_wait_here_not_inside_an_engine()
 
 async def test_a_free_seat_beats_a_better_score_on_a_full_engine() -> None:
     chat = with_gate(INTERACTIVE, Gate(max_waiting=3, max_kv_cache_usage=None))
+    chat = dataclasses.replace(chat, reserved_share=0.5)  # a tier that keeps seats
     admission, pool, _ = make_admission(limit=100, seats=1, backends=2, tiers=(chat, API, BATCH))
     full, free = pool.backends
     submit(admission, "running", Request(chat, prompt_text="hello " * 50))

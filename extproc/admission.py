@@ -334,16 +334,21 @@ class Admission:
         not where (the grant chooses among them for the request's own prompt)."""
         tier = self._acting_tier(band)
         rank = tier.rank if tier is not None else len(self._tiers)
-        if not may_admit(
-            rank, self._in_flight_by_rank, self.capacity, self.reserved(), self._active_ranks()
-        ):
+        # A tier may queue inside vLLM as deep as its gate lets it wait (batch: not at all,
+        # it needs a free seat); beyond that it waits here, where priority is decided. A
+        # short queue in the engine keeps its seats busy across the round trip a grant
+        # takes (completion to Envoy's access log to the next grant). Only a tier that no
+        # more urgent active tier reserves seats against may queue: it would otherwise
+        # take the seats that free up before the urgent tier's next request arrives.
+        queue = tier.gate.max_waiting if tier is not None else 0
+        reserved, active = self.reserved(), self._active_ranks()
+        urgent_reserve = any(r < rank and r in active for r in reserved)
+        room = 0 if urgent_reserve else (queue or 0) * len(self.pool.backends)
+        if not may_admit(rank, self._in_flight_by_rank, self.capacity + room, reserved, active):
             return None
         limit = self.policy.max_in_flight_per_backend
         stale = self.policy.backpressure.stale_after_s
         now = self.pool.clock()
-        # A tier may queue inside vLLM as deep as its gate lets it wait (batch: not at all,
-        # it needs a free seat); beyond that it waits here, where priority is decided.
-        queue = tier.gate.max_waiting if tier is not None else 0
         candidates = [
             b
             for b in self.pool.backends

@@ -420,22 +420,27 @@ async def test_shutting_down_turns_every_held_request_away_with_a_503() -> None:
     assert len(admission.scheduler) == 0 and admission.in_flight == 1  # the running one stays
 
 
-async def test_requests_beyond_the_fleets_seats_wait_here_not_inside_an_engine() -> None:
-    """Held here, a request takes the first seat that frees anywhere in the fleet; sent to
-    a full engine, it would wait for that engine's seat only."""
+async def test_beyond_the_seats_only_a_tier_nobody_reserves_against_queues_in_the_engine() -> None:
+    """Batch never queues inside vLLM; a tier no active urgent tier reserves seats against
+    may, as deep as its gate says (the engine's seats stay busy across a grant's round
+    trip); under an active reserve, a less urgent tier waits here."""
     batch = with_gate(BATCH, Gate(max_waiting=0, max_kv_cache_usage=None))
     chat = with_gate(INTERACTIVE, Gate(max_waiting=2, max_kv_cache_usage=None))
-    admission, pool, clock = make_admission(limit=100, seats=2, tiers=(chat, API, batch))
+    api = with_gate(API, Gate(max_waiting=2, max_kv_cache_usage=None))
+    admission, pool, clock = make_admission(limit=100, seats=2, tiers=(chat, api, batch))
     tickets = [submit(admission, f"b{i}", Request(batch)) for i in range(3)]
     assert [t.granted for t in tickets] == [True, False, False]  # one batch grant a scrape
     engine = EngineMetrics(0, 1, 0.1, 0.0, 0.0, clock())
     pool.backends[0].record_scrape(engine, granted_before=1)  # b0 seen running
     pool.capacity_changed()
     assert [t.granted for t in tickets] == [True, True, False]  # two seats, no queueing
-    waiting_chat = submit(admission, "c0", Request(chat))
-    assert not waiting_chat.granted  # chat too: vLLM would not seat it any sooner
-    admission.release("b0")
-    assert waiting_chat.granted and not tickets[2].granted  # the freed seat goes to chat
+    chats = [submit(admission, f"c{i}", Request(chat)) for i in range(3)]
+    assert [t.granted for t in chats] == [True, True, False]  # two may wait in the engine
+    reserving = dataclasses.replace(chat, reserved_share=0.5)
+    admission, pool, _ = make_admission(limit=100, seats=2, tiers=(reserving, api, batch))
+    submit(admission, "chat", Request(reserving))
+    assert submit(admission, "a0", Request(api)).granted  # the seat chat does not need
+    assert not submit(admission, "a1", Request(api)).granted  # no queueing under a reserve
 
 
 async def test_a_free_seat_beats_a_better_score_on_a_full_engine() -> None:

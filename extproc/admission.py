@@ -342,11 +342,14 @@ class Admission:
         # take the seats that free up before the urgent tier's next request arrives.
         queue = tier.gate.max_waiting if tier is not None else 0
         reserved, active = self.reserved(), self._active_ranks()
-        urgent_reserve = any(r < rank and r in active for r in reserved)
-        room = 0 if urgent_reserve else (queue or 0) * len(self.pool.backends)
-        if not may_admit(rank, self._in_flight_by_rank, self.capacity + room, reserved, active):
-            return None
         limit = self.policy.max_in_flight_per_backend
+        # Whether seats bound this tier here: it needs a free one (batch), or a more urgent
+        # active tier holds a reserve it must leave. Otherwise its gates (the engine's own
+        # queue) and the policy's cap bound it, as they would without seats.
+        seat_bound = queue == 0 or any(r < rank and r in active for r in reserved)
+        capacity = self.capacity if seat_bound else len(self.pool.backends) * limit
+        if not may_admit(rank, self._in_flight_by_rank, capacity, reserved, active):
+            return None
         stale = self.policy.backpressure.stale_after_s
         now = self.pool.clock()
         candidates = [
@@ -354,7 +357,7 @@ class Admission:
             for b in self.pool.backends
             if b.in_flight < limit
             and b.healthy
-            and (queue is None or b.free_seats() > -queue)
+            and (not seat_bound or queue is None or b.free_seats() > -queue)
             and (tier is None or passes(tier.gate, b, now, stale, rank))
         ]
         # vLLM never preempts a running request to seat a waiting one: a request sent to a

@@ -8,9 +8,13 @@ then chat requests arrive one at a time. vLLM never preempts a running request t
 waiting one, so without a seat kept for chat each chat request waits for a batch request
 to finish (seconds on this engine); with it, chat starts at once.
 
-The bound is generous on purpose (this is a regression test on a noisy 2-core machine, not
-the benchmark: ``fairlane bench flood-vllm-cpu`` measures the target): p90 TTFT under the
-flood below ``FLOOD_P90_BOUND_S``, which a regression to waiting for batch seats exceeds.
+The bounds are generous on purpose (this is a regression test on a noisy 2-core machine,
+where the engine itself takes the cores; ``fairlane bench flood-vllm-cpu`` measures the
+target): the median TTFT under the flood below ``FLOOD_P50_BOUND_S``, which a regression to
+waiting for batch seats (half a batch request, about a second and a half, on average)
+exceeds, and the p90 below ``FLOOD_P90_BOUND_S``: seconds, not tenths. The tail on this
+machine moves with CPU scheduling (a few chats in twelve took 0.6-1.1 s in one run with
+every one of them seated at once), so it is not held to the median's bound.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ pytestmark = pytest.mark.integration
 ENGINE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "2", "--scheduling-policy", "priority"]
 BATCH_CLIENTS = 10
 BATCH_TOKENS = 420  # about 3 s of one seat on this engine: the prompt fits in the 512 context
-CHATS = 12
-FLOOD_P90_BOUND_S = 0.8
+CHATS = 16
+FLOOD_P50_BOUND_S = 0.35
+FLOOD_P90_BOUND_S = 2.5
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +122,9 @@ async def _until(condition: object, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.1)
 
 
-def _p90(values: list[float]) -> float:
+def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def _flood_then_chat(url: str, metrics_url: str, vllm_url: str) -> dict[str, object]:
@@ -161,8 +166,9 @@ async def _flood_then_chat(url: str, metrics_url: str, vllm_url: str) -> dict[st
             await asyncio.gather(*flood, return_exceptions=True)
         seats = _gauge(metrics_url, "fairlane_backend_seats")
         return {
-            "unloaded_p90_s": _p90(unloaded),
-            "flood_p90_s": _p90(flooded),
+            "unloaded_p90_s": _quantile(unloaded, 0.9),
+            "flood_p50_s": _quantile(flooded, 0.5),
+            "flood_p90_s": _quantile(flooded, 0.9),
             "flood_ttft_s": [round(t, 3) for t in flooded],
             "flood_held_in_gateway_s": [round(t, 3) for t in held],
             "batch_finished": finished[0],
@@ -180,5 +186,6 @@ def test_chat_keeps_its_first_token_fast_under_a_real_batch_flood(
     assert result["seats"] == 2, f"the gateway should have learned the engine's 2 seats: {report}"
     assert result["batch_still_queued"], f"the flood had drained before chat was done: {report}"
     assert result["batch_finished"], f"no batch request finished during the flood: {report}"
-    flood_p90 = result["flood_p90_s"]
+    flood_p50, flood_p90 = result["flood_p50_s"], result["flood_p90_s"]
+    assert isinstance(flood_p50, float) and flood_p50 < FLOOD_P50_BOUND_S, report
     assert isinstance(flood_p90, float) and flood_p90 < FLOOD_P90_BOUND_S, report

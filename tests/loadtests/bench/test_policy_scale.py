@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.policy import DEFAULT_POLICY_PATH, load_policy, parse_policy
+from extproc.policy import DEFAULT_POLICY_PATH, Tier, load_policy, parse_policy
 from loadtests.bench.policy_scale import (
     MIN_SCRAPE_INTERVAL_S,
     main,
@@ -19,6 +19,9 @@ from loadtests.bench.policy_scale import (
     scaled_file_name,
     write_scaled_policy,
 )
+
+IDLE_DEFAULT_S = Tier("t", rank=0, priority=0, queue_limit=1, queue_deadline_s=1.0).reserved_idle_s
+"""The model's ``reserved_idle_s`` when a file leaves it out (a duration, so rescaled)."""
 
 
 def full_policy() -> dict[str, Any]:
@@ -102,7 +105,7 @@ def test_rounding_and_minimums() -> None:
     assert fast["stale_after_s"] > fast["scrape_interval_s"]
     # at speedup 1 the numbers are the same
     assert rescale_policy(source, 1)["tiers"] == [
-        {**t, "reserved_idle_s": t.get("reserved_idle_s", 10.0)} for t in source["tiers"]
+        {**t, "reserved_idle_s": t.get("reserved_idle_s", IDLE_DEFAULT_S)} for t in source["tiers"]
     ]
 
 
@@ -113,7 +116,7 @@ def test_defaults_that_are_durations_are_written_out_rescaled() -> None:
     source["tiers"][1]["slo_ttft_ms"] = None  # null: no objective, stays null
     scaled = rescale_policy(source, 20)
     assert scaled["backpressure"] == {"scrape_interval_s": 0.005, "stale_after_s": 0.05}
-    assert [t["reserved_idle_s"] for t in scaled["tiers"]] == [0.5, 0.5]  # 10 s / 20
+    assert [t["reserved_idle_s"] for t in scaled["tiers"]] == [IDLE_DEFAULT_S / 20] * 2
     assert scaled["tiers"][1]["slo_ttft_ms"] is None
     assert "slo_ttft_ms" not in source["tiers"][0] or source["tiers"][0]["slo_ttft_ms"] == 500
 

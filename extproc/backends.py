@@ -263,7 +263,8 @@ class Backend:
         """KV-cache use as last scraped plus what the grants since will take (0..1+).
 
         An engine whose cache size is unknown gets only the scraped figure; its gates then
-        lean on the waiting queue, which grants count into at once (``effective_waiting``).
+        lean on the waiting queue, which every grant since the scrape counts into
+        (``effective_waiting``).
         """
         metrics = self.metrics
         if metrics is None:

@@ -1,5 +1,5 @@
 import sys
 
-from extproc.cli import main
+from extproc.ops.cli import main
 
 sys.exit(main())

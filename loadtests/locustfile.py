@@ -97,7 +97,7 @@ def _weight(name: str, default: int) -> int:
 
 
 # The request shapes, as bench groups so the seeded generator of `fairlane bench` makes the
-# prompts (token counts are exact for extproc.prompt, approximate for a real tokenizer).
+# prompts (token counts are exact for extproc.core.prompt, approximate for a real tokenizer).
 INTERACTIVE = Group(
     name="locust-interactive",
     api_key=KEYS["interactive"],

@@ -16,13 +16,13 @@ import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from extproc.admission import Admission
-from extproc.backends import BackendPool, BackendSpec
-from extproc.gateway import Gateway
-from extproc.messages import RequestInfo
-from extproc.metrics import GatewayCollector
+from extproc.core.admission import Admission
+from extproc.core.decisions import RequestInfo
+from extproc.core.gateway import Gateway
+from extproc.fleet.backend import BackendPool, BackendSpec
+from extproc.fleet.vllm_metrics import EngineMetrics
 from extproc.policy import DEFAULT_POLICY_PATH, PolicyStore
-from extproc.scrape import EngineMetrics
+from extproc.transport.prometheus import GatewayCollector
 
 KEYS = ("sk-chat-demo", "sk-api-demo", "sk-batch-demo")
 

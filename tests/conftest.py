@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.processes import ProcessGroup, free_port
+from extproc.ops.processes import ProcessGroup, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

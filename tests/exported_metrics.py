@@ -18,9 +18,9 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.messages import Completion, Forward, Respond
-from extproc.metrics import GatewayCollector
+from extproc.core.decisions import Completion, Forward, Respond
 from extproc.policy import DEFAULT_POLICY_PATH
+from extproc.transport.prometheus import GatewayCollector
 from tests.extproc.factories import make_gateway, request
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

@@ -1,6 +1,6 @@
 """Protocol-only stand-ins for the fairlane service, for tests of Envoy's configuration.
 
-The real service (``extproc/service.py``) decides per request; a double answers what the
+The real service (``extproc/transport/servicer.py``) decides per request; a double answers what the
 test's own request headers tell it to, so a test can drive Envoy's routing, rejection and
 hold paths directly. This module holds what every double needs: the servicer, serving it on
 a loopback port with the real service's gRPC options, the headers phase (always "continue")
@@ -17,7 +17,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
-from extproc.server import grpc_options
+from extproc.transport.server import grpc_options
 
 
 def header_option(key: str, value: str) -> base_pb2.HeaderValueOption:

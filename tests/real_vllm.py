@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from extproc.processes import Child, NotReady, free_port, wait_http_ready
+from extproc.ops.processes import Child, NotReady, free_port, wait_http_ready
 
 STARTUP_TIMEOUT_S = 240.0
 

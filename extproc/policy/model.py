@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from extproc.gates import Gate
+from extproc.core.gates import Gate
 
 DEFAULT_GATE = Gate()
 """The gate of a tier that names none: vLLM's queue below 3, KV cache below 95%."""
@@ -47,7 +47,7 @@ class Tier:
     reserved_share: float = 0.0
     """The most (0..1) of the fleet's seats that less urgent tiers may not take while this
     tier is active; the reserve itself follows the tier's recent demand
-    (``extproc.reservations``)."""
+    (``extproc.core.reservations``)."""
     reserved_idle_s: float = 120.0
     """The reservation holds this long after the tier's last request: vLLM never preempts,
     so once batch has taken a seat the next chat request waits for a batch request to

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from extproc.gates import Gate
+from extproc.core.gates import Gate
 from extproc.policy.model import (
     Backpressure,
     Condition,

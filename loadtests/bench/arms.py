@@ -28,10 +28,10 @@ from typing import Any
 
 import yaml
 
-from extproc import envoy_config
-from extproc.backends import BackendSpec
-from extproc.processes import ProcessGroup, free_port, wait_http_ready
-from extproc.stack import Stack, StackConfig
+from extproc.envoy import bootstrap as envoy_config
+from extproc.fleet.backend import BackendSpec
+from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
+from extproc.ops.up import Stack, StackConfig
 from loadtests.bench.scenario import ENVOY_ONLY_KINDS, Arm, Scenario
 
 REGION = "local"  # one region: the whole fleet is equally near, as in the FIFO baseline

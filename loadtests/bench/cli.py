@@ -24,10 +24,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from extproc.backends import BackendSpec, parse_backend
-from extproc.envoy_config import EnvoyConfigError
+from extproc.envoy.bootstrap import EnvoyConfigError
+from extproc.fleet.backend import BackendSpec, parse_backend
+from extproc.ops.processes import NotReady, ProcessGroup
 from extproc.policy import load_policy
-from extproc.processes import NotReady, ProcessGroup
 from loadtests.bench import cpu, report
 from loadtests.bench.arms import start_arm
 from loadtests.bench.cachestats import window_hit_rate

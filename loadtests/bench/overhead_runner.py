@@ -4,9 +4,9 @@ Two arms against the same instant backend (``loadtests/overhead.py``), one after
 (side by side they would steal each other's CPU):
 
 * ``direct``: Envoy without ext_proc straight to the backend
-  (:func:`extproc.envoy_config.render_fifo_bootstrap`);
+  (:func:`extproc.envoy.bootstrap.render_fifo_bootstrap`);
 * ``fairlane``: the same Envoy with the ext_proc filter and the completion access log, and
-  one fairlane service process (:class:`extproc.stack.Stack`) with the scenario's policy.
+  one fairlane service process (:class:`extproc.ops.up.Stack`) with the scenario's policy.
 
 Each arm is warmed up, driven open loop at every rate, then closed loop at saturation; per
 phase the latencies, errors and every process's CPU (``loadtests/bench/cpu.py``) are kept.
@@ -30,11 +30,11 @@ from typing import Any
 
 import yaml
 
-from extproc import envoy_config
-from extproc.backends import BackendSpec
-from extproc.envoy_config import EnvoyConfigError
-from extproc.processes import NotReady, ProcessGroup, free_port, wait_http_ready
-from extproc.stack import Stack, StackConfig
+from extproc.envoy import bootstrap as envoy_config
+from extproc.envoy.bootstrap import EnvoyConfigError
+from extproc.fleet.backend import BackendSpec
+from extproc.ops.processes import NotReady, ProcessGroup, free_port, wait_http_ready
+from extproc.ops.up import Stack, StackConfig
 from loadtests.bench.cpu import machine_busy_seconds, process_cpu_seconds, self_cpu_seconds
 from loadtests.bench.overhead_report import evaluate, write_report
 from loadtests.bench.overhead_scenario import OverheadScenario

@@ -16,10 +16,10 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from extproc.prompt import count_tokens, render_chat
+from extproc.core.prompt import count_tokens, render_chat
 from loadtests.bench.scenario import Dist, Group, SharedPrefix
 
-# Five-letter-or-shorter words are exactly one token each for extproc.prompt (" word").
+# Five-letter-or-shorter words are exactly one token each for extproc.core.prompt (" word").
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 # Tokens the chat template adds around a user message (measured with a one-token message:
 # an empty one would merge the template's two newlines into one piece).
@@ -102,7 +102,7 @@ def prompt_text(prompt_tokens: int, seed: int, group: str, client: int, index: i
 
 
 def words_text(words: int, rng: random.Random) -> str:
-    """``words`` random words of 3-5 letters: exactly ``words`` tokens for extproc.prompt."""
+    """``words`` random words of 3-5 letters: exactly ``words`` tokens for extproc.core.prompt."""
     return " ".join("".join(rng.choices(_ALPHABET, k=rng.randint(3, 5))) for _ in range(words))
 
 
@@ -156,7 +156,7 @@ def client_shapes(group: Group, seed: int, client: int) -> Iterator[RequestShape
 
     Plain groups: independent requests. Shared-prefix groups: conversation after
     conversation, turn after turn; ``prompt_tokens`` is then the whole rendered history's
-    size (exact for ``extproc.prompt``: each word is one token, the tags are counted)."""
+    size (exact for ``extproc.core.prompt``: each word is one token, the tags are counted)."""
     index = 0
     if group.shared_prefix is None:
         while True:

@@ -22,12 +22,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.prompt import render_chat, tokenize
+from extproc.core.prompt import render_chat, tokenize
 
 PRIORITY_HEADER = "x-vllm-priority"
 
 # Filler output: words of at most 5 letters after a space, so each is exactly one token for
-# extproc.prompt.count_tokens and the text of N tokens counts as N tokens again.
+# extproc.core.prompt.count_tokens and the text of N tokens counts as N tokens again.
 WORDS = (
     " lorem",
     " ipsum",

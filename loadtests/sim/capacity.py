@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from extproc.processes import ProcessGroup, free_port, wait_http_ready
+from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             [
                 sys.executable,
                 "-m",
-                "extproc.cli",
+                "extproc.ops.cli",
                 "sim",
                 "--port",
                 str(port),

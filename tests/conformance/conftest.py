@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.processes import Child, NotReady, ProcessGroup, free_port, wait_http_ready
+from extproc.ops.processes import Child, NotReady, ProcessGroup, free_port, wait_http_ready
 from tests import real_vllm
 
 MODEL_NAME = "tiny"
@@ -73,12 +73,12 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
 
 
 def fairlane_command() -> list[str]:
-    """The ``fairlane`` script of the venv running pytest (else ``python -m extproc.cli``)."""
+    """The ``fairlane`` script of the venv running pytest (else ``python -m extproc.ops.cli``)."""
     script = Path(sys.executable).parent / "fairlane"
     if script.exists():
         return [str(script)]
     found = shutil.which("fairlane")
-    return [found] if found else [sys.executable, "-m", "extproc.cli"]
+    return [found] if found else [sys.executable, "-m", "extproc.ops.cli"]
 
 
 @pytest.fixture(scope="module")

@@ -127,8 +127,8 @@ def envoy_exposition() -> str:
     import urllib.request
     from pathlib import Path
 
-    from extproc.envoy_config import EnvoyConfigError, EnvoyParams, envoy_argv, render_yaml
-    from extproc.processes import free_port
+    from extproc.envoy.bootstrap import EnvoyConfigError, EnvoyParams, envoy_argv, render_yaml
+    from extproc.ops.processes import free_port
 
     admin = free_port()
     params = EnvoyParams(listen_port=free_port(), admin_port=admin, extproc_port=free_port())
@@ -189,7 +189,7 @@ ENVOY_EXT_PROC_STATS = frozenset(
         "server_half_closed",
     }
 )
-# fairlane's ext_proc filter sets stat_prefix "fairlane" (extproc/envoy_config.py), so its
+# fairlane's ext_proc filter sets stat_prefix "fairlane" (extproc/envoy/bootstrap.py), so its
 # stats are http.<hcm prefix>.ext_proc.fairlane.<stat>, in Prometheus form:
 ENVOY_EXT_PROC_PREFIX = "envoy_http_ext_proc_fairlane_"
 

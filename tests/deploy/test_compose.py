@@ -29,10 +29,10 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.backends import parse_backend
-from extproc.deployment import load_deployment
-from extproc.envoy_config import BACKEND_CLUSTER, EXTPROC_CLUSTER, validate
-from extproc.render_envoy import render
+from extproc.envoy.bootstrap import BACKEND_CLUSTER, EXTPROC_CLUSTER, validate
+from extproc.envoy.deployment import load_deployment
+from extproc.envoy.render import render
+from extproc.fleet.backend import parse_backend
 from tests.deploy.conftest import REPO, run_tool
 
 COMPOSE = REPO / "docker-compose.yml"

@@ -1,7 +1,7 @@
 """The snippets for existing meshes in deploy/mesh/: fresh, consistent, and valid Envoy config.
 
 All three are rendered from one deployment (deploy/mesh/fairlane.yaml) by ``fairlane
-render-envoy`` with the builders of extproc/envoy_config.py, so they cannot drift from the
+render-envoy`` with the builders of extproc/envoy/bootstrap.py, so they cannot drift from the
 bootstrap: the tests re-render them and compare, then check each against those builders.
 
 - plain Envoy (``--snippet``): wrapped in a minimal bootstrap and ``envoy --mode validate``d;
@@ -25,8 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.deployment import Deployment, load_deployment
-from extproc.envoy_config import (
+from extproc.envoy.bootstrap import (
     DESTINATION_HEADER,
     EXT_PROC_FILTER,
     RETRY_ON,
@@ -40,11 +39,12 @@ from extproc.envoy_config import (
     validate,
     wrap_snippet,
 )
-from extproc.mesh import VLLM_SERVICE, route_merge
-from extproc.mesh.envoy_gateway import kube_name
-from extproc.mesh.istio import ISTIO_HEADER, backend_cluster_merge, istio_bootstrap
-from extproc.processes import ProcessGroup, free_port, wait_http_ready
-from extproc.render_envoy import render, typed_check
+from extproc.envoy.deployment import Deployment, load_deployment
+from extproc.envoy.mesh import VLLM_SERVICE, route_merge
+from extproc.envoy.mesh.envoy_gateway import kube_name
+from extproc.envoy.mesh.istio import ISTIO_HEADER, backend_cluster_merge, istio_bootstrap
+from extproc.envoy.render import render, typed_check
+from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
 from tests.deploy.conftest import REPO
 from tests.http_backends import serve_every_path
 

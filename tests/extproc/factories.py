@@ -8,13 +8,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from extproc.admission import Admission
-from extproc.backends import Backend, BackendPool, BackendSpec
-from extproc.gates import Gate
-from extproc.gateway import Gateway
-from extproc.messages import RequestInfo
+from extproc.core.admission import Admission
+from extproc.core.decisions import RequestInfo
+from extproc.core.gates import Gate
+from extproc.core.gateway import Gateway
+from extproc.fleet.backend import Backend, BackendPool, BackendSpec
+from extproc.fleet.vllm_metrics import EngineMetrics
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyStore, Tenant, Tier
-from extproc.scrape import EngineMetrics
 
 OPEN = Gate(max_waiting=None, max_kv_cache_usage=None)
 """A gate that only asks for fresh metrics: admission limited by slots alone."""

@@ -6,13 +6,13 @@ import random
 
 import pytest
 
-from extproc.admission import Admission
-from extproc.errors import Rejection
-from extproc.gates import Gate
+from extproc.core.admission import Admission
+from extproc.core.errors import Rejection
+from extproc.core.gates import Gate
+from extproc.core.prefix import PromptBlocks
+from extproc.core.reservations import seats_for
+from extproc.fleet.vllm_metrics import EngineMetrics
 from extproc.policy import Tier
-from extproc.prefix import PromptBlocks
-from extproc.reservations import seats_for
-from extproc.scrape import EngineMetrics
 from tests.extproc.factories import (
     API,
     BATCH,

@@ -6,11 +6,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from extproc.backends import Backend, BackendPool, BackendSpec, parse_backend
-from extproc.gates import Gate, passes
-from extproc.prefix import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS
-from extproc.processes import free_port
-from extproc.scrape import EngineMetrics
+from extproc.core.gates import Gate, passes
+from extproc.core.prefix import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS
+from extproc.fleet.backend import Backend, BackendPool, BackendSpec, parse_backend
+from extproc.fleet.vllm_metrics import EngineMetrics
+from extproc.ops.processes import free_port
 from loadtests.sim.server import SimConfig
 from loadtests.sim.server import start as start_sim
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.cli import main
+from extproc.ops.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 FAIRLANE = Path(sys.executable).with_name("fairlane")

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from extproc.classify import RequestClass, authenticate, classify, parse_body, prompt_tokens
-from extproc.errors import Rejection
-from extproc.messages import RequestInfo
+from extproc.core.classify import RequestClass, authenticate, classify, parse_body, prompt_tokens
+from extproc.core.decisions import RequestInfo
+from extproc.core.errors import Rejection
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, load_policy, parse_policy
 
 CHAT = "/v1/chat/completions"

@@ -2,8 +2,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc import codec
-from extproc.messages import Forward, Respond
+from extproc.core.decisions import Forward, Respond
+from extproc.transport import codec
 
 
 def headers_message(

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.deployment import DeploymentError, parse_deployment
-from extproc.envoy_config import render_yaml
+from extproc.envoy.bootstrap import render_yaml
+from extproc.envoy.deployment import DeploymentError, parse_deployment
 
 BACKENDS = """\
 backends:

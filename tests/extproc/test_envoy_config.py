@@ -19,8 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.backends import BackendSpec
-from extproc.envoy_config import (
+from extproc.envoy.bootstrap import (
     BACKEND_CLUSTER,
     DESTINATION_HEADER,
     EXTPROC_CLUSTER,
@@ -36,7 +35,8 @@ from extproc.envoy_config import (
     validate,
     wrap_snippet,
 )
-from extproc.processes import ProcessGroup, free_port, wait_http_ready
+from extproc.fleet.backend import BackendSpec
+from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
 from tests.ext_proc_double import ExtProcDouble, header_option
 from tests.http_backends import serve_every_path
 
@@ -137,12 +137,12 @@ def test_validate_reports_envoys_message(tmp_path: Path) -> None:
 
 
 def test_shipped_bootstrap_equals_fresh_render() -> None:
-    """envoy/fairlane.yaml is generated: regenerate with `python -m extproc.envoy_config`."""
+    """envoy/fairlane.yaml is generated: regenerate with `python -m extproc.envoy.bootstrap`."""
     assert (ENVOY_DIR / "fairlane.yaml").read_text() == render_yaml(EnvoyParams())
 
 
 def test_shipped_mesh_snippet_equals_fresh_render() -> None:
-    """Regenerate with `python -m extproc.envoy_config --mesh-snippet`."""
+    """Regenerate with `python -m extproc.envoy.bootstrap --mesh-snippet`."""
     assert MESH_SNIPPET.read_text() == render_mesh_snippet_yaml(EnvoyParams())
 
 
@@ -335,7 +335,7 @@ REJECT_BODY = json.dumps(
 
 
 class _ExtProcDouble(ExtProcDouble):
-    """A protocol-only stand-in for the fairlane service (the real one is extproc/service.py).
+    """A protocol-only stand-in for the fairlane service (the real one is extproc/transport/servicer.py).
 
     Per request, test headers say what to do: ``x-test-endpoint`` is the backend to route to,
     ``x-test-reject`` answers 429 from the body phase (``with-metadata``: plus ``fairlane``

@@ -15,9 +15,7 @@ from typing import Any
 
 import pytest
 
-from extproc.backends import BackendSpec
-from extproc.deployment import DeploymentError, parse_deployment
-from extproc.envoy_config import (
+from extproc.envoy.bootstrap import (
     CATCH_ALL_ROUTE,
     EXT_PROC_FILTER,
     EXT_PROC_PER_ROUTE_TYPE,
@@ -31,8 +29,10 @@ from extproc.envoy_config import (
     render_yaml,
     validate,
 )
-from extproc.processes import ProcessGroup, free_port, wait_http_ready
-from extproc.render_envoy import render, typed_check
+from extproc.envoy.deployment import DeploymentError, parse_deployment
+from extproc.envoy.render import render, typed_check
+from extproc.fleet.backend import BackendSpec
+from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
 from tests.http_backends import serve_every_path
 
 OPEN_ROUTES = (

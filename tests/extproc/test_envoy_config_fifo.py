@@ -11,14 +11,14 @@ from pathlib import Path
 
 import yaml
 
-from extproc.backends import BackendSpec
-from extproc.envoy_config import (
+from extproc.envoy.bootstrap import (
     EnvoyParams,
     backend_cluster,
     render_bootstrap,
     render_fifo_bootstrap,
     validate,
 )
+from extproc.fleet.backend import BackendSpec
 
 BACKENDS = (
     BackendSpec("127.0.0.1", 18101, "region-a"),

@@ -1,8 +1,8 @@
 """Completion feedback: response size -> output tokens, and settling a finished request."""
 
-from extproc.backends import COOL_OFF_S, FAILURES_TO_COOL_OFF
-from extproc.feedback import estimate_output_tokens, settle
-from extproc.messages import Completion
+from extproc.core.decisions import Completion
+from extproc.core.feedback import estimate_output_tokens, settle
+from extproc.fleet.backend import COOL_OFF_S, FAILURES_TO_COOL_OFF
 from tests.extproc.factories import API, Request, make_admission, scraped
 
 

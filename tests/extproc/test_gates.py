@@ -1,8 +1,8 @@
 import pytest
 
-from extproc.backends import Backend, BackendSpec
-from extproc.gates import DEFAULT_GATES, DEFAULT_STALE_AFTER_S, Gate, passes
-from extproc.scrape import EngineMetrics
+from extproc.core.gates import DEFAULT_GATES, DEFAULT_STALE_AFTER_S, Gate, passes
+from extproc.fleet.backend import Backend, BackendSpec
+from extproc.fleet.vllm_metrics import EngineMetrics
 
 NOW = 100.0
 STALE = 1.0

@@ -5,9 +5,9 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from extproc.gateway import Gateway, Pending
-from extproc.messages import Completion, Forward, RequestInfo, Respond
-from extproc.metrics import GatewayCollector
+from extproc.core.decisions import Completion, Forward, RequestInfo, Respond
+from extproc.core.gateway import Gateway, Pending
+from extproc.transport.prometheus import GatewayCollector
 from tests.extproc.factories import CHAT, make_gateway, request
 
 

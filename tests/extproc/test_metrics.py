@@ -7,14 +7,14 @@ import math
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from extproc.admission import Admission
-from extproc.backends import BackendPool, BackendSpec
-from extproc.gateway import Gateway, Pending
-from extproc.messages import Completion, Forward, Respond
-from extproc.metrics import GatewayCollector
-from extproc.scrape import EngineMetrics
-from extproc.seats import FALLBACK_SEATS
-from extproc.stats import GatewayStats
+from extproc.core.admission import Admission
+from extproc.core.counters import GatewayStats
+from extproc.core.decisions import Completion, Forward, Respond
+from extproc.core.gateway import Gateway, Pending
+from extproc.fleet.backend import BackendPool, BackendSpec
+from extproc.fleet.seats import FALLBACK_SEATS
+from extproc.fleet.vllm_metrics import EngineMetrics
+from extproc.transport.prometheus import GatewayCollector
 from tests.exported_metrics import gateway_exposition, parse_samples
 from tests.extproc.factories import (
     API,

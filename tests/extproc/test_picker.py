@@ -1,9 +1,9 @@
 """Endpoint picking: each scorer moves the choice; alternates; sticky-until-saturated."""
 
-from extproc.backends import COOL_OFF_S, FAILURES_TO_COOL_OFF, Backend, BackendSpec
-from extproc.picker import Pick, choose, pick
+from extproc.core.picker import Pick, choose, pick
+from extproc.core.prefix import PromptBlocks
+from extproc.fleet.backend import COOL_OFF_S, FAILURES_TO_COOL_OFF, Backend, BackendSpec
 from extproc.policy import Routing
-from extproc.prefix import PromptBlocks
 from tests.extproc.factories import FakeClock, scraped
 
 ROUTING = Routing()  # queue 1, kv 1, prefix 2, region 0.5, sticky margin 0.25

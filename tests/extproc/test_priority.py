@@ -1,4 +1,4 @@
-from extproc.priority import vllm_priority
+from extproc.core.priority import vllm_priority
 
 
 def test_first_request_gets_the_tier_base_and_each_pending_one_adds_one() -> None:

@@ -20,9 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc import cli, render_envoy
-from extproc.deployment import DeploymentError, load_deployment, parse_deployment
-from extproc.envoy_config import (
+from extproc.envoy import render as render_envoy
+from extproc.envoy.bootstrap import (
     BACKEND_CLUSTER,
     DESTINATION_HEADER,
     EXTPROC_CLUSTER,
@@ -31,15 +30,17 @@ from extproc.envoy_config import (
     render_bootstrap,
     wrap_snippet,
 )
-from extproc.mesh import MESHES
-from extproc.processes import ProcessGroup, free_port, wait_http_ready
-from extproc.render_envoy import (
+from extproc.envoy.deployment import DeploymentError, load_deployment, parse_deployment
+from extproc.envoy.mesh import MESHES
+from extproc.envoy.render import (
     TypedCheckError,
     envoy_validate,
     render,
     report,
     typed_check,
 )
+from extproc.ops import cli
+from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
 from tests.ext_proc_double import ExtProcDouble, header_option
 from tests.http_backends import serve_every_path
 
@@ -404,7 +405,7 @@ def test_cli_reports_deployment_errors(tmp_path: Path, capsys: pytest.CaptureFix
 def test_envoy_data_plane_stays_out_of_the_request_path() -> None:
     """Only render-envoy's typed check imports envoy-data-plane (about a second)."""
     code = (
-        "import sys, extproc.server, extproc.service, extproc.render_envoy, extproc.cli\n"
+        "import sys, extproc.transport.server, extproc.transport.servicer, extproc.envoy.render, extproc.ops.cli\n"
         "assert 'envoy_data_plane' not in sys.modules and 'betterproto2' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
@@ -416,7 +417,7 @@ def test_envoy_data_plane_stays_out_of_the_request_path() -> None:
 class _RoutingDouble(ExtProcDouble):
     """The service's routing contract, nothing else: per request, ``x-test-endpoints`` is the
     endpoint list (first = chosen, rest = alternates) and ``x-test-hedge-ms`` makes the
-    request hedged the way extproc/gateway.py does for tiers with ``hedge_after_ms``."""
+    request hedged the way extproc/core/gateway.py does for tiers with ``hedge_after_ms``."""
 
     async def answer_body(self, headers: dict[str, str], body: bytes) -> AsyncIterator[Any]:
         from envoy.service.ext_proc.v3 import external_processor_pb2 as pb

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from extproc.reservations import (
+from extproc.core.reservations import (
     Demand,
     Reservation,
     may_admit,

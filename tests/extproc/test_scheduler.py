@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from extproc import scheduler as scheduler_module
-from extproc.scheduler import (
+from extproc.core import scheduler as scheduler_module
+from extproc.core.scheduler import (
     BandConfig,
     DrainMeter,
     Entry,

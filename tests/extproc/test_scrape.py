@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.scrape import EngineMetrics, MetricsError, interval_itl, parse_metrics
+from extproc.fleet.vllm_metrics import EngineMetrics, MetricsError, interval_itl, parse_metrics
 
 SAMPLE = (Path(__file__).parent / "data" / "vllm-0.32-metrics.txt").read_text()
 

@@ -1,4 +1,4 @@
-"""A backend's seats (``extproc.seats``) learned from plain ``EngineMetrics``, no sockets, and
+"""A backend's seats (``extproc.fleet.seats``) learned from plain ``EngineMetrics``, no sockets, and
 how ``Backend`` plans with them (free and busy seats, the effective waiting queue, KV)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import logging
 
 import pytest
 
-from extproc.backends import Backend, BackendSpec
-from extproc.scrape import EngineMetrics
-from extproc.seats import FALLBACK_SEATS, KV_BOUND, STEPS_TO_CONFIRM, Seats, restarted
+from extproc.fleet.backend import Backend, BackendSpec
+from extproc.fleet.seats import FALLBACK_SEATS, KV_BOUND, STEPS_TO_CONFIRM, Seats, restarted
+from extproc.fleet.vllm_metrics import EngineMetrics
 from loadtests.sim.engine import Engine as SimEngine
 from loadtests.sim.engine import EngineConfig, EngineRequest
 from loadtests.sim.profiles import get_profile

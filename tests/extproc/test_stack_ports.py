@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc.processes import PortInUse, ProcessGroup, ensure_port_free, free_port
-from extproc.stack import Stack, StackConfig
+from extproc.ops.processes import PortInUse, ProcessGroup, ensure_port_free, free_port
+from extproc.ops.up import Stack, StackConfig
 
 
 @pytest.fixture

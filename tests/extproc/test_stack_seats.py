@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from extproc import cli
-from extproc.backends import BackendSpec, parse_backend
-from extproc.server import backend_argument, backends_from_args
-from extproc.stack import FALLBACK_REPORT_S, SeatCount, SeatWatch, _backend_line, parse_seats
+from extproc.fleet.backend import BackendSpec, parse_backend
+from extproc.ops import cli
+from extproc.ops.up import FALLBACK_REPORT_S, SeatCount, SeatWatch, _backend_line, parse_seats
+from extproc.transport.server import backend_argument, backends_from_args
 from tests.extproc.factories import FakeClock
 
 EXPOSITION = """\

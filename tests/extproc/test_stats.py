@@ -1,6 +1,6 @@
 """The request path's counting: histogram buckets, bounded labels, what each event adds."""
 
-from extproc.stats import OTHER, BoundedLabel, GatewayStats, Histogram
+from extproc.core.counters import OTHER, BoundedLabel, GatewayStats, Histogram
 
 
 def test_histogram_buckets_are_upper_inclusive_and_cumulative() -> None:

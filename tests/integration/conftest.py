@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from extproc.processes import ProcessGroup, free_port
-from extproc.stack import Stack, StackConfig
+from extproc.ops.processes import ProcessGroup, free_port
+from extproc.ops.up import Stack, StackConfig
 
 # One backend that admits one request at a time: a single long request fills the fleet.
 TEST_POLICY = """\

@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from extproc.stack import Stack
+from extproc.ops.up import Stack
 from tests.integration.conftest import auth, requests_by_backend, start_stack
 
 pytestmark = pytest.mark.integration

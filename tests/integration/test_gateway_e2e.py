@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from extproc.stack import Stack
+from extproc.ops.up import Stack
 from tests.integration.conftest import TEST_POLICY, auth, backend_requests, chat, start_stack
 
 pytestmark = pytest.mark.integration

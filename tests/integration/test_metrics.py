@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from extproc.seats import FALLBACK_SEATS
-from extproc.stack import Stack
+from extproc.fleet.seats import FALLBACK_SEATS
+from extproc.ops.up import Stack
 from tests.exported_metrics import Samples, parse_samples
 from tests.integration.conftest import auth, chat, start_stack
 

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from extproc.processes import Child, ProcessGroup, free_port
+from extproc.ops.processes import Child, ProcessGroup, free_port
 from tests import real_vllm
 from tests.conformance.conftest import fairlane_command
 

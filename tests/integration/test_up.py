@@ -15,9 +15,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.processes import ProcessGroup, free_port
-from extproc.seats import FALLBACK_SEATS
-from extproc.stack import SeatCount, SeatWatch
+from extproc.fleet.seats import FALLBACK_SEATS
+from extproc.ops.processes import ProcessGroup, free_port
+from extproc.ops.up import SeatCount, SeatWatch
 from tests.integration.conftest import SIM_ARGS, auth, chat, start_stack
 from tests.pids import alive
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc.processes import ProcessGroup, free_port
-from extproc.stack import Stack, StackConfig
+from extproc.ops.processes import ProcessGroup, free_port
+from extproc.ops.up import Stack, StackConfig
 from tests.conftest import REPO
 
 LOCUST = Path(sys.executable).with_name("locust")

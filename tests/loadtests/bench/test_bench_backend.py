@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.cli import main
+from extproc.ops.cli import main
+from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
 from extproc.policy import load_policy
-from extproc.processes import ProcessGroup, free_port, wait_http_ready
 from loadtests.bench.scenario import SCENARIO_DIR
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.cli import main
+from extproc.ops.cli import main
 from tests.pids import alive
 
 pytestmark = pytest.mark.integration

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc.cli import main
-from extproc.processes import ProcessGroup, free_port
+from extproc.ops.cli import main
+from extproc.ops.processes import ProcessGroup, free_port
 from loadtests.bench import cli as bench_cli
 from loadtests.bench.arms import RunningArm
 from loadtests.bench.scenario import SCENARIO_DIR, Arm, Scenario

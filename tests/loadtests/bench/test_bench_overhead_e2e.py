@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from extproc.cli import main
-from extproc.processes import ProcessGroup
+from extproc.ops.cli import main
+from extproc.ops.processes import ProcessGroup
 from loadtests.bench import overhead_runner
 from loadtests.bench.overhead_scenario import OverheadScenario
 from loadtests.bench.scenario import SCENARIO_DIR

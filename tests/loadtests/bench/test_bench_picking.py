@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc import envoy_config
-from extproc.backends import BackendSpec
-from extproc.prompt import render_chat, tokenize
+from extproc.core.prompt import render_chat, tokenize
+from extproc.envoy import bootstrap as envoy_config
+from extproc.fleet.backend import BackendSpec
 from loadtests.bench import cpu, report
 from loadtests.bench.arms import envoy_only_bootstrap, sim_argv
 from loadtests.bench.cachestats import PrefixCounters, parse_prefix_counters, window_hit_rate

@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import statistics
 
-from extproc.prompt import count_tokens, render_chat
+from extproc.core.prompt import count_tokens, render_chat
 from loadtests.bench.scenario import Dist, Group
 from loadtests.bench.workload import chat_body, open_loop_schedule, prompt_text, sample, shape
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from extproc.processes import free_port
-from extproc.scrape import parse_metrics
+from extproc.fleet.vllm_metrics import parse_metrics
+from extproc.ops.processes import free_port
 from loadtests import overhead
 
 

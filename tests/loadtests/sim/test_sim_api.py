@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from extproc.prompt import count_tokens
+from extproc.core.prompt import count_tokens
 from loadtests.sim.api import (
     ApiError,
     GenerateRequest,

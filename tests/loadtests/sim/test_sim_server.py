@@ -15,8 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from extproc.processes import ProcessGroup, free_port, wait_http_ready
-from extproc.scrape import MetricsError, parse_metrics
+from extproc.fleet.vllm_metrics import MetricsError, parse_metrics
+from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
 from loadtests.sim.server import SimConfig, start
 
 CHAT = [{"role": "user", "content": "Tell me a story about a gateway."}]
@@ -253,7 +253,7 @@ def test_cli_starts_a_server_like_vllm_serve(processes: ProcessGroup, port: int)
         [
             sys.executable,
             "-m",
-            "extproc.cli",
+            "extproc.ops.cli",
             "sim",
             "--port",
             str(port),

@@ -23,9 +23,9 @@ several failures in a row.
 
 from __future__ import annotations
 
-from extproc.admission import Admission
-from extproc.backends import Backend
-from extproc.messages import Completion
+from extproc.core.admission import Admission
+from extproc.core.decisions import Completion
+from extproc.fleet.backend import Backend
 
 STREAM_BYTES_PER_TOKEN = 224.0
 BODY_ENVELOPE_BYTES = 690

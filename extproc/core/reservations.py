@@ -1,7 +1,7 @@
 """Capacity reservations: seats that less urgent tiers may not take from busy urgent ones.
 
-Gates (``extproc.gates``) keep each engine from backing up; reservations split the fleet's
-seats (``extproc.seats``: what the engines really run at once, learned from them) between
+Gates (``extproc.core.gates``) keep each engine from backing up; reservations split the fleet's
+seats (``extproc.fleet.seats``: what the engines really run at once, learned from them) between
 tiers, so a flood of batch work cannot occupy every seat the moment chat needs one. vLLM
 never preempts a running request to seat a waiting one, so a chat request that finds every
 seat taken waits for a batch request to finish: seconds. The rule is asymmetric and

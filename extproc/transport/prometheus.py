@@ -3,7 +3,7 @@
 Queue depths, in-flight counts, backend state and the policy's SLOs are read from the
 admission state when Prometheus scrapes, so the request path pays nothing for them. What
 happened to requests (admitted, shed, rejected, waits, latencies, fairness shares) is counted
-on the request path by ``extproc.stats`` as plain Python and turned into metric families
+on the request path by ``extproc.core.counters`` as plain Python and turned into metric families
 here. The endpoint runs on the service's own event loop (not prometheus_client's thread), so
 reading the state needs no locks; a scrape costs work proportional to the series, which are
 bounded: tiers and backends come from configuration, reasons from the code, and client-chosen
@@ -28,8 +28,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from extproc.admission import Admission
-from extproc.stats import GatewayStats, Histogram
+from extproc.core.admission import Admission
+from extproc.core.counters import GatewayStats, Histogram
 
 if TYPE_CHECKING:
     from extproc.policy import PolicyStore

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from extproc.envoy_config import (
+from extproc.envoy.bootstrap import (
     EnvoyParams,
     backend_cluster,
     extproc_cluster,
@@ -19,7 +19,7 @@ from extproc.envoy_config import (
     hcm_settings,
     scoped_ext_proc_filter,
 )
-from extproc.mesh import GATEWAY, kube_names, route_merge, route_specs, workload
+from extproc.envoy.mesh import GATEWAY, kube_names, route_merge, route_specs, workload
 
 HCM_FILTER = "envoy.filters.network.http_connection_manager"
 HCM_TYPE = (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from extproc.envoy_config import (
+from extproc.envoy.bootstrap import (
     BACKEND_MAX_REQUESTS,
     BACKEND_MAX_RETRIES,
     DESTINATION_HEADER,
@@ -21,7 +21,7 @@ from extproc.envoy_config import (
     hcm_settings,
     route,
 )
-from extproc.mesh import GATEWAY, VLLM_SERVICE, kube_names, route_merge, route_specs, workload
+from extproc.envoy.mesh import GATEWAY, VLLM_SERVICE, kube_names, route_merge, route_specs, workload
 
 GATEWAY_API = "gateway.networking.k8s.io"
 ENVOY_GATEWAY_API = "gateway.envoyproxy.io/v1alpha1"

@@ -15,14 +15,14 @@ import uuid
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from extproc.admission import Admission, Grant, Ticket
-from extproc.classify import RequestClass, authenticate, classify, parse_body
-from extproc.errors import Rejection, error_body
-from extproc.feedback import settle
-from extproc.messages import Completion, Forward, RequestInfo, Respond
-from extproc.picker import choose
+from extproc.core.admission import Admission, Grant, Ticket
+from extproc.core.classify import RequestClass, authenticate, classify, parse_body
+from extproc.core.counters import GatewayStats
+from extproc.core.decisions import Completion, Forward, RequestInfo, Respond
+from extproc.core.errors import Rejection, error_body
+from extproc.core.feedback import settle
+from extproc.core.picker import choose
 from extproc.policy import PolicyStore
-from extproc.stats import GatewayStats
 
 log = logging.getLogger("fairlane.gateway")
 

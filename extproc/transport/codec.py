@@ -1,7 +1,7 @@
 """The only module that touches Envoy's protobuf messages.
 
 ext_proc ``ProcessingRequest`` / ``ProcessingResponse`` and access-log entries are converted
-here to and from the plain objects of ``extproc.messages``. upb-backed ``xds-protos`` classes
+here to and from the plain objects of ``extproc.core.decisions``. upb-backed ``xds-protos`` classes
 are used because decoding them costs a few microseconds, where betterproto-style dataclasses
 cost hundreds (see the performance notes in the README).
 """
@@ -15,7 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
-from extproc.messages import Completion, Forward, RequestInfo, Respond
+from extproc.core.decisions import Completion, Forward, RequestInfo, Respond
 
 ProcessingRequest = pb.ProcessingRequest
 ProcessingResponse = pb.ProcessingResponse

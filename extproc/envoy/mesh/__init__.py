@@ -2,9 +2,9 @@
 
 ``fairlane render-envoy --mesh istio|envoy-gateway`` renders Kubernetes objects instead of an
 Envoy bootstrap: the same ext_proc filter, clusters, route settings and HCM settings as the
-bootstrap, but delivered as Istio takes them (an EnvoyFilter, :mod:`extproc.mesh.istio`) or
-as Envoy Gateway does (Gateway API + its policies, :mod:`extproc.mesh.envoy_gateway`).
-Everything Envoy-side is taken from the builders in ``extproc/envoy_config.py`` (Istio's
+bootstrap, but delivered as Istio takes them (an EnvoyFilter, :mod:`extproc.envoy.mesh.istio`) or
+as Envoy Gateway does (Gateway API + its policies, :mod:`extproc.envoy.mesh.envoy_gateway`).
+Everything Envoy-side is taken from the builders in ``extproc/envoy/bootstrap.py`` (Istio's
 patches carry them verbatim; Envoy Gateway's fields are derived from them), so the meshes
 cannot drift from the bootstrap; ``tests/deploy/test_mesh_snippets.py`` checks both.
 
@@ -12,7 +12,7 @@ This module holds what both meshes share: where fairlane runs in Kubernetes (nam
 the deployment's ``service.host``), fairlane's own Deployment and Service, the rendered routes
 with their failure modes, and :func:`render_mesh_yaml`, which writes either mesh's objects.
 The typed check and ``envoy --mode validate`` stay with the command
-(``extproc/render_envoy.py``), which imports this package; nothing here imports it.
+(``extproc/envoy/render.py``), which imports this package; nothing here imports it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from extproc.envoy_config import EnvoyConfigError, EnvoyParams, RouteSpec, route
+from extproc.envoy.bootstrap import EnvoyConfigError, EnvoyParams, RouteSpec, route
 
 MESHES = ("istio", "envoy-gateway")
 VLLM_SERVICE = "vllm"
@@ -153,8 +153,8 @@ def render_mesh_yaml(params: EnvoyParams, mesh: str, generated_by: str) -> str:
     """The objects for ``mesh`` as one multi-document YAML with its header comment."""
     # imported here, not at the top: both modules import the shared names above from this
     # package, so a top-level import would be circular
-    from extproc.mesh.envoy_gateway import ENVOY_GATEWAY_HEADER, render_envoy_gateway
-    from extproc.mesh.istio import ISTIO_HEADER, render_istio
+    from extproc.envoy.mesh.envoy_gateway import ENVOY_GATEWAY_HEADER, render_envoy_gateway
+    from extproc.envoy.mesh.istio import ISTIO_HEADER, render_istio
 
     if mesh == "istio":
         header, objects = ISTIO_HEADER, render_istio(params)

@@ -17,9 +17,9 @@ import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
-from extproc import codec
-from extproc.gateway import Gateway, Pending
-from extproc.messages import Forward
+from extproc.core.decisions import Forward
+from extproc.core.gateway import Gateway, Pending
+from extproc.transport import codec
 
 log = logging.getLogger("fairlane.service")
 

@@ -8,12 +8,12 @@ backend recovered, the policy changed.
 
 A request may leave its queue for a backend only when, together:
 
-- the backend passes the tier's **gate** (``extproc.gates``): fresh scraped vLLM metrics
+- the backend passes the tier's **gate** (``extproc.core.gates``): fresh scraped vLLM metrics
   show a short enough waiting queue (plus our grants it has not yet counted), KV cache and
   inter-token latency within bounds, the gateway's own in-flight count under the cap;
-- the tier's **reservation** check passes (``extproc.reservations``): less urgent tiers
+- the tier's **reservation** check passes (``extproc.core.reservations``): less urgent tiers
   never take the seats an active more urgent tier holds, a reserve sized to that tier's
-  recent demand, out of the fleet's seats (``extproc.seats``: learned from the engines);
+  recent demand, out of the fleet's seats (``extproc.fleet.seats``: learned from the engines);
 - the backend has a seat for it: a free one, or for a tier allowed to queue inside vLLM
   (``max_waiting``), a place in its short queue; and it is under the policy's safety cap
   ``max_in_flight_per_backend``. For a tier that keeps seats, a backend with a free seat
@@ -21,7 +21,7 @@ A request may leave its queue for a backend only when, together:
   one.
 
 Which of the backends that may take it serves it is decided per request, when it is granted
-(``extproc.picker.choose``): queue depth, KV-cache use, region and the prompt's prefix
+(``extproc.core.picker.choose``): queue depth, KV-cache use, region and the prompt's prefix
 affinity; the chosen backend then records the prompt's block hashes as held there.
 
 Each grant records the request as in flight until its completion arrives (or, if that event
@@ -41,17 +41,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from extproc.backends import Backend, BackendPool
-from extproc.errors import Rejection
-from extproc.gates import passes
-from extproc.picker import PickReason, choose
-from extproc.prefix import PromptBlocks
-from extproc.priority import vllm_priority
-from extproc.reservations import Demand, Reservation, may_admit, reserved_seats
-from extproc.scheduler import BandConfig, Entry, FairnessConfig, FairScheduler, QueueFull
+from extproc.core.errors import Rejection
+from extproc.core.gates import passes
+from extproc.core.picker import PickReason, choose
+from extproc.core.prefix import PromptBlocks
+from extproc.core.priority import vllm_priority
+from extproc.core.reservations import Demand, Reservation, may_admit, reserved_seats
+from extproc.core.scheduler import BandConfig, Entry, FairnessConfig, FairScheduler, QueueFull
+from extproc.fleet.backend import Backend, BackendPool
 
 if TYPE_CHECKING:
-    from extproc.classify import RequestClass
+    from extproc.core.classify import RequestClass
     from extproc.policy import Policy, Tier
 
 log = logging.getLogger("fairlane.admission")

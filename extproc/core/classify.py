@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.errors import Rejection
-from extproc.messages import RequestInfo
+from extproc.core.decisions import RequestInfo
+from extproc.core.errors import Rejection
+from extproc.core.prompt import count_tokens, render_chat
 from extproc.policy import Policy, Rule, Tenant, Tier
-from extproc.prompt import count_tokens, render_chat
 
 ASK_HEADER = "x-priority"
 _BODILESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})

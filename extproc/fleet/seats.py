@@ -39,7 +39,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
-from extproc.scrape import EngineMetrics
+from extproc.fleet.vllm_metrics import EngineMetrics
 
 log = logging.getLogger("fairlane.seats")
 

@@ -32,7 +32,7 @@ strings against the ext_proc cluster, which is rendered as STRICT_DNS then.
 
 A backend's optional ``seats`` declares how many requests its engine runs at once (its
 ``--max-num-seqs``, which vLLM does not export); without it the service learns the count from
-the engine (``extproc.seats``). Envoy does not use it: the service does, and it is given its
+the engine (``extproc.fleet.seats``). Envoy does not use it: the service does, and it is given its
 backends on its command line, so the same count goes on the service's ``--backend`` as
 ``#seats=N`` (``tests/deploy/test_compose.py`` checks that the compose files agree).
 
@@ -51,14 +51,14 @@ from urllib.parse import urlsplit
 
 from yaml.nodes import MappingNode, Node, SequenceNode
 
-from extproc.backends import BackendSpec
-from extproc.envoy_config import (
+from extproc.envoy.bootstrap import (
     CATCH_ALL_ROUTE,
     MAX_MESSAGE_TIMEOUT_S,
     EnvoyConfigError,
     EnvoyParams,
     RouteSpec,
 )
+from extproc.fleet.backend import BackendSpec
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyError, load_policy
 from extproc.yamlfile import LocatedReader, YamlSyntaxError, compose
 

@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from extproc.backends import Backend
+from extproc.fleet.backend import Backend
 
 # Metrics older than this are not trusted: ten missed scrapes at the default 100 ms.
 DEFAULT_STALE_AFTER_S = 1.0

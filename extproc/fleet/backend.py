@@ -4,7 +4,7 @@ The pool is the gateway's own view of the fleet. Health comes from polling each 
 ``/health``; load is the gateway's count of requests it released to each backend and has
 not yet seen finish (completion events from Envoy's access log release them), plus the
 engine's own numbers (waiting, running, KV-cache use, inter-token latency) scraped from its
-vLLM ``/metrics`` several times a second for the admission gates (``extproc.gates``).
+vLLM ``/metrics`` several times a second for the admission gates (``extproc.core.gates``).
 
 A backend is usable (``healthy``) only while both its ``/health`` answers and its last
 ``/metrics`` scrape succeeded: an engine whose metrics cannot be read cannot be gated, so
@@ -14,7 +14,7 @@ completions keep failing (``FAILURES_TO_COOL_OFF`` 5xx or dead connections in a 
 Envoy's access log reports them) is set aside for ``COOL_OFF_S``, the gateway's
 counterpart of Envoy's outlier ejection, since ``/health`` can answer while requests fail.
 
-Each backend also carries the picker's model of its prefix cache (``extproc.prefix``),
+Each backend also carries the picker's model of its prefix cache (``extproc.core.prefix``),
 sized from the ``vllm:cache_config_info`` its scrapes report.
 """
 
@@ -32,9 +32,9 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from extproc.prefix import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS, PrefixLRU
-from extproc.scrape import EngineMetrics, MetricsError, interval_itl, parse_metrics
-from extproc.seats import Seats
+from extproc.core.prefix import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS, PrefixLRU
+from extproc.fleet.seats import Seats
+from extproc.fleet.vllm_metrics import EngineMetrics, MetricsError, interval_itl, parse_metrics
 
 log = logging.getLogger("fairlane.backends")
 
@@ -56,7 +56,7 @@ class BackendSpec:
     strings against the cluster's host addresses, so a DNS name would never match.
 
     ``seats`` is optional because vLLM does not export its ``--max-num-seqs``: without it the
-    gateway learns the count from the engine's scrapes (``extproc.seats``), which takes a
+    gateway learns the count from the engine's scrapes (``extproc.fleet.seats``), which takes a
     moment of load that queues in the engine. Declare it when the engine's flags are known
     (or it never queues while KV has room, so nothing can be learned); a declared count
     wins over anything observed, so it must be right.
@@ -70,7 +70,7 @@ class BackendSpec:
     retry after the listed endpoints ran out)."""
     seats: int | None = None
     """Requests the engine runs at once (its ``--max-num-seqs``), when the deployment says;
-    otherwise learned from its scrapes (``extproc.seats``)."""
+    otherwise learned from its scrapes (``extproc.fleet.seats``)."""
 
     def __post_init__(self) -> None:
         try:

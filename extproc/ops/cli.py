@@ -15,17 +15,17 @@ from collections.abc import Sequence
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": (
-        "extproc.stack",
+        "extproc.ops.up",
         "Envoy + the ext_proc service + backends on one port (Ctrl-C stops all)",
     ),
-    "serve": ("extproc.server", "the ext_proc gRPC service alone, for an existing Envoy"),
+    "serve": ("extproc.transport.server", "the ext_proc gRPC service alone, for an existing Envoy"),
     "sim": (
         "loadtests.sim.cli",
         "one simulated vLLM server (per-step engine, vLLM API and metrics)",
     ),
-    "check": ("extproc.check", "validate a policy file and print its tiers and tenants"),
+    "check": ("extproc.ops.check", "validate a policy file and print its tiers and tenants"),
     "render-envoy": (
-        "extproc.render_envoy",
+        "extproc.envoy.render",
         "write the Envoy bootstrap (or --snippet) for a deployment YAML, checked by Envoy",
     ),
     "bench": (

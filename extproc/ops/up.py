@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from extproc import envoy_config
-from extproc.backends import BackendSpec
-from extproc.policy import DEFAULT_POLICY_PATH, load_policy
-from extproc.processes import (
+from extproc.envoy import bootstrap as envoy_config
+from extproc.fleet.backend import BackendSpec
+from extproc.ops.processes import (
     Child,
     ProcessGroup,
     ensure_port_free,
@@ -39,7 +38,8 @@ from extproc.processes import (
     wait_http_ready,
     wait_port_open,
 )
-from extproc.server import (
+from extproc.policy import DEFAULT_POLICY_PATH, load_policy
+from extproc.transport.server import (
     add_backend_argument,
     add_policy_argument,
     backend_argument,

@@ -1,7 +1,7 @@
 """What the gateway counts on the request path, as plain Python (no prometheus_client).
 
 The request path only increments: a dict entry, or a bisect into fixed histogram buckets.
-``extproc.metrics`` turns these into Prometheus families when Prometheus scrapes, next to
+``extproc.transport.prometheus`` turns these into Prometheus families when Prometheus scrapes, next to
 the gauges it reads from live state. Keeping the counting here, without a client library's
 locks and label lookups, keeps the per-request cost to about a microsecond per event and lets
 unit tests read exact numbers.
@@ -96,7 +96,7 @@ class BoundedLabel:
 
 @dataclass
 class GatewayStats:
-    """Every counter and histogram the request path feeds; read by ``extproc.metrics``.
+    """Every counter and histogram the request path feeds; read by ``extproc.transport.prometheus``.
 
     Tier names, reasons and statuses come from the policy and the code, so they are bounded
     already; ``model`` and ``flow`` labels pass through ``BoundedLabel``s.

@@ -22,12 +22,12 @@ from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
-from extproc.admission import Admission
-from extproc.backends import BACKEND_SYNTAX, BackendPool, BackendSpec, parse_backend
-from extproc.gateway import Gateway
-from extproc.metrics import GatewayCollector, start_metrics_server
+from extproc.core.admission import Admission
+from extproc.core.gateway import Gateway
+from extproc.fleet.backend import BACKEND_SYNTAX, BackendPool, BackendSpec, parse_backend
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyStore
-from extproc.service import AccessLog, ExternalProcessor
+from extproc.transport.prometheus import GatewayCollector, start_metrics_server
+from extproc.transport.servicer import AccessLog, ExternalProcessor
 
 log = logging.getLogger("fairlane.server")
 

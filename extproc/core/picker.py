@@ -5,12 +5,12 @@ candidates); this module decides *which* candidate, per request, by a weighted s
 lower wins (weights from the policy's ``routing``):
 
 - queue depth: ``queue_weight * (engine waiting + gateway in flight) / seats``, the
-  backend's seats (``extproc.seats``) capped at ``slot_limit``;
+  backend's seats (``extproc.fleet.seats``) capped at ``slot_limit``;
 - KV-cache use: ``kv_cache_weight * vllm:kv_cache_usage_perc`` (1.0, saturated, when the
   backend was never scraped);
 - region: ``region_weight`` for a backend outside the local region (the fleet's first);
 - prefix affinity: ``- prefix_weight * matched / blocks``, the share of the prompt's leading
-  blocks this backend was sent before (``extproc.prefix``).
+  blocks this backend was sent before (``extproc.core.prefix``).
 
 The first three are the *load* score. Sticky until saturated (llm-d's affinity filter): the
 candidate holding the longest prefix stays the choice while its load score is at most the
@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from extproc.backends import Backend
+from extproc.core.prefix import PromptBlocks
+from extproc.fleet.backend import Backend
 from extproc.policy import Routing
-from extproc.prefix import PromptBlocks
 
 MAX_ALTERNATES = 2
 

@@ -10,7 +10,7 @@ need to agree with each other inside one gateway process, never with vLLM's sha2
 On the request path the chunks are characters, not tokens (what llm-d/GIE's approximate
 prefix scorer does): about ``CHARS_PER_TOKEN`` characters make a token, so a block of
 ``block_size`` tokens is a chunk of ``block_size * CHARS_PER_TOKEN`` characters. Measured
-on this machine for a 2,092-token (8.8 KB) prompt: tokenising with ``extproc.prompt`` costs
+on this machine for a 2,092-token (8.8 KB) prompt: tokenising with ``extproc.core.prompt`` costs
 about 430 µs and chaining its token blocks about 35 µs more, while chaining character
 chunks costs about 25 µs (recording the 138 hashes in an LRU about 7 µs, matching them
 about 1 µs). Affinity needs only "same prefix, same leading hashes", which character chunks

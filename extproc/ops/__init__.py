@@ -1,0 +1,1 @@
+"""Operating fairlane: the ``fairlane`` command, ``fairlane up``, ``check`` and child processes."""

@@ -1,0 +1,7 @@
+"""The I/O edge of the service: gRPC servicers, the codec, the server and Prometheus.
+
+``codec`` is the only module that touches ext_proc protobuf. ``servicer`` turns Envoy's
+streams into core events and back, ``held`` owns the futures of requests Envoy holds while
+they wait in a queue, ``server`` wires the process together, and ``prometheus`` exposes the
+core's counters.
+"""

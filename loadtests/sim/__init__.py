@@ -7,7 +7,8 @@ Layout, one concept per module:
 - ``engine``    the per-step scheduler (waiting queue, running batch, preemption); no I/O
 - ``metrics``   vLLM's Prometheus metrics, fed from engine events
 - ``runner``    drives the engine on a (sped-up) wall clock
-- ``api``       request parsing, response and SSE chunk shapes, errors
+- ``request``   request parsing and vLLM's validation errors
+- ``response``  response bodies, SSE chunk shapes and error bodies
 - ``server``    the aiohttp application
 - ``cli``       ``fairlane sim``
 - ``capacity``  a benchmark of the simulator itself

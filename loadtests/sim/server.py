@@ -1,7 +1,8 @@
 """The aiohttp application: vLLM's HTTP endpoints over one engine.
 
-Per request the handler parses (``api``), logs (``--log-requests``), submits an
-``EngineRequest`` to the runner and waits for it to finish. Tokens do not travel through
+Per request the handler parses (``request``), logs (``--log-requests``), submits an
+``EngineRequest`` to the runner, waits for it to finish and answers in vLLM's shapes
+(``response``). Tokens do not travel through
 the handler: the runner calls the request's sink once per token, and for streams the sink
 writes the pre-encoded SSE event straight to the socket as one HTTP chunk. That keeps a
 token's cost at a few microseconds, which is what lets one process on a 2-core machine
@@ -21,23 +22,26 @@ from typing import IO, Any
 
 from aiohttp import web
 
-from loadtests.sim.api import (
-    VLLM_VERSION,
-    ApiError,
-    ChunkTemplates,
-    GenerateRequest,
-    dumps,
-    full_response,
-    header_priority,
-    models_body,
-    parse_body,
-    parse_generate,
-    system_fingerprint,
-)
 from loadtests.sim.blocks import block_hashes
 from loadtests.sim.engine import Engine, EngineConfig, EngineRequest, Policy
 from loadtests.sim.metrics import CONTENT_TYPE, SimMetrics, cache_config_labels
 from loadtests.sim.profiles import DEFAULT_PROFILE, get_profile
+from loadtests.sim.request import (
+    ApiError,
+    GenerateRequest,
+    header_priority,
+    parse_body,
+    parse_generate,
+)
+from loadtests.sim.response import (
+    VLLM_VERSION,
+    ChunkTemplates,
+    dumps,
+    error_body,
+    full_response,
+    models_body,
+    system_fingerprint,
+)
 from loadtests.sim.runner import Runner
 
 FAULT_METRICS = (None, "garbage", "hang")
@@ -210,7 +214,9 @@ class SimServer:
             )
         except ApiError as err:
             self._log_request(request.path, headers, body, None)
-            return web.Response(status=err.status, body=err.body(), content_type="application/json")
+            return web.Response(
+                status=err.status, body=error_body(err), content_type="application/json"
+            )
         self._log_request(request.path, headers, body, gen)
         if self.config.fault_delay_headers_s:
             # A slow backend: nothing reaches the engine (and no header leaves) before the

@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 
 from extproc.core.prompt import count_tokens
-from loadtests.sim.api import (
+from loadtests.sim.request import (
     ApiError,
     GenerateRequest,
-    output_text,
     parse_body,
     parse_generate,
 )
+from loadtests.sim.response import output_text
 
 
 def parse(

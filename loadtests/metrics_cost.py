@@ -17,7 +17,7 @@ import time
 from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc.core.admission import Admission
-from extproc.core.decisions import RequestInfo
+from extproc.core.events import RequestInfo
 from extproc.core.gateway import Gateway
 from extproc.fleet.backend import BackendPool, BackendSpec
 from extproc.fleet.vllm_metrics import EngineMetrics

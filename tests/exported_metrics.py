@@ -8,7 +8,6 @@ bad policy reload) and renders the real ``GatewayCollector``.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import shutil
@@ -18,7 +17,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.core.decisions import Completion, Forward, Respond
+from extproc.core.decisions import Forward, Respond
+from extproc.core.events import Completion
 from extproc.policy import DEFAULT_POLICY_PATH
 from extproc.transport.prometheus import GatewayCollector
 from tests.extproc.factories import make_gateway, request
@@ -37,10 +37,10 @@ def parse_samples(text: str) -> Samples:
 
 def gateway_exposition() -> str:
     """``/metrics`` text of a gateway that has seen every kind of outcome."""
-    return asyncio.run(_drive())
+    return _drive()
 
 
-async def _drive() -> str:
+def _drive() -> str:
     with tempfile.TemporaryDirectory() as folder:
         policy_file = Path(folder) / "policy.yaml"
         shutil.copy(DEFAULT_POLICY_PATH, policy_file)
@@ -48,11 +48,11 @@ async def _drive() -> str:
         store = gateway.policies
         local, remote = gateway.admission.pool.backends
 
-        admitted = gateway.handle(request("sk-chat-demo", request_id="chat-1"))
+        admitted = gateway.handle(request("sk-chat-demo", request_id="chat-1")).answer
         assert isinstance(admitted, Forward), admitted
         gateway.completed(Completion("chat-1", 200, local.address, 0.8, 2_000, ttfb_s=0.05))
 
-        refused = gateway.handle(request("sk-wrong", request_id="bad-key"))
+        refused = gateway.handle(request("sk-wrong", request_id="bad-key")).answer
         assert isinstance(refused, Respond) and refused.status == 401, refused
 
         # A bug in the request path (simulated: admission raising) costs one request a 500,
@@ -62,12 +62,12 @@ async def _drive() -> str:
 
         submit = gateway.admission.submit
         gateway.admission.submit = bug  # type: ignore[assignment,method-assign]
-        broken = gateway.handle(request("sk-chat-demo", request_id="bug-1"))
+        broken = gateway.handle(request("sk-chat-demo", request_id="bug-1")).answer
         gateway.admission.submit = submit  # type: ignore[method-assign]
         assert isinstance(broken, Respond) and broken.status == 500, broken
 
         local.healthy = False  # the local region is down: the next pick fails over
-        failover = gateway.handle(request("sk-api-demo", request_id="api-1"))
+        failover = gateway.handle(request("sk-api-demo", request_id="api-1")).answer
         assert isinstance(failover, Forward) and failover.endpoints[0] == remote.address
         local.healthy = True
 
@@ -76,7 +76,7 @@ async def _drive() -> str:
             for t in store.current.tiers
         )
         gateway.admission.configure(dataclasses.replace(store.current, tiers=tiers))
-        shed = gateway.handle(request("sk-batch-demo", request_id="batch-1"))
+        shed = gateway.handle(request("sk-batch-demo", request_id="batch-1")).answer
         assert isinstance(shed, Respond) and shed.status == 429, shed
 
         policy_file.write_text(policy_file.read_text().replace("priority: 20", "priority: 21"))

@@ -31,13 +31,10 @@ flow's virtual counter; the completion corrects the output-token estimate.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import random
-import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -66,6 +63,7 @@ follows a change of load within a fraction of the time it is kept."""
 class Grant:
     """Permission to send one request upstream."""
 
+    request_id: str
     endpoints: tuple[str, ...]
     priority: int
     queued_s: float
@@ -82,6 +80,7 @@ class InFlight:
     entry: Entry
     rank: int
     admitted_at: float
+    grant: Grant
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,71 +96,19 @@ class Placement:
     rank: int
 
 
-class Waiting:
-    """An entry's payload: the request's class and the future its ticket awaits."""
-
-    __slots__ = ("future", "request")
-
-    def __init__(self, request: RequestClass, future: asyncio.Future[Grant]) -> None:
-        self.request = request
-        self.future = future
-
-
-class Ticket:
-    """A submitted request: already granted, or waiting in its tier's band."""
-
-    def __init__(self, admission: Admission, entry: Entry, deadline_s: float) -> None:
-        self._admission = admission
-        self.entry = entry
-        self.deadline_s = deadline_s
-
-    @property
-    def _future(self) -> asyncio.Future[Grant]:
-        waiting: Waiting = self.entry.payload
-        return waiting.future
-
-    @property
-    def granted(self) -> bool:
-        return self._future.done()
-
-    def granted_now(self) -> Grant:
-        """The grant of a ticket that was granted on submission."""
-        return self._future.result()
-
-    async def wait(self) -> Grant:
-        """The grant, once a backend may take it; 503 when the tier's queue deadline passes.
-
-        Cancellation (the client went away) takes the request out of its queue at once.
-        """
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._future), self.deadline_s)
-        except TimeoutError:
-            self._admission.abandon(self.entry)
-            raise Rejection(
-                503,
-                f"request waited {self.deadline_s:g}s in the {self.entry.band!r} queue "
-                "without a backend becoming free",
-                code="queue_deadline_exceeded",
-                tier=self.entry.band,
-            ) from None
-        except asyncio.CancelledError:
-            self._admission.abandon(self.entry)
-            raise
-
-
 class Admission:
-    """The fair scheduler in front of gated, reserved backend slots."""
+    """The fair scheduler in front of gated, reserved backend slots.
 
-    def __init__(
-        self,
-        pool: BackendPool,
-        policy: Policy,
-        clock: Callable[[], float] = time.monotonic,
-        rng: random.Random | None = None,
-    ) -> None:
+    Synchronous and free of I/O: every call that may let queued requests go (``submit``,
+    ``dispatch``, ``release``, ``abandon``, ``configure``, ``expire``) returns the grants it
+    made, and the caller (the transport) wakes whoever waits for them. Time is the pool's
+    clock, the one that stamps scraped metrics, so gates and queues never disagree on now.
+    """
+
+    def __init__(self, pool: BackendPool, policy: Policy, rng: random.Random | None = None) -> None:
         self.pool = pool
-        self.scheduler = FairScheduler(clock=clock)
-        self._clock = clock
+        self._clock = pool.clock
+        self.scheduler = FairScheduler(clock=pool.clock)
         self._rng = rng or random.Random()
         self._in_flight: dict[str, InFlight] = {}
         self._pending: Counter[tuple[str, str]] = Counter()
@@ -171,10 +118,10 @@ class Admission:
         self.picks: Counter[tuple[str, PickReason]] = Counter()
         """Grants per (backend address, reason it was chosen): ``fairlane_picks_total``."""
         self.configure(policy)
-        pool.on_capacity(self.dispatch)
 
-    def configure(self, policy: Policy) -> None:
-        """Apply a (re)loaded policy; queued and in-flight requests are kept."""
+    def configure(self, policy: Policy) -> list[Grant]:
+        """Apply a (re)loaded policy; queued and in-flight requests are kept. Returns the
+        grants the new limits allowed at once."""
         self.policy = policy
         self.scheduler.configure(
             (
@@ -189,7 +136,7 @@ class Admission:
             Reservation(t.name, t.rank, t.reserved_share) for t in policy.tiers if t.reserved_share
         ]
         self._windows = {t.rank: t.reserved_idle_s * DEMAND_WINDOW_SHARE for t in policy.tiers}
-        self.dispatch()
+        return self.dispatch()
 
     @property
     def in_flight(self) -> int:
@@ -221,10 +168,19 @@ class Admission:
         """Whether ``request_id`` is queued or in flight (ids must be unique to release)."""
         return request_id in self._in_flight or self.scheduler.contains(request_id)
 
+    def grant_of(self, request_id: str) -> Grant | None:
+        """The grant of an in-flight request (None while it is queued, or once released)."""
+        record = self._in_flight.get(request_id)
+        return None if record is None else record.grant
+
     # ----------------------------------------------------------------- submit
 
-    def submit(self, request_id: str, request: RequestClass) -> Ticket:
-        """Queue ``request``; 429 (with ``retry-after``) when its tier sheds it."""
+    def submit(self, request_id: str, request: RequestClass) -> list[Grant]:
+        """Queue ``request`` and dispatch; 429 (with ``retry-after``) when its tier sheds it.
+
+        Returns every grant the dispatch made: this request's own when it may go at once,
+        and any other that time (aging, a reservation lapsing) let go meanwhile.
+        """
         tier = request.tier
         self._last_arrival[tier.name] = self._clock()
         self._maybe_shed_early(tier)
@@ -232,7 +188,6 @@ class Admission:
         flow = request.tenant.name
         if fairness.flow == "user":
             flow = f"{request.tenant.name}/{request.user}"
-        loop = asyncio.get_running_loop()
         entry = Entry(
             request_id=request_id,
             band=tier.name,
@@ -241,7 +196,7 @@ class Admission:
             input_tokens=request.prompt_tokens,
             output_tokens_estimate=request.max_tokens or fairness.default_output_tokens,
             enqueued_at=self._clock(),
-            payload=Waiting(request, loop.create_future()),
+            payload=request,
         )
         try:
             self.scheduler.push(entry)
@@ -261,8 +216,7 @@ class Admission:
                 headers={"retry-after": "1"},
                 tier=tier.name,
             ) from None
-        self.dispatch()
-        return Ticket(self, entry, tier.queue_deadline_s)
+        return self.dispatch()
 
     def _maybe_shed_early(self, tier: Tier) -> None:
         """RED-style: past ``early_shed_from`` of a full queue, shed with rising probability."""
@@ -284,9 +238,14 @@ class Admission:
 
     # ----------------------------------------------------------------- dispatch
 
-    def dispatch(self) -> None:
-        """Grant queued requests, in the scheduler's order, while some backend may take them."""
+    def dispatch(self) -> list[Grant]:
+        """Grant queued requests, in the scheduler's order, while some backend may take them.
+
+        Run whenever a backend may have gained room: a completion released a slot, a scrape
+        showed an engine draining, a backend recovered, the policy changed.
+        """
         placements: dict[str, Placement | None] = {}
+        grants: list[Grant] = []
 
         def placement(band: str) -> Placement | None:
             if band not in placements:
@@ -296,14 +255,12 @@ class Admission:
         while len(self.scheduler):
             entry = self.scheduler.pop(eligible=lambda band: placement(band) is not None)
             if entry is None:
-                return
-            waiting: Waiting = entry.payload
-            if waiting.future.done():  # cancelled while queued; already gone
-                continue
+                break
             where = placement(entry.band)
             assert where is not None  # pop only offers eligible bands
-            waiting.future.set_result(self._grant(entry, where))
+            grants.append(self._grant(entry, where))
             placements.clear()  # the grant changed loads and gates
+        return grants
 
     def _acting_tier(self, band: str) -> Tier | None:
         """The tier a band's requests are treated as now: their own, or the more urgent one
@@ -351,7 +308,7 @@ class Admission:
         if not may_admit(rank, self._in_flight_by_rank, capacity, reserved, active):
             return None
         stale = self.policy.backpressure.stale_after_s
-        now = self.pool.clock()
+        now = self._clock()
         candidates = [
             b
             for b in self.pool.backends
@@ -372,8 +329,7 @@ class Admission:
         return Placement(candidates, tier, rank) if candidates else None
 
     def _grant(self, entry: Entry, where: Placement) -> Grant:
-        waiting: Waiting = entry.payload
-        request = waiting.request
+        request: RequestClass = entry.payload
         user = (request.tenant.name, request.user)
         base = where.tier.priority if where.tier is not None else request.tier.priority
         priority = vllm_priority(base, self._pending[user])
@@ -394,51 +350,47 @@ class Admission:
         self._in_flight_by_rank[where.rank] += 1
         now = self._clock()
         self._demand.change(where.rank, +1, now, self._windows.get(where.rank, 0.0))
-        self._in_flight[entry.request_id] = InFlight(backend, user, entry, where.rank, now)
-        return Grant(
-            tuple(b.address for b in pick.backends), priority, now - entry.enqueued_at, entry.flow
+        grant = Grant(
+            entry.request_id,
+            tuple(b.address for b in pick.backends),
+            priority,
+            now - entry.enqueued_at,
+            entry.flow,
         )
+        self._in_flight[entry.request_id] = InFlight(backend, user, entry, where.rank, now, grant)
+        return grant
 
     # ----------------------------------------------------------------- the end of a request
 
-    def abandon(self, entry: Entry) -> None:
-        """The entry's client is gone or its deadline passed: drop it, or undo its grant."""
-        waiting: Waiting = entry.payload
-        if self.scheduler.remove(entry):
-            waiting.future.cancel()
-        elif waiting.future.done() and not waiting.future.cancelled():
-            self.release(entry.request_id)  # granted in the same instant it gave up
+    def abandon(self, request_id: str) -> list[Grant]:
+        """The request's client is gone or its deadline passed: take it out of its queue, or
+        give its slot back if it was granted in the same instant. Returns the grants that
+        freed slot allowed."""
+        entry = self.scheduler.find(request_id)
+        if entry is not None:
+            self.scheduler.remove(entry)
+            return []
+        return self.release(request_id)
 
-    def turn_away_waiting(self, message: str, code: str, retry_after_s: int) -> int:
-        """Answer every queued request with a 503 now (the service is shutting down).
-
-        A client told ``retry-after`` by a JSON error beats one whose stream is cut when the
-        process exits (Envoy's bare 500). Returns how many were turned away.
-        """
+    def turn_away_waiting(self) -> list[Entry]:
+        """Take every queued request out (the service is shutting down) and return them, so
+        the transport can answer each with a 503 and ``retry-after``: a client told that by
+        a JSON error beats one whose stream is cut when the process exits (Envoy's bare
+        500)."""
         entries = self.scheduler.entries()
         for entry in entries:
             self.scheduler.remove(entry)
-            waiting: Waiting = entry.payload
-            if not waiting.future.done():
-                waiting.future.set_exception(
-                    Rejection(
-                        503,
-                        message,
-                        code=code,
-                        headers={"retry-after": str(retry_after_s)},
-                        tier=entry.band,
-                    )
-                )
-        return len(entries)
+        return entries
 
-    def release(self, request_id: str, output_tokens: int | None = None) -> bool:
-        """The request finished (or will never reach a backend): free its slot.
+    def release(self, request_id: str, output_tokens: int | None = None) -> list[Grant]:
+        """The request finished (or will never reach a backend): free its slot, and return
+        the grants the freed slot allowed (none when the request was not in flight).
 
         ``output_tokens``, when known, settles the flow's charge for the estimate.
         """
         record = self._in_flight.pop(request_id, None)
         if record is None:
-            return False
+            return []
         record.backend.note_completion(record.rank)
         self._pending[record.user] -= 1
         if self._pending[record.user] <= 0:
@@ -450,8 +402,7 @@ class Admission:
             self.scheduler.correct(
                 entry.flow, entry.band, entry.output_tokens_estimate, output_tokens, entry.weight
             )
-        self.dispatch()
-        return True
+        return self.dispatch()
 
     def backend_of(self, request_id: str) -> Backend | None:
         """The backend an in-flight request was sent to first (None when not in flight)."""
@@ -463,21 +414,23 @@ class Admission:
         entry = self.entry_of(request_id)
         if entry is None:
             return None
-        waiting: Waiting = entry.payload
-        return waiting.request
+        request: RequestClass = entry.payload
+        return request
 
     def entry_of(self, request_id: str) -> Entry | None:
         """The queue entry (tier band, flow) of an in-flight request."""
         record = self._in_flight.get(request_id)
         return None if record is None else record.entry
 
-    def expire(self, max_age_s: float) -> int:
-        """Reclaim slots whose completion never arrived (a lost access-log event)."""
+    def expire(self, max_age_s: float) -> list[Grant]:
+        """Reclaim slots whose completion never arrived (a lost access-log event); returns
+        the grants the reclaimed slots allowed."""
         cutoff = self._clock() - max_age_s
         stale = [rid for rid, f in self._in_flight.items() if f.admitted_at < cutoff]
+        grants: list[Grant] = []
         for request_id in stale:
             log.warning(
                 "no completion seen for %s after %.0fs; releasing its slot", request_id, max_age_s
             )
-            self.release(request_id)
-        return len(stale)
+            grants.extend(self.release(request_id))
+        return grants

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.core.decisions import RequestInfo
 from extproc.core.errors import Rejection
+from extproc.core.events import RequestInfo
 from extproc.core.prompt import count_tokens, render_chat
 from extproc.policy import Policy, Rule, Tenant, Tier
 

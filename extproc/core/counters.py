@@ -1,10 +1,10 @@
 """What the gateway counts on the request path, as plain Python (no prometheus_client).
 
 The request path only increments: a dict entry, or a bisect into fixed histogram buckets.
-``extproc.transport.prometheus`` turns these into Prometheus families when Prometheus scrapes, next to
-the gauges it reads from live state. Keeping the counting here, without a client library's
-locks and label lookups, keeps the per-request cost to about a microsecond per event and lets
-unit tests read exact numbers.
+``extproc.transport.prometheus`` turns these into Prometheus families when Prometheus
+scrapes, next to the gauges it reads from live state. Keeping the counting here, without a
+client library's locks and label lookups, keeps the per-request cost to about a microsecond
+per event and lets unit tests read exact numbers.
 
 Label values that come from clients (users, model names) pass through a ``BoundedLabel``:
 the first ``limit`` distinct values keep their own series, every later one is counted as

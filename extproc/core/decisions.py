@@ -1,32 +1,21 @@
-"""The plain objects that cross the protobuf boundary.
+"""What the gateway tells Envoy about one request: forward it, answer it, or hold it.
 
-``codec`` turns Envoy's ``ProcessingRequest`` messages into a ``RequestInfo`` and turns a
-``Forward`` or ``Respond`` back into a ``ProcessingResponse``. Everything between those two
-points (policy, queues, picking) sees only these frozen objects, so it can be unit-tested
-without sockets or protobuf.
+``transport.codec`` turns a ``Forward`` or ``Respond`` into an ext_proc response; a
+``Hold`` tells the transport to keep the request in Envoy (``override_message_timeout``)
+while it waits in a queue, until admission grants it (``Gateway.resume``) or its deadline
+passes (``Gateway.give_up``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-
-@dataclass(frozen=True, slots=True)
-class RequestInfo:
-    """One client request as Envoy reported it (headers, then the whole buffered body)."""
-
-    method: str
-    path: str
-    headers: Mapping[str, str]
-    """Lower-cased names; pseudo-headers (``:path`` ...) included."""
-    body: bytes = b""
-    request_id: str = ""
-    invalid_headers: tuple[str, ...] = ()
-    """Names of headers whose value was not valid UTF-8 (they are not in ``headers``)."""
-
-    def header(self, name: str, default: str | None = None) -> str | None:
-        return self.headers.get(name, default)
+if TYPE_CHECKING:
+    from extproc.core.admission import Grant
+    from extproc.core.classify import RequestClass
+    from extproc.core.events import RequestInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,16 +42,31 @@ class Respond:
 
 
 @dataclass(frozen=True, slots=True)
-class Completion:
-    """One finished request, from Envoy's gRPC access log (the completion feedback channel)."""
+class Hold:
+    """The request waits in its tier's queue: keep it in Envoy for at most ``hold_s``.
+
+    The transport waits up to ``deadline_s`` for the grant of ``request_id`` and then hands
+    this back to the gateway (``resume`` with the grant, or ``give_up``); the rest is what
+    the gateway needs to finish the request then.
+    """
 
     request_id: str
-    status: int
-    """HTTP status sent to the client (0 when the client went away before a response)."""
-    upstream: str
-    """``ip:port`` of the backend that answered last, or "" when none did."""
-    duration_s: float
-    """From the first byte Envoy received to the last it sent: queue time included."""
-    response_bytes: int
-    ttfb_s: float | None = None
-    """From the first byte received to the first response byte sent (None: none was sent)."""
+    hold_s: float
+    deadline_s: float
+    tier: str
+    info: RequestInfo
+    body: dict[str, Any]
+    request: RequestClass
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What one event decided: the answer for the request that caused it (if any), and
+    the grants it released for requests waiting in the queues.
+
+    Admission is synchronous: a submission, a completion or a fresh scrape may let several
+    held requests go at once. The transport resolves their waits with ``grants``.
+    """
+
+    answer: Forward | Respond | Hold | None
+    grants: tuple[Grant, ...] = ()

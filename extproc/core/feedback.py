@@ -18,14 +18,16 @@ A completion is also the gateway's view of a backend's health from inside the tr
 5xx, or a status 0 with no response byte (the connection died before anything came back),
 counts as a failure of the backend that answered (or, when none did, the one it was sent
 to); any other status as a success. ``Backend.note_outcome`` sets a backend aside after
-several failures in a row.
+several failures in a row. ``Gateway.completed`` applies both.
 """
 
 from __future__ import annotations
 
-from extproc.core.admission import Admission
-from extproc.core.decisions import Completion
-from extproc.fleet.backend import Backend
+from dataclasses import dataclass
+
+from extproc.core.admission import Admission, Grant
+from extproc.core.events import Completion
+from extproc.fleet.backend import BackendPool
 
 STREAM_BYTES_PER_TOKEN = 224.0
 BODY_ENVELOPE_BYTES = 690
@@ -41,29 +43,6 @@ def estimate_output_tokens(response_bytes: int, stream: bool, max_tokens: int | 
     return tokens if max_tokens is None else min(tokens, max_tokens)
 
 
-def settle(admission: Admission, completion: Completion) -> int | None:
-    """Release ``completion``'s slot and correct its flow's output charge.
-
-    Returns the output tokens settled (None when the request was not in flight: a request
-    the gateway answered itself, or a duplicate event). A request that failed (no status,
-    or an error status) produced nothing billable.
-    """
-    request = admission.request_of(completion.request_id)
-    if request is None:
-        return None
-    backend = _answering_backend(admission, completion)
-    if backend is not None:
-        backend.note_outcome(ok=not failed(completion))
-    if 200 <= completion.status < 300:
-        output = estimate_output_tokens(
-            completion.response_bytes, request.stream, request.max_tokens
-        )
-    else:
-        output = 0
-    admission.release(completion.request_id, output_tokens=output)
-    return output
-
-
 def failed(completion: Completion) -> bool:
     """The backend failed this request: a 5xx, or a connection that returned nothing.
 
@@ -72,7 +51,34 @@ def failed(completion: Completion) -> bool:
     return completion.status >= 500 or (completion.status == 0 and completion.response_bytes == 0)
 
 
-def _answering_backend(admission: Admission, completion: Completion) -> Backend | None:
-    """The backend that answered last (a retry or hedge may have moved it), else the first."""
-    backend = admission.pool.by_address.get(completion.upstream)
-    return backend if backend is not None else admission.backend_of(completion.request_id)
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """A completion applied: the output tokens it was charged, the grants its slot allowed."""
+
+    output_tokens: int
+    grants: list[Grant]
+
+
+def settle(admission: Admission, pool: BackendPool, completion: Completion) -> Settled | None:
+    """Release ``completion``'s slot, correct its flow's output charge, and tell the backend
+    that answered how it went.
+
+    None when the request was not in flight (a request the gateway answered itself, or a
+    duplicate event). A request that failed (no status, or an error status) produced
+    nothing billable.
+    """
+    request = admission.request_of(completion.request_id)
+    if request is None:
+        return None
+    # The backend that answered last (a retry or hedge may have moved it), else the first.
+    backend = pool.by_address.get(completion.upstream) or admission.backend_of(
+        completion.request_id
+    )
+    if backend is not None:
+        backend.note_outcome(ok=not failed(completion))
+    output = 0
+    if 200 <= completion.status < 300:
+        output = estimate_output_tokens(
+            completion.response_bytes, request.stream, request.max_tokens
+        )
+    return Settled(output, admission.release(completion.request_id, output_tokens=output))

@@ -1,10 +1,13 @@
 """One request's way through the gateway: classify, queue, prioritise, route.
 
-Plain Python with no grpc or protobuf: the servicer hands in a ``RequestInfo`` and gets back
-a ``Forward`` (send it upstream, rewritten), a ``Respond`` (answer the client) or a ``Pending``
-(tell Envoy to hold the request, then await the outcome). Every client error is a
-``Rejection`` turned into an OpenAI-shaped ``Respond`` here, so nothing a client sends can
-break the stream for the next request.
+Plain synchronous Python with no asyncio, grpc or protobuf: the servicer hands in a
+``RequestInfo`` and gets back a ``Decision`` whose answer is a ``Forward`` (send it upstream,
+rewritten), a ``Respond`` (answer the client) or a ``Hold`` (keep the request in Envoy while
+it waits in a queue). A held request comes back through ``resume`` once admission grants it,
+or ``give_up`` when its deadline passes or its client leaves. Every call that may free a
+seat also returns the grants it made for other held requests; the transport wakes them.
+Every client error is a ``Rejection`` turned into an OpenAI-shaped ``Respond`` here, so
+nothing a client sends can break the stream for the next request.
 """
 
 from __future__ import annotations
@@ -12,14 +15,15 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from extproc.core.admission import Admission, Grant, Ticket
+from extproc.core.admission import Admission, Grant
 from extproc.core.classify import RequestClass, authenticate, classify, parse_body
 from extproc.core.counters import GatewayStats
-from extproc.core.decisions import Completion, Forward, RequestInfo, Respond
+from extproc.core.decisions import Decision, Forward, Hold, Respond
 from extproc.core.errors import Rejection, error_body
+from extproc.core.events import Completion, RequestInfo
 from extproc.core.feedback import settle
 from extproc.core.picker import choose
 from extproc.policy import PolicyStore
@@ -46,34 +50,6 @@ HOLD_MARGIN_S = 5.0
 MAX_HOLD_S = 3600.0
 
 
-class Pending:
-    """A request waiting in a queue: hold it in Envoy for ``hold_s``, then await ``outcome``."""
-
-    def __init__(
-        self,
-        gateway: Gateway,
-        info: RequestInfo,
-        body: dict[str, Any],
-        request: RequestClass,
-        ticket: Ticket,
-        request_id: str,
-    ) -> None:
-        self._gateway = gateway
-        self._info = info
-        self._body = body
-        self._request = request
-        self._ticket = ticket
-        self._request_id = request_id
-        self.hold_s = min(MAX_HOLD_S, ticket.deadline_s + HOLD_MARGIN_S)
-
-    async def outcome(self) -> Forward | Respond:
-        try:
-            grant = await self._ticket.wait()
-        except Rejection as rejection:
-            return self._gateway.respond_to(rejection)
-        return self._gateway.forward(self._info, self._body, self._request, grant, self._request_id)
-
-
 def client_headers_to_strip(
     headers: Mapping[str, str], overwritten: Collection[str] = ()
 ) -> tuple[str, ...]:
@@ -90,23 +66,58 @@ def client_headers_to_strip(
     )
 
 
-class Gateway:
-    """The per-request decisions, over the live policy and the admission gate."""
+def _new_request_id() -> str:
+    return uuid.uuid4().hex
 
-    def __init__(self, policies: PolicyStore, admission: Admission) -> None:
+
+class Gateway:
+    """The per-request decisions, over the live policy and the admission gate.
+
+    ``new_request_id`` names a request whose client sent no id, or one already in use;
+    injected so that tests and the simulator decide what ids look like.
+    """
+
+    def __init__(
+        self,
+        policies: PolicyStore,
+        admission: Admission,
+        new_request_id: Callable[[], str] = _new_request_id,
+    ) -> None:
         self.policies = policies
         self.admission = admission
         self.stats = GatewayStats()
+        self._new_request_id = new_request_id
 
-    def handle(self, info: RequestInfo) -> Forward | Respond | Pending:
+    def handle(self, info: RequestInfo) -> Decision:
+        """A new request: forward it, answer it, or hold it in its tier's queue."""
         try:
             return self._handle(info)
         except Rejection as rejection:
-            return self.respond_to(rejection)
+            return Decision(self.respond_to(rejection))
         except Exception:  # a bug must cost one request, never the service
             log.exception("unexpected error handling %s %s", info.method, info.path)
             self.stats.reject(500, "internal_error")
-            return Respond(500, error_body(500, "internal gateway error"))
+            return Decision(Respond(500, error_body(500, "internal gateway error")))
+
+    def resume(self, hold: Hold, grant: Grant) -> Forward:
+        """A held request's grant arrived: send it upstream."""
+        return self.forward(hold.info, hold.body, hold.request, grant, hold.request_id)
+
+    def give_up(self, hold: Hold, cancelled: bool = False) -> Decision:
+        """A held request's wait ended without a grant: its deadline passed (a 503), or its
+        client went away (``cancelled``: nobody to answer). Takes it out of its queue, or
+        gives back a grant made in the same instant."""
+        grants = tuple(self.admission.abandon(hold.request_id))
+        if cancelled:
+            return Decision(None, grants)
+        rejection = Rejection(
+            503,
+            f"request waited {hold.deadline_s:g}s in the {hold.tier!r} queue "
+            "without a backend becoming free",
+            code="queue_deadline_exceeded",
+            tier=hold.tier,
+        )
+        return Decision(self.respond_to(rejection), grants)
 
     def respond_to(self, rejection: Rejection) -> Respond:
         if rejection.tier is not None:
@@ -115,20 +126,31 @@ class Gateway:
             self.stats.reject(rejection.status, rejection.code)
         return Respond(rejection.status, rejection.body, rejection.headers)
 
-    def _handle(self, info: RequestInfo) -> Forward | Respond | Pending:
+    def _handle(self, info: RequestInfo) -> Decision:
         policy = self.policies.current
         if not info.body and info.method in ("GET", "HEAD"):
-            return self._forward_bodiless(info)
+            return Decision(self._forward_bodiless(info))
         body = parse_body(policy, info)
         request = classify(policy, info, body)
         request_id = info.request_id
         if not request_id or self.admission.knows(request_id):
-            request_id = uuid.uuid4().hex  # a client reused an id: keep ours unique
-        ticket = self.admission.submit(request_id, request)
-        if ticket.granted:
-            grant = ticket.granted_now()
-            return self.forward(info, body, request, grant, request_id)
-        return Pending(self, info, body, request, ticket, request_id)
+            request_id = self._new_request_id()  # a client reused an id: keep ours unique
+        granted = self.admission.submit(request_id, request)
+        others = tuple(g for g in granted if g.request_id != request_id)
+        own = self.admission.grant_of(request_id)
+        if own is not None:
+            return Decision(self.forward(info, body, request, own, request_id), others)
+        deadline_s = request.tier.queue_deadline_s
+        hold = Hold(
+            request_id=request_id,
+            hold_s=min(MAX_HOLD_S, deadline_s + HOLD_MARGIN_S),
+            deadline_s=deadline_s,
+            tier=request.tier.name,
+            info=info,
+            body=body,
+            request=request,
+        )
+        return Decision(hold, others)
 
     def _forward_bodiless(self, info: RequestInfo) -> Forward:
         """``GET /v1/models`` and friends: authenticated, not queued (they cost no GPU)."""
@@ -189,11 +211,13 @@ class Gateway:
             metadata={"tier": request.tier.name, "queue_ms": str(round(grant.queued_s * 1000))},
         )
 
-    def completed(self, completion: Completion) -> None:
-        """Envoy finished a request: free its backend slot, settle its fairness charge."""
+    def completed(self, completion: Completion) -> list[Grant]:
+        """Envoy finished a request: free its backend slot and settle its fairness charge
+        (``feedback.settle``). Returns the grants the freed slot allowed."""
         entry = self.admission.entry_of(completion.request_id)
-        output = settle(self.admission, completion)
-        if entry is not None and output is not None:
-            self.stats.complete(
-                entry.band, entry.flow, completion.duration_s, completion.ttfb_s, output
-            )
+        settled = settle(self.admission, self.admission.pool, completion)
+        if entry is None or settled is None:
+            return []
+        duration_s, ttfb_s = completion.duration_s, completion.ttfb_s
+        self.stats.complete(entry.band, entry.flow, duration_s, ttfb_s, settled.output_tokens)
+        return settled.grants

@@ -432,6 +432,14 @@ class FairScheduler:
     def contains(self, request_id: str) -> bool:
         return any(request_id in band.entries for band in self._bands.values())
 
+    def find(self, request_id: str) -> Entry | None:
+        """The queued entry for ``request_id``, or None when it is not queued."""
+        for band in self._bands.values():
+            entry = band.entries.get(request_id)
+            if entry is not None:
+                return entry
+        return None
+
     def entries(self) -> list[Entry]:
         """Every queued entry, band by band, oldest first within a band."""
         return [entry for band in self._bands.values() for entry in band.entries.values()]

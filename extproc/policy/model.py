@@ -6,12 +6,55 @@ tenant -> most urgent allowed tier) is a dict built once when the ``Policy`` is 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
-from extproc.core.gates import Gate
+# Metrics older than this are not trusted: ten missed scrapes at the default 100 ms.
+DEFAULT_STALE_AFTER_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Gate:
+    """The bounds a backend must meet to take a request of one tier (``None``: no bound)."""
+
+    max_waiting: int | None = 3
+    max_kv_cache_usage: float | None = 0.95
+    max_itl_s: float | None = None
+    max_in_flight: int | None = None  # gateway-side per-backend cap for this tier
+
+    def __post_init__(self) -> None:
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        kv = self.max_kv_cache_usage
+        if kv is not None and not 0.0 <= kv <= 1.0:
+            raise ValueError(f"max_kv_cache_usage must be in [0, 1], got {kv}")
+        itl = self.max_itl_s
+        if itl is not None and not (itl > 0 and math.isfinite(itl)):
+            raise ValueError(f"max_itl_s must be a positive number of seconds, got {itl}")
+        if self.max_in_flight is not None and self.max_in_flight < 0:
+            raise ValueError(f"max_in_flight must be >= 0, got {self.max_in_flight}")
+
+
+DEFAULT_GATES: Mapping[str, Gate] = MappingProxyType(
+    {
+        # TNG: dispatch while the backend queue is below ~3. No ITL bound: an interactive
+        # request is better off inside vLLM, where its priority puts it first, than held here.
+        "interactive": Gate(max_waiting=3, max_kv_cache_usage=0.95),
+        # One step below interactive (see the module docstring), and a little more KV
+        # headroom; no ITL bound, as api clients stream too and vLLM priority protects them.
+        "api": Gate(max_waiting=2, max_kv_cache_usage=0.90),
+        # Only into a free seat, with KV headroom left for the tiers above. No ITL bound by
+        # default: what a normal inter-token latency is depends on the engine (an L4-class
+        # GPU's prefill steps pass 150 ms, TNG's number, and batch then starved); set
+        # max_itl_ms for an engine whose latency you know.
+        "batch": Gate(max_waiting=0, max_kv_cache_usage=0.85),
+    }
+)
+
 
 DEFAULT_GATE = Gate()
 """The gate of a tier that names none: vLLM's queue below 3, KV cache below 95%."""

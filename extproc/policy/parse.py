@@ -13,11 +13,11 @@ from typing import Any, TypeVar
 
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from extproc.core.gates import Gate
 from extproc.policy.model import (
     Backpressure,
     Condition,
     Fairness,
+    Gate,
     Match,
     Policy,
     PolicyError,

@@ -15,7 +15,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
-from extproc.core.decisions import Completion, Forward, RequestInfo, Respond
+from extproc.core.decisions import Forward, Respond
+from extproc.core.events import Completion, RequestInfo
 
 ProcessingRequest = pb.ProcessingRequest
 ProcessingResponse = pb.ProcessingResponse

@@ -25,7 +25,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from extproc.core.admission import Admission
 from extproc.core.gateway import Gateway
 from extproc.fleet.backend import BACKEND_SYNTAX, BackendPool, BackendSpec, parse_backend
+from extproc.fleet.poller import Poller
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyStore
+from extproc.transport.held import HeldRequests
 from extproc.transport.prometheus import GatewayCollector, start_metrics_server
 from extproc.transport.servicer import AccessLog, ExternalProcessor
 
@@ -69,11 +71,13 @@ class Service:
         self.admission = Admission(self.pool, self.policies.current)
         self.policies.on_change(self._policy_changed)
         self.gateway = Gateway(self.policies, self.admission)
+        self.held = HeldRequests(self.gateway)
+        self.poller = Poller(self.pool, on_change=self.held.dispatch)
         self.server = grpc.aio.server(options=grpc_options())
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessor(self.gateway), self.server
+            ExternalProcessor(self.held), self.server
         )
-        als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(self.gateway), self.server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(self.held), self.server)
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         self._tasks: list[asyncio.Task[None]] = []
         self._scrape: asyncio.Task[None] | None = None
@@ -91,7 +95,7 @@ class Service:
         self._tasks = [
             asyncio.create_task(self.policies.watch(), name="policy-watch"),
             asyncio.create_task(
-                self.pool.watch_health(self.config.health_interval_s), name="health"
+                self.poller.watch_health(self.config.health_interval_s), name="health"
             ),
             asyncio.create_task(self._expire_lost_completions(), name="expire"),
         ]
@@ -101,10 +105,10 @@ class Service:
     def _start_scraping(self) -> asyncio.Task[None]:
         interval = self.policies.current.backpressure.scrape_interval_s
         self._scrape_interval_s = interval
-        return asyncio.create_task(self.pool.watch_metrics(interval), name="scrape")
+        return asyncio.create_task(self.poller.watch_metrics(interval), name="scrape")
 
     def _policy_changed(self, policy: Policy) -> None:
-        self.admission.configure(policy)
+        self.held.configure(policy)
         if self._scrape is not None and (
             policy.backpressure.scrape_interval_s != self._scrape_interval_s
         ):
@@ -123,7 +127,7 @@ class Service:
         deadline = asyncio.get_running_loop().time() + drain_s
         while len(self.admission.scheduler) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
-        turned_away = self.admission.turn_away_waiting(
+        turned_away = self.held.turn_away(
             "the gateway is restarting; retry", "gateway_restarting", retry_after_s=1
         )
         if turned_away:
@@ -145,7 +149,7 @@ class Service:
         interval = min(10.0, self.config.completion_timeout_s / 4)
         while True:
             await asyncio.sleep(interval)
-            self.admission.expire(self.config.completion_timeout_s)
+            self.held.expire(self.config.completion_timeout_s)
 
 
 async def serve(config: ServiceConfig) -> None:

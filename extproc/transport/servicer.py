@@ -17,16 +17,17 @@ import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
-from extproc.core.decisions import Forward
-from extproc.core.gateway import Gateway, Pending
+from extproc.core.decisions import Forward, Hold
 from extproc.transport import codec
+from extproc.transport.held import HeldRequests
 
 log = logging.getLogger("fairlane.service")
 
 
 class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(self, held: HeldRequests) -> None:
+        self.held = held
+        self._service_time = held.gateway.stats.service_time
 
     async def Process(
         self,
@@ -53,26 +54,26 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
                     "unexpected ext_proc message %r; check the filter's processing_mode", phase
                 )
                 continue
-            outcome = self.gateway.handle(info)
-            if isinstance(outcome, Pending):
+            outcome = self.held.handle(info)
+            if isinstance(outcome, Hold):
                 busy_s += perf_counter() - started
                 yield codec.hold(outcome.hold_s)
                 # A client that disconnects now cancels this task (CancelledError), which
                 # takes the request out of its queue.
-                outcome = await outcome.outcome()
+                outcome = await self.held.outcome(outcome)
                 started = perf_counter()
             if isinstance(outcome, Forward):
                 response = codec.forward(outcome, phase)
             else:
                 response = codec.respond(outcome)
-            self.gateway.stats.service_time.observe(busy_s + perf_counter() - started)
+            self._service_time.observe(busy_s + perf_counter() - started)
             yield response
             return
 
 
 class AccessLog(als_pb2_grpc.AccessLogServiceServicer):
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(self, held: HeldRequests) -> None:
+        self.held = held
 
     async def StreamAccessLogs(
         self,
@@ -81,5 +82,5 @@ class AccessLog(als_pb2_grpc.AccessLogServiceServicer):
     ) -> als_pb2.StreamAccessLogsResponse:
         async for message in request_iterator:
             for completion in codec.completions(message.http_logs.log_entry):
-                self.gateway.completed(completion)
+                self.held.completed(completion)
         return als_pb2.StreamAccessLogsResponse()

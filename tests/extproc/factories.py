@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from extproc.core.admission import Admission
-from extproc.core.decisions import RequestInfo
-from extproc.core.gates import Gate
+from extproc.core.events import RequestInfo
 from extproc.core.gateway import Gateway
 from extproc.fleet.backend import Backend, BackendPool, BackendSpec
 from extproc.fleet.vllm_metrics import EngineMetrics
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyStore, Tenant, Tier
+from extproc.policy.model import Gate
 
 OPEN = Gate(max_waiting=None, max_kv_cache_usage=None)
 """A gate that only asks for fresh metrics: admission limited by slots alone."""
@@ -90,7 +90,7 @@ def make_admission(
     )
     for backend in pool.backends:
         scraped(backend, clock)
-    admission = Admission(pool, policy(limit, tiers, **policy_fields), clock=clock)
+    admission = Admission(pool, policy(limit, tiers, **policy_fields))
     return admission, pool, clock
 
 
@@ -116,7 +116,7 @@ def make_gateway(
     store = PolicyStore(policy_path)
     policy = dataclasses.replace(store.current, max_in_flight_per_backend=limit)
     store.current = policy
-    return Gateway(store, Admission(pool, policy, clock=clock))
+    return Gateway(store, Admission(pool, policy))
 
 
 def request(

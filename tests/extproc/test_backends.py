@@ -6,11 +6,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from extproc.core.gates import Gate, passes
+from extproc.core.gates import passes
 from extproc.core.prefix import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS
 from extproc.fleet.backend import Backend, BackendPool, BackendSpec, parse_backend
+from extproc.fleet.poller import Poller
 from extproc.fleet.vllm_metrics import EngineMetrics
 from extproc.ops.processes import free_port
+from extproc.policy.model import Gate
 from loadtests.sim.server import SimConfig
 from loadtests.sim.server import start as start_sim
 
@@ -81,8 +83,8 @@ async def test_health_polling_marks_a_dead_backend_down_and_a_live_one_up() -> N
     live, dead = pool.backends
     live.healthy = False
     recovered: list[bool] = []
-    pool.on_capacity(lambda: recovered.append(True))
-    task = asyncio.create_task(pool.watch_health(interval_s=0.05, timeout_s=0.5))
+    poller = Poller(pool, on_change=lambda: recovered.append(True))
+    task = asyncio.create_task(poller.watch_health(interval_s=0.05, timeout_s=0.5))
     try:
         for _ in range(100):
             if live.healthy and not dead.healthy:
@@ -155,9 +157,9 @@ async def test_scraping_a_simulated_vllm_tracks_waiting_running_kv_and_itl() -> 
     pool = BackendPool([BackendSpec("127.0.0.1", port)])
     (backend,) = pool.backends
     rounds: list[None] = []
-    pool.on_capacity(lambda: rounds.append(None))
+    poller = Poller(pool, on_change=lambda: rounds.append(None))
     backend.note_grant()
-    watch = asyncio.create_task(pool.watch_metrics(interval_s=0.02, timeout_s=1.0))
+    watch = asyncio.create_task(poller.watch_metrics(interval_s=0.02, timeout_s=1.0))
     body = {"model": "tiny", "prompt": "hello " * 200, "max_tokens": 4000, "ignore_eos": True}
     try:
         await _until(lambda: backend.metrics is not None)
@@ -233,7 +235,7 @@ async def test_garbage_down_and_hung_backends_are_saturated_while_a_good_one_kee
     good_b, flaky_b, hung_b, down_b = pool.backends
     gate = Gate(max_waiting=None, max_kv_cache_usage=None)
     caplog.set_level(logging.WARNING, logger="fairlane.backends")
-    watch = asyncio.create_task(pool.watch_metrics(interval_s=0.02, timeout_s=0.3))
+    watch = asyncio.create_task(Poller(pool).watch_metrics(interval_s=0.02, timeout_s=0.3))
     try:
         # Within one hung scrape's timeout (0.3 s) the good backend is scraped many times
         # over: a slow backend must not hold up everyone's round.
@@ -305,7 +307,7 @@ async def test_one_late_scrape_is_missed_two_in_a_row_mark_the_backend_unscrapab
     runner, port = await _serve(app)
     pool = BackendPool([BackendSpec("127.0.0.1", port)])
     (backend,) = pool.backends
-    watch = asyncio.create_task(pool.watch_metrics(interval_s=0.02, timeout_s=0.2))
+    watch = asyncio.create_task(Poller(pool).watch_metrics(interval_s=0.02, timeout_s=0.2))
     try:
         await _until(lambda: answered[0] >= 2)
         slow_next[0] = 1

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from extproc.core.classify import RequestClass, authenticate, classify, parse_body, prompt_tokens
-from extproc.core.decisions import RequestInfo
 from extproc.core.errors import Rejection
+from extproc.core.events import RequestInfo
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, load_policy, parse_policy
 
 CHAT = "/v1/chat/completions"

@@ -1,8 +1,9 @@
 import pytest
 
-from extproc.core.gates import DEFAULT_GATES, DEFAULT_STALE_AFTER_S, Gate, passes
+from extproc.core.gates import passes
 from extproc.fleet.backend import Backend, BackendSpec
 from extproc.fleet.vllm_metrics import EngineMetrics
+from extproc.policy.model import DEFAULT_GATES, DEFAULT_STALE_AFTER_S, Gate
 
 NOW = 100.0
 STALE = 1.0

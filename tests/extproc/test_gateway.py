@@ -5,15 +5,16 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from extproc.core.decisions import Completion, Forward, RequestInfo, Respond
-from extproc.core.gateway import Gateway, Pending
+from extproc.core.decisions import Forward, Hold, Respond
+from extproc.core.events import Completion, RequestInfo
+from extproc.core.gateway import Gateway
 from extproc.transport.prometheus import GatewayCollector
 from tests.extproc.factories import CHAT, make_gateway, request
 
 
-async def test_forward_injects_priority_in_body_and_header_and_names_endpoints() -> None:
+def test_forward_injects_priority_in_body_and_header_and_names_endpoints() -> None:
     gateway = make_gateway()
-    decision = gateway.handle(request())
+    decision = gateway.handle(request()).answer
     assert isinstance(decision, Forward)
     body = json.loads(decision.body)
     assert body["priority"] == 0 and decision.set_headers["x-vllm-priority"] == "0"
@@ -21,7 +22,7 @@ async def test_forward_injects_priority_in_body_and_header_and_names_endpoints()
     assert decision.metadata == {"tier": "interactive", "queue_ms": "0"}
 
 
-async def test_client_internal_headers_and_numeric_priority_never_pass() -> None:
+def test_client_internal_headers_and_numeric_priority_never_pass() -> None:
     gateway = make_gateway()
     info = request(
         key="sk-api-demo",
@@ -33,7 +34,7 @@ async def test_client_internal_headers_and_numeric_priority_never_pass() -> None
             "x-target-cluster": "evil",
         },
     )
-    decision = gateway.handle(info)
+    decision = gateway.handle(info).answer
     assert isinstance(decision, Forward)
     assert json.loads(decision.body)["priority"] == 10
     assert decision.set_headers["x-vllm-priority"] == "10"
@@ -44,11 +45,11 @@ async def test_client_internal_headers_and_numeric_priority_never_pass() -> None
     assert "x-vllm-priority" not in decision.remove_headers  # overwritten, not removed
 
 
-async def test_each_pending_request_of_a_user_ranks_one_lower() -> None:
+def test_each_pending_request_of_a_user_ranks_one_lower() -> None:
     gateway = make_gateway(limit=10)
     priorities = []
     for i in range(3):
-        decision = gateway.handle(request(key="sk-api-demo", request_id=f"r{i}"))
+        decision = gateway.handle(request(key="sk-api-demo", request_id=f"r{i}")).answer
         assert isinstance(decision, Forward)
         priorities.append(int(decision.set_headers["x-vllm-priority"]))
     assert priorities == [10, 11, 12]
@@ -62,62 +63,63 @@ async def test_each_pending_request_of_a_user_ranks_one_lower() -> None:
         (request(**{"x-priority": "platinum"}), 400),
     ],
 )
-async def test_bad_requests_become_openai_errors(info: RequestInfo, status: int) -> None:
-    decision = make_gateway().handle(info)
+def test_bad_requests_become_openai_errors(info: RequestInfo, status: int) -> None:
+    decision = make_gateway().handle(info).answer
     assert isinstance(decision, Respond)
     assert decision.status == status
     assert set(json.loads(decision.body)["error"]) == {"message", "type", "param", "code"}
 
 
-async def test_held_request_is_released_by_a_completion() -> None:
+def test_held_request_is_released_by_a_completion() -> None:
     gateway = make_gateway(limit=1)
-    first = gateway.handle(request(request_id="a", key="sk-batch-demo"))
+    first = gateway.handle(request(request_id="a", key="sk-batch-demo")).answer
     assert isinstance(first, Forward)
-    assert isinstance(gateway.handle(request(request_id="b", key="sk-batch-demo")), Forward)
-    held = gateway.handle(request(request_id="c"))
-    assert isinstance(held, Pending)
+    assert isinstance(gateway.handle(request(request_id="b", key="sk-batch-demo")).answer, Forward)
+    held = gateway.handle(request(request_id="c")).answer
+    assert isinstance(held, Hold)
     assert held.hold_s > 10  # the interactive deadline plus a margin
-    gateway.completed(Completion("a", 200, "127.0.0.1:8101", 1.0, 10))
-    decision = await held.outcome()
+    (grant,) = gateway.completed(Completion("a", 200, "127.0.0.1:8101", 1.0, 10))
+    assert grant.request_id == "c"
+    decision = gateway.resume(held, grant)
     assert isinstance(decision, Forward)
     assert decision.endpoints[0] == "127.0.0.1:8101"
 
 
-async def test_batch_path_is_rewritten_and_served_as_batch() -> None:
-    decision = make_gateway().handle(request(path="/v1/batch/chat/completions"))
+def test_batch_path_is_rewritten_and_served_as_batch() -> None:
+    decision = make_gateway().handle(request(path="/v1/batch/chat/completions")).answer
     assert isinstance(decision, Forward)
     assert decision.set_headers[":path"] == "/v1/chat/completions"
 
 
-async def test_reused_request_id_gets_a_fresh_one() -> None:
+def test_reused_request_id_gets_a_fresh_one() -> None:
     gateway = make_gateway()
     gateway.handle(request(request_id="same"))
-    second = gateway.handle(request(request_id="same"))
+    second = gateway.handle(request(request_id="same")).answer
     assert isinstance(second, Forward)
     assert second.set_headers["x-request-id"] != "same"
 
 
-async def test_bodiless_get_is_authenticated_and_routed_without_queueing() -> None:
+def test_bodiless_get_is_authenticated_and_routed_without_queueing() -> None:
     gateway = make_gateway()
     info = RequestInfo(
         "GET", "/v1/models", {"authorization": "Bearer sk-chat-demo", "x-vllm-priority": "-9"}
     )
-    decision = gateway.handle(info)
+    decision = gateway.handle(info).answer
     assert isinstance(decision, Forward) and decision.endpoints
     assert set(decision.remove_headers) == {"authorization", "x-vllm-priority"}
     assert gateway.admission.in_flight == 0
-    anonymous = gateway.handle(RequestInfo("GET", "/v1/models", {}))
+    anonymous = gateway.handle(RequestInfo("GET", "/v1/models", {})).answer
     assert isinstance(anonymous, Respond) and anonymous.status == 401
 
 
-async def test_hedged_tiers_ask_envoy_to_hedge_and_others_do_not() -> None:
+def test_hedged_tiers_ask_envoy_to_hedge_and_others_do_not() -> None:
     gateway = make_gateway()
-    chat = gateway.handle(request(request_id="c"))
+    chat = gateway.handle(request(request_id="c")).answer
     assert isinstance(chat, Forward)
     assert chat.set_headers["x-envoy-upstream-rq-per-try-timeout-ms"] == "1000"
     assert chat.set_headers["x-envoy-hedge-on-per-try-timeout"] == "true"
     assert chat.set_headers["x-envoy-max-retries"] == str(len(chat.endpoints) - 1)
-    batch = gateway.handle(request(key="sk-batch-demo", request_id="b"))
+    batch = gateway.handle(request(key="sk-batch-demo", request_id="b")).answer
     assert isinstance(batch, Forward)
     assert "x-envoy-hedge-on-per-try-timeout" not in batch.set_headers
     assert batch.set_headers["x-envoy-max-retries"] == str(len(batch.endpoints) - 1)
@@ -132,12 +134,12 @@ def chat(request_id: str, *messages: tuple[str, str]) -> RequestInfo:
 
 
 def endpoint(gateway: Gateway, info: RequestInfo) -> str:
-    decision = gateway.handle(info)
+    decision = gateway.handle(info).answer
     assert isinstance(decision, Forward)
     return decision.endpoints[0]
 
 
-async def test_a_conversation_stays_on_its_backend_while_unrelated_requests_spread() -> None:
+def test_a_conversation_stays_on_its_backend_while_unrelated_requests_spread() -> None:
     gateway = make_gateway(regions=("r", "r"))
     one, two = "127.0.0.1:8101", "127.0.0.1:8102"
     assert endpoint(gateway, chat("u1", ("user", "What is the capital of France?"))) == one
@@ -146,7 +148,7 @@ async def test_a_conversation_stays_on_its_backend_while_unrelated_requests_spre
     # Both now carry one request. By load alone the tie goes to 8101; the conversation's
     # second turn shares its long prefix with the first and stays on 8102.
     second_turn = [*first_turn, ("assistant", "Sorry to hear that."), ("user", "Any update?")]
-    decision = gateway.handle(chat("c2", *second_turn))
+    decision = gateway.handle(chat("c2", *second_turn)).answer
     assert isinstance(decision, Forward) and decision.endpoints == (two, one)
     # Unrelated requests keep going where the load is lowest.
     assert endpoint(gateway, chat("u2", ("user", "Write a haiku about rain."))) == one
@@ -154,7 +156,7 @@ async def test_a_conversation_stays_on_its_backend_while_unrelated_requests_spre
     assert gateway.admission.picks[(one, "load")] == 2
 
 
-async def test_a_new_conversation_with_the_same_system_prompt_joins_its_backend() -> None:
+def test_a_new_conversation_with_the_same_system_prompt_joins_its_backend() -> None:
     gateway = make_gateway(regions=("r", "r"))
     gateway.handle(chat("u1", ("user", "unrelated")))
     alice = [("system", SUPPORT), ("user", "Where is my parcel?")]
@@ -165,7 +167,7 @@ async def test_a_new_conversation_with_the_same_system_prompt_joins_its_backend(
     assert endpoint(gateway, chat("b1", *bob)) == "127.0.0.1:8102"
 
 
-async def test_picks_are_exported_per_backend_and_reason() -> None:
+def test_picks_are_exported_per_backend_and_reason() -> None:
     gateway = make_gateway(regions=("r", "r"))
     gateway.handle(chat("a", ("system", SUPPORT), ("user", "first")))
     gateway.completed(Completion("a", 200, "127.0.0.1:8101", 0.5, 900))

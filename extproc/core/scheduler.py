@@ -232,7 +232,7 @@ class _Band:
             heapq.heappop(ready)
         return None
 
-    def settle(self) -> None:
+    def advance(self) -> None:
         """Advance ``vtime``, forget idle flows it has passed, compact the heaps."""
         top = self.peek()
         if top is None:  # drained: the busy period is over, start the next one afresh
@@ -338,7 +338,7 @@ class FairScheduler:
         band.backlogged += 1
         band.mark_ready(entry.flow, flow)
         if band.backlogged == 1:
-            band.settle()
+            band.advance()
 
     def pop(self, eligible: Callable[[str], bool] = lambda band: True) -> Entry | None:
         """The next entry to admit among bands for which ``eligible(name)`` holds.
@@ -375,7 +375,7 @@ class FairScheduler:
             best.backlogged -= 1
             best.mark_idle(name, flow)
         best.meter.record()
-        self._settle(entry.band, best)
+        self._advance(entry.band, best)
         return entry
 
     def remove(self, entry: Entry) -> bool:
@@ -392,7 +392,7 @@ class FairScheduler:
             band.mark_idle(entry.flow, flow)
         elif was_head:
             band.mark_ready(entry.flow, flow)
-        self._settle(entry.band, band)
+        self._advance(entry.band, band)
         return True
 
     def correct(
@@ -422,7 +422,7 @@ class FairScheduler:
             del state.flows[flow]
         else:
             state.mark_idle(flow, tracked)
-        state.settle()
+        state.advance()
 
     # ----------------------------------------------------------------- reading
 
@@ -489,7 +489,7 @@ class FairScheduler:
 
     # ----------------------------------------------------------------- internals
 
-    def _settle(self, name: str, band: _Band) -> None:
-        band.settle()
+    def _advance(self, name: str, band: _Band) -> None:
+        band.advance()
         if not band.entries and not band.configured:
             del self._bands[name]  # an unconfigured band lives only until it drains

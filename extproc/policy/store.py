@@ -1,8 +1,11 @@
-"""The policy in force while the service runs, re-read when its file changes."""
+"""The policy in force while the service runs, re-read when its file changes.
+
+The store only reads files and calls its listeners; the transport's server polls
+``reload`` on a timer, so this package does no asynchronous I/O.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import os
@@ -23,6 +26,7 @@ log = logging.getLogger("fairlane.policy")
 # --------------------------------------------------------------------------- hot reload
 
 PolicyListener = Callable[[Policy], None]
+"""Applies a new policy, or raises to refuse it (the store then rolls every listener back)."""
 _UNREADABLE = (-1, -1, -1)
 
 
@@ -31,7 +35,9 @@ class PolicyStore:
 
     ``current`` is replaced by one attribute assignment, so a reader sees the old policy
     or the new one, never a mix. A file that fails validation is logged and ignored: a typo
-    in an edit must not take the gateway down, nor leave it without a policy.
+    in an edit must not take the gateway down, nor leave it without a policy. A valid policy
+    is committed only after every listener has applied it; when one refuses (raises), the
+    listeners that had applied it get the previous policy back and nothing changes.
     """
 
     def __init__(self, path: str | os.PathLike[str], poll_interval_s: float = 1.0) -> None:
@@ -46,7 +52,8 @@ class PolicyStore:
         self.current: Policy = _parse_bytes(data, str(self.path))
 
     def on_change(self, callback: PolicyListener) -> None:
-        """Call ``callback(new_policy)`` after each swap (queues resize their limits)."""
+        """Call ``callback(new_policy)`` before each swap (queues resize their limits); it
+        may raise to refuse the policy."""
         self._listeners.append(callback)
 
     def _stat(self) -> tuple[int, int, int]:
@@ -76,6 +83,9 @@ class PolicyStore:
             log.error("policy %s not reloaded, keeping the previous one: %s", self.path, exc)
             self.reloads["error"] += 1
             return False
+        if not self._apply(policy):
+            self.reloads["error"] += 1
+            return False
         self.current = policy
         self.reloads["ok"] += 1
         log.info(
@@ -85,15 +95,23 @@ class PolicyStore:
             len(policy.tenants),
             len(policy.rules),
         )
+        return True
+
+    def _apply(self, policy: Policy) -> bool:
+        """Hand ``policy`` to every listener; on a refusal, roll back the ones that took it."""
+        applied: list[PolicyListener] = []
         for listener in self._listeners:
             try:
                 listener(policy)
             except Exception:
-                log.exception("policy listener %r failed", listener)
+                log.exception(
+                    "policy %s refused by %r; keeping the previous one", self.path, listener
+                )
+                for done in reversed(applied):
+                    try:
+                        done(self.current)
+                    except Exception:
+                        log.exception("policy listener %r failed to roll back", done)
+                return False
+            applied.append(listener)
         return True
-
-    async def watch(self) -> None:
-        """Poll the file forever (cancel the task to stop); a stat per poll when unchanged."""
-        while True:
-            await asyncio.sleep(self.poll_interval_s)
-            self.reload()

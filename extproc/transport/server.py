@@ -93,7 +93,7 @@ class Service:
                 collector, self.config.host, self.config.metrics_port
             )
         self._tasks = [
-            asyncio.create_task(self.policies.watch(), name="policy-watch"),
+            asyncio.create_task(watch_policy(self.policies), name="policy-watch"),
             asyncio.create_task(
                 self.poller.watch_health(self.config.health_interval_s), name="health"
             ),
@@ -150,6 +150,14 @@ class Service:
         while True:
             await asyncio.sleep(interval)
             self.held.expire(self.config.completion_timeout_s)
+
+
+async def watch_policy(store: PolicyStore) -> None:
+    """Re-read the policy file every ``store.poll_interval_s``, forever (cancel to stop); a
+    stat per poll when unchanged."""
+    while True:
+        await asyncio.sleep(store.poll_interval_s)
+        store.reload()
 
 
 async def serve(config: ServiceConfig) -> None:

@@ -20,6 +20,7 @@ from extproc.policy import (
     parse_policy,
 )
 from extproc.policy import parse as parse_module
+from extproc.transport.server import watch_policy
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "policies").glob("*.yaml"))
@@ -453,22 +454,25 @@ def test_unchanged_file_is_not_reparsed(policy_file: Path, monkeypatch: pytest.M
     assert len(calls) == 1
 
 
-def test_a_failing_listener_does_not_stop_the_swap(
+def test_a_refusing_listener_rolls_the_swap_back(
     policy_file: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = PolicyStore(policy_file)
+    old = store.current
 
-    def broken(_: Policy) -> None:
+    def refuses(_: Policy) -> None:
         raise RuntimeError("boom")
 
     seen: list[Policy] = []
-    store.on_change(broken)
     store.on_change(seen.append)
+    store.on_change(refuses)
     rewrite(policy_file, MINIMAL.replace("queue_limit: 10", "queue_limit: 12"))
     with caplog.at_level(logging.ERROR, logger="fairlane.policy"):
-        assert store.reload() is True
-    assert seen == [store.current]
-    assert "listener" in caplog.text
+        assert store.reload() is False
+    assert store.current is old  # nothing committed
+    assert [p.tier("fast").queue_limit for p in seen] == [12, 10]  # applied, then rolled back
+    assert "refused" in caplog.text
+    assert store.reloads["error"] == 1
 
 
 def test_missing_file_keeps_the_policy(policy_file: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -488,7 +492,7 @@ async def test_watch_picks_up_a_change(policy_file: Path) -> None:
     store = PolicyStore(policy_file, poll_interval_s=0.01)
     swapped = asyncio.Event()
     store.on_change(lambda _: swapped.set())
-    task = asyncio.create_task(store.watch())
+    task = asyncio.create_task(watch_policy(store))
     try:
         rewrite(policy_file, MINIMAL.replace("queue_limit: 10", "queue_limit: 77"))
         await asyncio.wait_for(swapped.wait(), timeout=5)

@@ -6,7 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.fleet.vllm_metrics import EngineMetrics, MetricsError, interval_itl, parse_metrics
 
-SAMPLE = (Path(__file__).parent / "data" / "vllm-0.32-metrics.txt").read_text()
+SAMPLE = (Path(__file__).parents[1] / "data" / "vllm-0.32-metrics.txt").read_text()
 
 WANTED = {
     "vllm:num_requests_waiting": "waiting",

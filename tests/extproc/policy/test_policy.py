@@ -22,7 +22,7 @@ from extproc.policy import (
 from extproc.policy import parse as parse_module
 from extproc.transport.server import watch_policy
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SHIPPED = sorted((REPO / "policies").glob("*.yaml"))
 
 MINIMAL = """\

@@ -1,0 +1,102 @@
+"""A backend's state without I/O: parsing specs, recording scrapes, grants and seats."""
+
+import dataclasses
+
+import pytest
+
+from extproc.core.prefix import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS
+from extproc.fleet.backend import Backend, BackendPool, BackendSpec, parse_backend
+from extproc.fleet.vllm_metrics import EngineMetrics
+
+
+def test_parse_backend_with_and_without_region() -> None:
+    assert parse_backend("eu=http://10.0.0.5:8000") == BackendSpec("10.0.0.5", 8000, "eu")
+    assert parse_backend("127.0.0.1:8101") == BackendSpec("127.0.0.1", 8101, "default")
+    assert parse_backend("us=127.0.0.1:1").address == "127.0.0.1:1"
+
+
+@pytest.mark.parametrize("bad", ["http://vllm.local:8000", "eu=http://10.0.0.5", "ftp://1.2.3.4:5"])
+def test_parse_backend_rejects_what_envoy_cannot_route(bad: str) -> None:
+    with pytest.raises(ValueError, match="backend"):
+        parse_backend(bad)
+
+
+def test_parse_backend_declares_seats_after_a_hash() -> None:
+    assert parse_backend("eu=http://10.0.0.5:8000#seats=16") == BackendSpec(
+        "10.0.0.5", 8000, "eu", seats=16
+    )
+    # no region: the '=' of seats=N is not mistaken for the region's
+    assert parse_backend("http://10.0.0.5:8000#seats=4") == BackendSpec(
+        "10.0.0.5", 8000, "default", seats=4
+    )
+    assert parse_backend("10.0.0.5:8000# seats = 2").seats == 2
+    assert parse_backend("[::1]:8000#seats=3").address == "[::1]:8000"
+    assert parse_backend("eu=http://10.0.0.5:8000").seats is None  # learned from the engine
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("eu=http://10.0.0.5:8000#seats=0", "seats must be a whole number >= 1, got 0"),
+        ("eu=http://10.0.0.5:8000#seats=-2", "seats must be a whole number >= 1, got -2"),
+        ("eu=http://10.0.0.5:8000#seats=four", "seats must be a whole number >= 1, got 'four'"),
+        ("eu=http://10.0.0.5:8000#seats=", "seats must be a whole number >= 1, got ''"),
+        ("eu=http://10.0.0.5:8000#seats=2.5", "seats must be a whole number"),
+        ("eu=http://10.0.0.5:8000#slots=4", "unknown option 'slots=4' after '#'"),
+        ("eu=http://10.0.0.5:8000#", "unknown option '' after '#'"),
+        ("eu=http://10.0.0.5:99999", r"expected \[REGION=\]http://IP:PORT\[#seats=N\]"),
+        ("eu=http://10.0.0.5:port", "expected"),
+    ],
+)
+def test_parse_backend_says_what_is_wrong_with_a_seat_count(bad: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as caught:
+        parse_backend(bad)
+    assert bad in str(caught.value)  # the whole argument is named
+
+
+def test_regions_keep_their_configured_order() -> None:
+    pool = BackendPool([BackendSpec("127.0.0.1", p, r) for p, r in [(1, "b"), (2, "a"), (3, "b")]])
+    assert pool.regions == ["b", "a"]
+
+
+def _metrics(running: float, itl_sum: float, itl_count: float) -> EngineMetrics:
+    return EngineMetrics(0.0, running, 0.5, itl_sum, itl_count, 0.0)
+
+
+def test_a_scrape_forgets_only_the_grants_it_can_have_seen() -> None:
+    backend = Backend(BackendSpec("127.0.0.1", 1))
+    for _ in range(3):
+        backend.note_grant()
+    assert (backend.in_flight, backend.granted_since_scrape) == (3, 3)
+    backend.record_scrape(_metrics(2, 1.0, 10), granted_before=2)  # 1 granted while in flight
+    assert (backend.in_flight, backend.granted_since_scrape) == (3, 1)
+    assert backend.effective_waiting() == 1
+
+
+def test_itl_is_the_interval_mean_kept_through_tokenless_intervals_while_busy() -> None:
+    backend = Backend(BackendSpec("127.0.0.1", 1))
+    backend.record_scrape(_metrics(4, 1.0, 10), 0)
+    assert backend.itl_s is None  # one scrape: no interval yet
+    backend.record_scrape(_metrics(4, 1.8, 14), 0)
+    assert backend.itl_s == pytest.approx(0.2)
+    backend.record_scrape(_metrics(4, 1.8, 14), 0)  # a step longer than the interval
+    assert backend.itl_s == pytest.approx(0.2)
+    backend.record_scrape(_metrics(0, 1.8, 14), 0)  # idle: nothing to protect
+    assert backend.itl_s is None
+
+
+def test_scrapes_size_the_prefix_model_from_cache_config_info() -> None:
+    backend = Backend(BackendSpec("127.0.0.1", 1))
+    assert (backend.block_size, backend.prefix_cache.capacity) == (
+        DEFAULT_BLOCK_SIZE,
+        DEFAULT_CAPACITY_BLOCKS,
+    )
+    backend.prefix_cache.record(list(range(50)))
+    backend.record_scrape(_metrics(0, 0, 0), 0)  # no cache_config_info: defaults stay
+    assert len(backend.prefix_cache) == 50
+    sized = dataclasses.replace(_metrics(0, 0, 0), block_size=16, num_gpu_blocks=20)
+    backend.record_scrape(sized, 0)
+    assert backend.prefix_cache.capacity == 20 and len(backend.prefix_cache) == 20
+    cpu = dataclasses.replace(sized, block_size=128)  # blocks cut differently: forget all
+    backend.record_scrape(cpu, 0)
+    assert backend.block_size == 128 and len(backend.prefix_cache) == 0

@@ -1,5 +1,9 @@
 """The fair scheduler: strict priority bands with aging, and VTC fairness between flows in a band.
 
+The scheduler knows nothing of policies: a **band** is the scheduler's name for one tier's
+queue (``Entry.band`` is the tier's name), with the tier's rank, queue limit and aging.
+Admission maps tiers to bands when a policy is applied.
+
 Which held request goes next is decided in two steps:
 
 1. **Band** (one per tier). Bands are served in strict rank order, except that a band's

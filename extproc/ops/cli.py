@@ -2,15 +2,19 @@
 
 Each sub-command lives in its own module, which exposes ``add_arguments(parser)`` and
 ``run(args) -> int``. Only the chosen sub-command's module is imported, so ``fairlane check``
-does not pay for grpc and ``fairlane sim`` does not load Envoy's protobufs.
+does not pay for grpc and ``fairlane sim`` does not load Envoy's protobufs. A sub-command
+whose modules come from an extra (``fairlane bench``: ``pip install 'fairlane[bench]'``) names
+the extra and exits 2 when they are missing.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -34,14 +38,41 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
 }
 
+# Third-party modules that only an extra (pyproject.toml) installs: module -> extra.
+EXTRA_OF_MODULE = {"locust": "bench", "matplotlib": "bench", "numpy": "bench"}
+
+# Extra modules a sub-command imports only when it gets there (the plots at the end of a
+# bench run), looked for before it starts.
+IMPORTED_LATER: dict[str, tuple[str, ...]] = {"bench": ("matplotlib", "numpy")}
+
+
+def load(command: str) -> ModuleType:
+    """Import ``command``'s module; exit 2 naming the extra when a module of one is missing."""
+    later = IMPORTED_LATER.get(command, ())
+    missing = next((name for name in later if importlib.util.find_spec(name) is None), None)
+    if missing is None:
+        try:
+            return importlib.import_module(COMMANDS[command][0])
+        except ModuleNotFoundError as e:
+            missing = (e.name or "").partition(".")[0]
+            if missing not in EXTRA_OF_MODULE:
+                raise
+    extra = EXTRA_OF_MODULE[missing]
+    print(
+        f"fairlane {command} needs the {extra} extra ({missing} is not installed): "
+        f"pip install 'fairlane[{extra}]'",
+        file=sys.stderr,
+    )
+    raise SystemExit(2)
+
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fairlane", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (_, help_text) in COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == command:
-            importlib.import_module(module).add_arguments(sub_parser)
+            load(name).add_arguments(sub_parser)
     return parser
 
 
@@ -50,8 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = next((a for a in args_list if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(args_list)
-    module = importlib.import_module(COMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    return int(load(args.command).run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Reading a YAML file whose every mistake is reported with its line.
 
-Policies and deployments are edited by hand, so a mistake must come back as
-``file:line: field.path: message`` for each problem in the file, not the first only.
+Policies, deployments and benchmark scenarios are edited by hand, so a mistake must come
+back as ``file:line: field.path: message`` for each problem in the file, not the first only.
 ``LocatedReader`` walks PyYAML's node tree (which keeps each node's position), turns nodes
-into values and collects located errors; the policy and deployment parsers build on it.
+into values and collects located errors; the policy, deployment and scenario parsers build
+on it. Data built in code (tests) is read the same way through :func:`represent`: its nodes
+have no position, so its errors name the file without a line.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, TypeVar
 import yaml
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+from yaml.representer import SafeRepresenter
 
 T = TypeVar("T")
 
@@ -53,12 +56,28 @@ class LocatedReader:
         self._constructor = SafeConstructor()
 
     def error(self, node: Node | None, path: str, message: str) -> None:
-        line = node.start_mark.line + 1 if node is not None else 1
+        """Record ``file:line: path: message`` (``file: path: message`` for a node built in
+        code, which has no line)."""
         where = f"{path}: " if path else ""
+        if node is not None and node.start_mark is None:
+            self.errors.append(f"{self.filename}: {where}{message}")
+            return
+        line = node.start_mark.line + 1 if node is not None else 1
         self.errors.append(f"{self.filename}:{line}: {where}{message}")
 
     def scalar(self, node: Node) -> Any:
+        return self.construct(node)
+
+    def construct(self, node: Node) -> Any:
+        """The plain value of any node (a mapping, a list or a scalar) as ``yaml.safe_load``
+        gives it, for readers that check whole values rather than walk them."""
         return self._constructor.construct_object(node, deep=True)
+
+    def pairs(self, node: MappingNode) -> list[tuple[Node, Node]]:
+        """A mapping's (key node, value node) pairs, ``<<: *anchor`` merges resolved and no
+        key checked, for readers that word their own field checks."""
+        self._constructor.flatten_mapping(node)
+        return list(node.value)
 
     def mapping(self, node: Node, path: str, keys: tuple[str, ...] | None) -> dict[str, Node]:
         """A mapping's items by key; ``keys`` lists the allowed ones (``None``: any)."""
@@ -189,6 +208,39 @@ class LocatedReader:
             self.error(node, path, complaint)
             return None
         return value
+
+
+def represent(data: Any) -> Node:
+    """The node tree of ``data`` built in code (plain dicts, lists and scalars), for the same
+    reader as a file; its nodes carry no position (errors name no line)."""
+    return SafeRepresenter(sort_keys=False).represent_data(data)
+
+
+def line_of(node: Node | None, path: str) -> int | None:
+    """The line of field ``path`` (``groups[1].rate``) in a node tree: the field's own key,
+    else the closest enclosing one that exists (a missing field's mapping). For errors found
+    elsewhere than in the tree's own reader (a generated copy of the file, say)."""
+    if node is None:
+        return None
+    line = node.start_mark.line + 1
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
+        if part.startswith("[") and isinstance(node, SequenceNode):
+            index = int(part[1:-1])
+            if index >= len(node.value):
+                break
+            node = node.value[index]
+            line = node.start_mark.line + 1
+        elif isinstance(node, MappingNode):
+            found = next(
+                ((k, v) for k, v in node.value if isinstance(k, ScalarNode) and k.value == part),
+                None,
+            )
+            if found is None:
+                break
+            line, node = found[0].start_mark.line + 1, found[1]
+        else:
+            break
+    return line
 
 
 def _types(kind: type | tuple[type, ...]) -> tuple[type, ...]:

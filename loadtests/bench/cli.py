@@ -6,7 +6,7 @@ next arm starts, also when a run fails or is interrupted. The exit code says whe
 benchmark *ran* (0) or could not (1); targets that fail are reported, not an error, because
 the harness is used to measure schedulers that do not meet them yet.
 
-A ``kind: overhead`` scenario (``overhead.yaml``) goes to :mod:`loadtests.bench.overhead_runner`;
+A ``kind: overhead`` scenario (``overhead.yaml``) goes to :mod:`loadtests.bench.overhead.runner`;
 ``--backend`` runs the arms against existing engines instead of simulators.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from extproc.envoy.bootstrap import EnvoyConfigError
+from extproc.envoy.params import EnvoyConfigError
 from extproc.fleet.backend import BackendSpec, parse_backend
 from extproc.ops.processes import NotReady, ProcessGroup
 from extproc.policy import load_policy
@@ -355,8 +355,8 @@ def external_backends(urls: list[str], timeout: float = 5.0) -> tuple[BackendSpe
 def _run_overhead(args: argparse.Namespace, document: Document, arms: list[str] | None) -> int:
     """A ``kind: overhead`` scenario: wall-clock time against an instant backend, so the
     fleet options mean nothing there and are refused rather than ignored."""
-    from loadtests.bench import overhead_runner
-    from loadtests.bench.overhead_scenario import parse_overhead
+    from loadtests.bench.overhead import runner
+    from loadtests.bench.overhead.scenario import parse_overhead
 
     scenario = parse_overhead(document).with_overrides(duration_s=args.duration, arms=arms)
     for option, value in (
@@ -371,7 +371,7 @@ def _run_overhead(args: argparse.Namespace, document: Document, arms: list[str] 
                 file=sys.stderr,
             )
             return 1
-    return overhead_runner.run(args, scenario)
+    return runner.run(args, scenario)
 
 
 def main(argv: list[str] | None = None) -> int:

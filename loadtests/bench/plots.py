@@ -50,7 +50,7 @@ def safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text) or "_"
 
 
-def _figure(
+def new_figure(
     rows: int = 1, cols: int = 1, height: float = 4.2, width: float = 8.5
 ) -> tuple[Figure, Any]:
     import matplotlib
@@ -64,7 +64,7 @@ def _figure(
     return fig, axes
 
 
-def _save(fig: Figure, path: Path) -> Path:
+def save_figure(fig: Figure, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig.savefig(path, dpi=DPI)
@@ -140,12 +140,12 @@ def latency_cdfs(
                 arm: [v for r in rs if (v := getattr(r, f"{metric}_s")) is not None]
                 for arm, rs in measured.items()
             }
-            fig, axes = _figure()
+            fig, axes = new_figure()
             ax = axes[0][0]
             _cdf(ax, values)
             ax.set_xlabel(f"{label} (simulated s)")
             ax.set_title(f"{scenario['name']}: tier {tier}, {label} CDF")
-            paths.append(_save(fig, out_dir / f"{metric}_cdf_{safe_name(tier)}.png"))
+            paths.append(save_figure(fig, out_dir / f"{metric}_cdf_{safe_name(tier)}.png"))
         written[tier] = paths
     return written
 
@@ -177,7 +177,7 @@ def queue_depth(
     tiers = _tiers(records, order)
     last = max([_end_of(r) for recs in records.values() for r in recs], default=1.0)
     times = np.linspace(0.0, max(last, 1e-9), TIMELINE_POINTS)
-    fig, axes = _figure(rows=max(len(tiers), 1), height=3.2, width=11.0)
+    fig, axes = new_figure(rows=max(len(tiers), 1), height=3.2, width=11.0)
     colors = _arm_colors(records)
     for row, tier in enumerate(tiers):
         ax = axes[row][0]
@@ -211,7 +211,7 @@ def queue_depth(
         f"{scenario['name']}: requests in flight (sent, not finished) and held in the "
         "gateway queue, per tier"
     )
-    return _save(fig, out_dir / "queue_depth.png")
+    return save_figure(fig, out_dir / "queue_depth.png")
 
 
 def _arm_colors(records: Mapping[str, Any]) -> dict[str, str]:
@@ -239,7 +239,7 @@ def throughput(
     if len(edges) < 2:
         edges = np.array([0.0, width])
     centers = (edges[:-1] + edges[1:]) / 2
-    fig, axes = _figure(rows=2, height=3.4)
+    fig, axes = new_figure(rows=2, height=3.4)
     colors = _arm_colors(records)
     for arm, recs in records.items():
         done = [r for r in recs if r.ok and r.end_s is not None]
@@ -263,7 +263,7 @@ def throughput(
         f"{scenario['name']}: throughput over time (successful requests, by finish time, "
         f"{width:g} s bins)"
     )
-    return _save(fig, out_dir / "throughput.png")
+    return save_figure(fig, out_dir / "throughput.png")
 
 
 def service_share(out_dir: Path, results: Mapping[str, Any]) -> Path | None:
@@ -273,7 +273,7 @@ def service_share(out_dir: Path, results: Mapping[str, Any]) -> Path | None:
     if not tenants:
         return None
     names = list(arms)
-    fig, axes = _figure(height=max(2.2, 0.9 * len(names) + 1.6))
+    fig, axes = new_figure(height=max(2.2, 0.9 * len(names) + 1.6))
     ax = axes[0][0]
     left = [0.0] * len(names)
     for i, tenant in enumerate(tenants):
@@ -295,7 +295,7 @@ def service_share(out_dir: Path, results: Mapping[str, Any]) -> Path | None:
     ax.set_xlabel("share of service in the measured window (%, input + 2 x output tokens)")
     ax.set_title(f"{results['scenario']['name']}: per-tenant service share")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncols=min(len(tenants), 4))
-    return _save(fig, out_dir / "service_share.png")
+    return save_figure(fig, out_dir / "service_share.png")
 
 
 def write_plots(

@@ -14,7 +14,7 @@ import extproc.policy
 from extproc.policy import DEFAULT_POLICY_PATH, load_policy
 from loadtests.bench import report
 from loadtests.bench.cli import policy_note, scenario_json
-from loadtests.bench.overhead_scenario import parse_overhead
+from loadtests.bench.overhead.scenario import parse_overhead
 from loadtests.bench.scenario import (
     SCENARIO_DIR,
     ScenarioError,

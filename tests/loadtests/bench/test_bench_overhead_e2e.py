@@ -18,8 +18,8 @@ import pytest
 
 from extproc.ops.cli import main
 from extproc.ops.processes import ProcessGroup
-from loadtests.bench import overhead_runner
-from loadtests.bench.overhead_scenario import OverheadScenario
+from loadtests.bench.overhead import runner as overhead_runner
+from loadtests.bench.overhead.scenario import OverheadScenario
 from loadtests.bench.scenario import SCENARIO_DIR
 from tests.pids import alive
 

@@ -7,11 +7,11 @@ import asyncio
 
 from extproc.fleet.vllm_metrics import parse_metrics
 from extproc.ops.processes import free_port
-from loadtests import overhead
+from loadtests.bench.overhead import backend, loadgen, phase
 
 
-def _run(service_cpu: float | None = 2.0) -> overhead.RunResult:
-    run = overhead.RunResult("rate", 100.0, 10.0, latencies_ms=[1.0] * 99 + [5.0])
+def _run(service_cpu: float | None = 2.0) -> phase.RunResult:
+    run = phase.RunResult("rate", 100.0, 10.0, latencies_ms=[1.0] * 99 + [5.0])
     run.cpu_s = {"envoy": 1.0} if service_cpu is None else {"envoy": 1.0, "service": service_cpu}
     run.loadgen_cpu_s = 0.5
     run.machine_busy_fraction = 0.25
@@ -20,27 +20,27 @@ def _run(service_cpu: float | None = 2.0) -> overhead.RunResult:
 
 
 def test_summarize_rates_and_cores() -> None:
-    row = overhead.summarize(_run())
+    row = phase.summarize(_run())
     assert row["achieved_rps"] == 10.0
     assert row["p50_ms"] == 1.0 and row["p99_ms"] == 1.04  # interpolated, as in the A/B report
     assert row["cpu_cores"] == {"envoy": 0.1, "service": 0.2}
     assert row["loadgen_cores"] == 0.05
     assert row["rps_per_service_core"] == 50.0
     assert row["send_late_p99_ms"] == 0.5
-    assert overhead.summarize(_run(None))["rps_per_service_core"] is None
+    assert phase.summarize(_run(None))["rps_per_service_core"] is None
 
 
 def test_added_latency_is_fairlane_minus_direct() -> None:
     direct = {"p50_ms": 0.3, "p99_ms": 0.9}
-    assert overhead.added_latency(direct, {"p50_ms": 0.8, "p99_ms": 2.4}) == {
+    assert phase.added_latency(direct, {"p50_ms": 0.8, "p99_ms": 2.4}) == {
         "p50_ms": 0.5,
         "p99_ms": 1.5,
     }
-    assert overhead.added_latency(direct, {"p50_ms": None, "p99_ms": 1.0})["p50_ms"] is None
+    assert phase.added_latency(direct, {"p50_ms": None, "p99_ms": 1.0})["p50_ms"] is None
 
 
 def test_backend_metrics_page_parses_as_an_idle_engine() -> None:
-    body = overhead._ANSWERS[b"/metrics"].split(b"\r\n\r\n", 1)[1].decode()
+    body = backend.ANSWERS[b"/metrics"].split(b"\r\n\r\n", 1)[1].decode()
     metrics = parse_metrics(body, 0.0)
     assert metrics.waiting == 0 and metrics.kv_cache_usage == 0
     assert metrics.block_size == 16
@@ -49,10 +49,10 @@ def test_backend_metrics_page_parses_as_an_idle_engine() -> None:
 def test_generator_against_the_instant_backend() -> None:
     async def scenario() -> tuple[int, list[float], int]:
         port = free_port()
-        server = asyncio.create_task(overhead.serve_backend(port))
+        server = asyncio.create_task(backend.serve_backend(port))
         await asyncio.sleep(0.2)
         try:
-            gen = overhead.LoadGenerator(port)
+            gen = loadgen.LoadGenerator(port)
             status = await gen.one()
             latencies, errors = await gen.open_loop(rate=200, duration=0.1)
             assert len(gen.late_ms) == 20

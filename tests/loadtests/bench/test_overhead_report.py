@@ -7,8 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from loadtests.bench.overhead_report import evaluate, other_cores, render_markdown, write_report
-from loadtests.bench.overhead_scenario import OverheadScenario, OverheadTarget
+from loadtests.bench.overhead.report import other_cores, render_markdown, write_report
+from loadtests.bench.overhead.scenario import OverheadScenario, OverheadTarget
+from loadtests.bench.overhead.verdicts import evaluate
 
 
 def row(mode: str, rate: float | None, p50: float, p99: float, **extra: Any) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.bench.overhead_scenario import parse_overhead
+from loadtests.bench.overhead.scenario import parse_overhead
 from loadtests.bench.scenario import SCENARIO_DIR, ScenarioError, load_scenario, read_document
 
 

@@ -17,8 +17,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from loadtests.bench.overhead_report import SECTION_PHASES, SECTION_SATURATION, added, phase_row
-from loadtests.bench.plots import SECTION_FALLBACK, _figure, _save, embed
+from loadtests.bench.overhead.verdicts import added, phase_row
+from loadtests.bench.plots import SECTION_FALLBACK, embed, new_figure, save_figure
+
+SECTION_PHASES = "## Latency per phase"
+SECTION_SATURATION = "## Saturation"
+"""The report's sections the plots go under."""
 
 ARM_COLORS = {"direct": "C0", "fairlane": "C1"}
 CPU_ROLES = ("service", "envoy", "backend", "load-generator")
@@ -32,7 +36,7 @@ def latency(out_dir: Path, results: Mapping[str, Any]) -> Path | None:
     arms = {a: _rate_rows(rows) for a, rows in results["arms"].items()}
     if not any(arms.values()):
         return None
-    fig, axes = _figure()
+    fig, axes = new_figure()
     ax = axes[0][0]
     for arm, rows in arms.items():
         rates = [r["target_rps"] for r in rows]
@@ -46,7 +50,7 @@ def latency(out_dir: Path, results: Mapping[str, Any]) -> Path | None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
     ax.set_title("latency percentiles against the request rate, per arm")
-    return _save(fig, out_dir / "latency.png")
+    return save_figure(fig, out_dir / "latency.png")
 
 
 def added_latency(out_dir: Path, results: Mapping[str, Any]) -> Path | None:
@@ -54,7 +58,7 @@ def added_latency(out_dir: Path, results: Mapping[str, Any]) -> Path | None:
     fairlane = _rate_rows(results["arms"].get("fairlane", []))
     if not direct or not fairlane:
         return None
-    fig, axes = _figure()
+    fig, axes = new_figure()
     ax = axes[0][0]
     rates = [r["target_rps"] for r in fairlane]
     for key, style in (("p50_ms", "-"), ("p99_ms", "--")):
@@ -85,7 +89,7 @@ def added_latency(out_dir: Path, results: Mapping[str, Any]) -> Path | None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
     ax.set_title("latency the gateway adds (Envoy + ext_proc vs Envoy alone)")
-    return _save(fig, out_dir / "added_latency.png")
+    return save_figure(fig, out_dir / "added_latency.png")
 
 
 def saturation(out_dir: Path, results: Mapping[str, Any]) -> Path | None:
@@ -93,7 +97,7 @@ def saturation(out_dir: Path, results: Mapping[str, Any]) -> Path | None:
     saturated = {a: r for a, r in rows.items() if r is not None}
     if not saturated:
         return None
-    fig, axes = _figure(cols=2, width=10.5)
+    fig, axes = new_figure(cols=2, width=10.5)
     left, right = axes[0][0], axes[0][1]
     names = list(saturated)
     bars = left.bar(
@@ -135,7 +139,7 @@ def saturation(out_dir: Path, results: Mapping[str, Any]) -> Path | None:
     right.legend(fontsize="small")
     for ax in (left, right):
         ax.grid(True, axis="y", alpha=0.3)
-    return _save(fig, out_dir / "saturation.png")
+    return save_figure(fig, out_dir / "saturation.png")
 
 
 def add_plots(markdown: str, out_dir: Path, results: Mapping[str, Any]) -> str:

@@ -1,113 +1,23 @@
-"""The overhead run's verdicts and ``report.md``: targets PASS/FAIL with their numbers, the
-phases side by side, the saturation figures and whether the load generator or the machine
-was the bottleneck (then the numbers measure the harness, and the report says so)."""
+"""The overhead run's ``report.md``: targets with their numbers, the phases side by side,
+the saturation figures and whether the load generator or the machine was the bottleneck
+(then the numbers measure the harness, and the report says so)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from loadtests.bench import cpu
-from loadtests.bench.overhead_scenario import SATURATION_METRICS, OverheadScenario
-
-SEND_LATE_LIMIT_MS = 2.0
-"""Open loop: p99 send lateness above this means the generator's timer could not keep up."""
-SECTION_PHASES = "## Latency per phase"
-SECTION_SATURATION = "## Saturation"
-
-Row = Mapping[str, Any]
-
-
-@dataclass
-class TargetResult:
-    name: str
-    metric: str
-    bound: float
-    op: str
-    rate: float | None
-    measured: float | None
-    passed: bool | None
-    note: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def phase_row(rows: Sequence[Row], rate: float | None) -> Row | None:
-    """The row of the phase at ``rate`` (None: the saturation phase)."""
-    mode = "saturation" if rate is None else "rate"
-    return next((r for r in rows if r["mode"] == mode and r["target_rps"] == rate), None)
-
-
-def added(direct: Row | None, fairlane: Row | None, key: str) -> float | None:
-    """fairlane minus direct for ``key`` (``p50_ms``, ``p99_ms``) at one phase."""
-    if direct is None or fairlane is None:
-        return None
-    a, b = direct.get(key), fairlane.get(key)
-    return None if a is None or b is None else round(b - a, 3)
-
-
-def loadgen_warnings(row: Row) -> list[str]:
-    """Why the load generator may have limited a phase (then it measures the harness)."""
-    found = []
-    if row["loadgen_cores"] > cpu.LOADGEN_LIMIT_CORES:
-        found.append(
-            f"load generator at {row['loadgen_cores']:.2f} of its core "
-            f"(> {cpu.LOADGEN_LIMIT_CORES:.0%})"
-        )
-    late = row.get("send_late_p99_ms")
-    if late is not None and late > SEND_LATE_LIMIT_MS:
-        found.append(f"requests sent {late:g} ms late at p99 (> {SEND_LATE_LIMIT_MS:g} ms)")
-    return found
-
-
-def row_warnings(row: Row) -> list[str]:
-    """Why a phase's numbers may measure the harness or the machine instead of the gateway."""
-    found = loadgen_warnings(row)
-    if row["machine_busy"] > cpu.MACHINE_LIMIT_FRACTION:
-        found.append(f"machine {row['machine_busy']:.0%} busy (> {cpu.MACHINE_LIMIT_FRACTION:.0%})")
-    return found
-
-
-def evaluate(scenario: OverheadScenario, arms: Mapping[str, Sequence[Row]]) -> list[TargetResult]:
-    direct, fairlane = arms.get("direct", ()), arms.get("fairlane", ())
-    results = []
-    for target in scenario.targets:
-        note = ""
-        if target.metric in SATURATION_METRICS:
-            row = phase_row(fairlane, None)
-            rows = [("fairlane", row)]
-            key = "achieved_rps" if target.metric == "saturation_rps" else "rps_per_service_core"
-            measured = None if row is None else row.get(key)
-            if row is None:
-                note = "no saturation phase of the fairlane arm"
-        else:
-            d, f = phase_row(direct, target.rate), phase_row(fairlane, target.rate)
-            rows = [("direct", d), ("fairlane", f)]
-            measured = added(d, f, "p50_ms" if target.metric == "added_p50_ms" else "p99_ms")
-            if measured is None:
-                note = "needs the direct and the fairlane arm at this rate"
-        passed = None
-        if measured is not None:
-            passed = measured <= target.bound if target.op == "max" else measured >= target.bound
-        noisy = [f"{a}: {w}" for a, r in rows if r is not None for w in row_warnings(r)]
-        if noisy and measured is not None:
-            note = f"suspect: {'; '.join(noisy)}"
-        results.append(
-            TargetResult(
-                target.name,
-                target.metric,
-                target.bound,
-                target.op,
-                target.rate,
-                measured,
-                passed,
-                note,
-            )
-        )
-    return results
+from loadtests.bench.overhead.plots import SECTION_PHASES, SECTION_SATURATION, add_plots
+from loadtests.bench.overhead.verdicts import (
+    SEND_LATE_LIMIT_MS,
+    Row,
+    added,
+    loadgen_warnings,
+    phase_row,
+    row_warnings,
+)
 
 
 def _fmt(value: Any) -> str:
@@ -249,8 +159,6 @@ def render_markdown(results: Mapping[str, Any]) -> str:
 
 def write_report(out: Path, results: Mapping[str, Any]) -> Path:
     """report.md with the plots embedded (a plotting failure is noted, never fatal)."""
-    from loadtests.bench.overhead_plots import add_plots
-
     markdown = add_plots(render_markdown(results), out, results)
     path = out / "report.md"
     path.write_text(markdown)

@@ -1,10 +1,11 @@
 """``fairlane bench overhead``: run the overhead scenario's arms and write the report.
 
-Two arms against the same instant backend (``loadtests/overhead.py``), one after the other
+Two arms against the same instant backend (:mod:`loadtests.bench.overhead.backend`), one
+after the other
 (side by side they would steal each other's CPU):
 
 * ``direct``: Envoy without ext_proc straight to the backend
-  (:func:`extproc.envoy.bootstrap.render_fifo_bootstrap`);
+  (:func:`loadtests.bench.fifo_bootstrap.render_fifo_bootstrap`);
 * ``fairlane``: the same Envoy with the ext_proc filter and the completion access log, and
   one fairlane service process (:class:`extproc.ops.up.Stack`) with the scenario's policy.
 
@@ -30,22 +31,28 @@ from typing import Any
 
 import yaml
 
-from extproc.envoy import bootstrap as envoy_config
-from extproc.envoy.bootstrap import EnvoyConfigError
+from extproc.envoy.binary import envoy_argv
+from extproc.envoy.params import EnvoyConfigError, EnvoyParams
 from extproc.fleet.backend import BackendSpec
 from extproc.ops.processes import NotReady, ProcessGroup, free_port, wait_http_ready
 from extproc.ops.up import Stack, StackConfig
 from loadtests.bench.cpu import machine_busy_seconds, process_cpu_seconds, self_cpu_seconds
-from loadtests.bench.overhead_report import evaluate, write_report
-from loadtests.bench.overhead_scenario import OverheadScenario
-from loadtests.overhead import LoadGenerator, RunResult, run_loop, summarize
+from loadtests.bench.fifo_bootstrap import render_fifo_bootstrap
+from loadtests.bench.overhead.eventloop import run_loop
+from loadtests.bench.overhead.loadgen import LoadGenerator
+from loadtests.bench.overhead.phase import RunResult, summarize
+from loadtests.bench.overhead.report import write_report
+from loadtests.bench.overhead.scenario import OverheadScenario
+from loadtests.bench.overhead.verdicts import evaluate
 
 LOADGEN = (
-    "in-process asyncio (uvloop) raw HTTP/1.1 keep-alive client (loadtests/overhead.py "
-    "LoadGenerator), one core; open loop at fixed rates (no coordinated omission), closed "
-    "loop at saturation"
+    "in-process asyncio (uvloop) raw HTTP/1.1 keep-alive client "
+    "(loadtests/bench/overhead/loadgen.py LoadGenerator), one core; open loop at fixed rates "
+    "(no coordinated omission), closed loop at saturation"
 )
-BACKEND = "loadtests/overhead.py instant backend (1-token completion, no delay, uvloop)"
+BACKEND = (
+    "loadtests/bench/overhead/backend.py instant backend (1-token completion, no delay, uvloop)"
+)
 
 
 def _log(message: str) -> None:
@@ -55,7 +62,7 @@ def _log(message: str) -> None:
 def start_backend(group: ProcessGroup) -> BackendSpec:
     port = free_port()
     child = group.start(
-        "backend", [sys.executable, "-m", "loadtests.overhead", "backend", "--port", str(port)]
+        "backend", [sys.executable, "-m", "loadtests.bench.overhead.backend", "--port", str(port)]
     )
     spec = BackendSpec("127.0.0.1", port, "local")
     wait_http_ready(f"{spec.url}/health", child, timeout=30)
@@ -70,10 +77,10 @@ def start_arm(
     port = free_port()
     if arm == "direct":
         admin = free_port()
-        params = envoy_config.EnvoyParams(listen_port=port, admin_port=admin, backends=(backend,))
+        params = EnvoyParams(listen_port=port, admin_port=admin, backends=(backend,))
         path = group.log_dir / "envoy-direct.yaml"
-        path.write_text(yaml.safe_dump(envoy_config.render_fifo_bootstrap(params), sort_keys=False))
-        envoy = group.start("envoy", envoy_config.envoy_argv(path))
+        path.write_text(yaml.safe_dump(render_fifo_bootstrap(params), sort_keys=False))
+        envoy = group.start("envoy", envoy_argv(path))
         wait_http_ready(f"http://127.0.0.1:{admin}/ready", envoy, timeout=30)
     else:
         config = StackConfig(port=port, policy_path=scenario.policy, backends=(backend,))

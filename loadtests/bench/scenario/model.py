@@ -1,0 +1,271 @@
+"""What a scenario is: the load to send, the fleet, the arms to compare, the checks.
+
+A scenario is data, not code, so the A/B comparison is reproducible and reviewable: the same
+file (and seed) gives the same workload to every arm. These are the parsed, validated
+values (:mod:`loadtests.bench.scenario.parse` builds them from the file); everything
+downstream (the workload, the arms, the report) reads only these.
+
+Times in a scenario are **simulated seconds** (the simulators run ``speedup`` times faster
+than the wall clock); the policy file it names is read by the gateway in wall-clock seconds
+(see ``loadtests/bench/README.md``), except ``policy: default``: fairlane's shipped default
+policy with its durations divided by the speedup (:mod:`loadtests.bench.policy_scale`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from loadtests.bench.scenario.document import ScenarioError
+from loadtests.bench.scenario.policy import rescaled_policy_errors
+
+ArmKind = Literal["fifo", "least-request", "random", "fairlane"]
+# Arms without the gateway: a plain Envoy straight to the simulators, with this lb policy.
+ENVOY_ONLY_KINDS: tuple[str, ...] = ("fifo", "least-request", "random")
+ARM_KINDS: tuple[str, ...] = (*ENVOY_ONLY_KINDS, "fairlane")
+DistKind = Literal["fixed", "uniform", "lognormal"]
+# Metrics a target may check; see report.metric_value for their definitions.
+LATENCY_METRICS = (
+    "ttft_p50",
+    "ttft_p90",
+    "ttft_p95",
+    "ttft_p99",
+    "e2e_p50",
+    "e2e_p90",
+    "e2e_p95",
+    "e2e_p99",
+    "wait_max",
+    "queue_wait_max",
+    "queue_wait_p99",
+)
+# ``throughput``: completed requests per simulated second (goodput is output tokens/s).
+METRICS = (*LATENCY_METRICS, "goodput", "throughput", "share", "jain", "prefix_hit_rate")
+# Metrics of the whole arm (the fleet), not of a tier, tenant or group: they take no selector.
+ARM_METRICS = ("prefix_hit_rate",)
+# Flags the harness sets itself, per arm; a scenario setting them would break the A/B.
+# ``--profile`` alone may be overridden per backend (``backends.overrides``): a slower GPU.
+RESERVED_SIM_FLAGS = (
+    "--port",
+    "--host",
+    "--speedup",
+    "--profile",
+    "--scheduling-policy",
+    "--model",
+    "--served-model-name",
+)
+
+
+@dataclass(frozen=True)
+class Dist:
+    """A token-count distribution, sampled with the scenario's seeded generator."""
+
+    kind: DistKind = "fixed"
+    value: int = 0
+    low: int = 1
+    high: int = 1
+    median: float = 0.0
+    sigma: float = 0.0
+
+    @property
+    def upper_bound(self) -> int:
+        return self.value if self.kind == "fixed" else self.high
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """Chat conversations that share prefixes, as in a real assistant fleet.
+
+    Every conversation starts with one of ``system_prompts`` long system prompts (chosen
+    uniformly, seeded) and runs ``turns`` turns; each turn re-sends the whole history (the
+    system prompt, earlier user messages and answers) plus a new user message of the
+    group's ``prompt_tokens``, and asks for ``max_tokens``. Requests therefore share
+    prefix-cache blocks twice over: the system prompt across conversations, the history
+    across turns. Only closed-loop groups (a client sends turn k+1 after turn k's answer).
+    """
+
+    system_prompts: int
+    system_tokens: Dist
+    turns: Dist
+
+
+@dataclass(frozen=True)
+class Group:
+    """One population of clients sharing a key, a tier and a request shape."""
+
+    name: str
+    api_key: str
+    tenant: str
+    tier: str
+    prompt_tokens: Dist
+    max_tokens: Dist
+    rate: float | None = None
+    """Open loop: Poisson arrivals per simulated second."""
+    concurrency: int | None = None
+    """Closed loop: this many clients, each sending its next request when the last ends."""
+    think_s: float = 0.0
+    """Closed loop: simulated pause between a client's requests."""
+    stream: bool = True
+    start_s: float = 0.0
+    stop_s: float | None = None
+    user: str | None = None
+    """Sent in ``user_header`` (fairness and priority per end user in the gateway)."""
+    user_header: str = "x-user-id"
+    shared_prefix: SharedPrefix | None = None
+    """Multi-turn conversations over shared system prompts (else one random-word message)."""
+
+    @property
+    def closed_loop(self) -> bool:
+        return self.concurrency is not None
+
+
+@dataclass(frozen=True)
+class Backends:
+    count: int = 1
+    profile: str = "llama-8b-h100"
+    flags: tuple[str, ...] = ()
+    overrides: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    """(backend index, extra flags) for an unbalanced fleet: appended after ``flags`` and
+    the harness's own (the simulator's parser keeps the last value), e.g. a slower
+    ``--profile`` or a tiny ``--num-gpu-blocks`` on backend 0. Arms with ``balanced: true``
+    leave them out."""
+
+    def flags_of(self, index: int, balanced: bool = False) -> tuple[str, ...]:
+        """Scenario flags for backend ``index`` (its override last, unless ``balanced``)."""
+        extra = () if balanced else dict(self.overrides).get(index, ())
+        return (*self.flags, *extra)
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    kind: ArmKind
+    drop_groups: tuple[str, ...] = ()
+    balanced: bool = False
+    """Run every backend with the common flags only (the baseline of an unbalanced fleet)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One check on the results: ``metric`` of ``arm`` (over a tier, tenant or group; or the
+    Jain index over ``tenants``), optionally divided by the same metric of ``baseline_arm``,
+    compared with ``max`` (≤) or ``min`` (≥)."""
+
+    name: str
+    metric: str
+    arm: str
+    bound: float
+    op: Literal["max", "min"]
+    tier: str | None = None
+    tenant: str | None = None
+    group: str | None = None
+    tenants: tuple[str, ...] = ()
+    baseline_arm: str | None = None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    duration_s: float
+    speedup: float
+    backends: Backends
+    policy: Path
+    """The fairlane arms' policy file; for ``policy: default`` the shipped default, which the
+    gateway reads rescaled (``policy_rescaled``)."""
+    groups: tuple[Group, ...]
+    arms: tuple[Arm, ...]
+    targets: tuple[Target, ...] = ()
+    seed: int = 0
+    warmup_s: float = 0.0
+    """Simulated seconds at the start whose requests are left out of the statistics."""
+    drain_s: float = 30.0
+    """Simulated seconds to let running requests finish after ``duration_s``; then cancel."""
+    max_requests: int = 20_000
+    """Cap on requests per arm, whatever the rates say (a bounded run)."""
+    model: str = "sim-llama-8b"
+    path: Path | None = None
+    policy_rescaled: bool = False
+    """``policy: default``: the gateway reads ``policy`` with every duration divided by the
+    run's ``speedup``, so the shipped policy means on the simulated fleet what it means on
+    real engines, at whatever ``--speedup`` the run uses."""
+
+    @property
+    def wall_duration_s(self) -> float:
+        return self.duration_s / self.speedup
+
+    @property
+    def policy_scale(self) -> float | None:
+        """What the policy's durations are divided by (None: the file is used as written)."""
+        return self.speedup if self.policy_rescaled else None
+
+    def policy_file(self, directory: Path) -> Path:
+        """The file ``fairlane serve --policy`` reads: ``policy`` itself, or for
+        ``policy: default`` its rescaled copy, written into ``directory`` (a run's output)."""
+        if not self.policy_rescaled:
+            return self.policy
+        from loadtests.bench.policy_scale import write_scaled_policy
+
+        return write_scaled_policy(self.policy, self.speedup, directory)
+
+    def group(self, name: str) -> Group:
+        return next(g for g in self.groups if g.name == name)
+
+    def arm(self, name: str) -> Arm:
+        return next(a for a in self.arms if a.name == name)
+
+    def groups_of(self, arm: Arm) -> tuple[Group, ...]:
+        return tuple(g for g in self.groups if g.name not in arm.drop_groups)
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(g.tier for g in self.groups))
+
+    @property
+    def tenants(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(g.tenant for g in self.groups))
+
+    def with_overrides(
+        self,
+        duration_s: float | None = None,
+        speedup: float | None = None,
+        arms: Sequence[str] | None = None,
+        model: str | None = None,
+    ) -> Scenario:
+        """A copy with command-line overrides applied (and checked)."""
+        where = str(self.path or self.name)
+        changes: dict[str, Any] = {}
+        if duration_s is not None:
+            if not duration_s > 0:
+                raise ScenarioError(f"{where}: --duration must be > 0, got {duration_s}")
+            changes["duration_s"] = duration_s
+            changes["warmup_s"] = min(self.warmup_s, duration_s / 4)
+        if speedup is not None:
+            if not (speedup > 0 and math.isfinite(speedup)):
+                raise ScenarioError(f"{where}: --speedup must be > 0, got {speedup}")
+            changes["speedup"] = speedup
+            if self.policy_rescaled:
+                # The default policy follows the new speedup; check it still holds there.
+                problems = rescaled_policy_errors(self.policy, speedup)
+                if problems:
+                    raise ScenarioError(
+                        f"{where}: --speedup {speedup:g}: the default policy rescaled for it "
+                        "is not valid:\n" + "\n".join(problems)
+                    )
+        if model is not None:
+            if not model.strip():
+                raise ScenarioError(f"{where}: --model must not be empty")
+            changes["model"] = model
+        if arms is not None:
+            known = {a.name for a in self.arms}
+            unknown = [a for a in arms if a not in known]
+            if unknown or not arms:
+                raise ScenarioError(
+                    f"{where}: --arms: unknown arm(s) {', '.join(unknown) or '(none given)'}; "
+                    f"the scenario has {', '.join(sorted(known))}"
+                )
+            changes["arms"] = tuple(a for a in self.arms if a.name in arms)
+        return dataclasses.replace(self, **changes)

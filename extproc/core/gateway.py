@@ -27,12 +27,12 @@ from extproc.core.events import Completion, RequestInfo
 from extproc.core.feedback import settle
 from extproc.core.picker import choose
 from extproc.policy import PolicyStore
+from extproc.wire import TIER_HEADER
 
 log = logging.getLogger("fairlane.gateway")
 
 #: Headers the gateway itself sets or consumes: a client's copy never reaches a backend.
 PRIORITY_HEADER = "x-vllm-priority"
-TIER_HEADER = "x-fairlane-tier"
 TENANT_HEADER = "x-fairlane-tenant"
 _STRIPPED_EXACT = frozenset(
     {

@@ -51,7 +51,7 @@ from urllib.parse import urlsplit
 
 from yaml.nodes import MappingNode, Node, SequenceNode
 
-from extproc.envoy.bootstrap import (
+from extproc.envoy.params import (
     CATCH_ALL_ROUTE,
     MAX_MESSAGE_TIMEOUT_S,
     EnvoyConfigError,
@@ -298,57 +298,8 @@ def _read_backends(reader: LocatedReader, node: Node) -> tuple[BackendSpec, ...]
         if "url" not in fields:
             reader.error(item, f"{path}.url", "is required (http://IP:PORT)")
             continue
-        url = reader.value(fields["url"], f"{path}.url", str, _non_empty)
-        region = (
-            reader.value(fields["region"], f"{path}.region", str, _non_empty)
-            if "region" in fields
-            else "default"
-        )
-        weight = (
-            reader.value(
-                fields["weight"],
-                f"{path}.weight",
-                int,
-                lambda v: None if v >= 1 else "must be >= 1",
-            )
-            if "weight" in fields
-            else 1
-        )
-        seats = (
-            reader.value(
-                fields["seats"],
-                f"{path}.seats",
-                int,
-                lambda v: (
-                    None
-                    if v >= 1
-                    else "must be >= 1 (the requests the engine runs at once, --max-num-seqs)"
-                ),
-            )
-            if "seats" in fields
-            else None
-        )
-        if url is None or region is None or weight is None:
-            continue
-        if "seats" in fields and seats is None:
-            continue
-        parts = urlsplit(url if "://" in url else f"http://{url}")
-        try:
-            port = parts.port
-        except ValueError:
-            port = None
-        if parts.scheme != "http" or not parts.hostname or port is None:
-            reader.error(fields["url"], f"{path}.url", f"expected http://IP:PORT, got {url!r}")
-            continue
-        try:
-            spec = BackendSpec(parts.hostname, port, region.strip(), weight, seats)
-        except ValueError as exc:
-            hint = (
-                "; give the backend a fixed address (docker-compose: ipv4_address) and use it"
-                if "IP address" in str(exc)
-                else ""
-            )
-            reader.error(fields["url"], f"{path}.url", f"{exc}{hint}")
+        spec = _read_backend(reader, fields, path)
+        if spec is None:
             continue
         if spec.address in seen:
             reader.error(
@@ -360,6 +311,58 @@ def _read_backends(reader: LocatedReader, node: Node) -> tuple[BackendSpec, ...]
         seen[spec.address] = index
         specs.append(spec)
     return tuple(specs)
+
+
+def _read_backend(reader: LocatedReader, fields: dict[str, Node], path: str) -> BackendSpec | None:
+    """One backend's fields (``url`` present); None after reporting what is wrong."""
+    url = reader.value(fields["url"], f"{path}.url", str, _non_empty)
+    region = (
+        reader.value(fields["region"], f"{path}.region", str, _non_empty)
+        if "region" in fields
+        else "default"
+    )
+    weight = (
+        reader.value(fields["weight"], f"{path}.weight", int, _at_least_one)
+        if "weight" in fields
+        else 1
+    )
+    seats = (
+        reader.value(fields["seats"], f"{path}.seats", int, _seats_range)
+        if "seats" in fields
+        else None
+    )
+    if url is None or region is None or weight is None:
+        return None
+    if "seats" in fields and seats is None:
+        return None
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "http" or not parts.hostname or port is None:
+        reader.error(fields["url"], f"{path}.url", f"expected http://IP:PORT, got {url!r}")
+        return None
+    try:
+        return BackendSpec(parts.hostname, port, region.strip(), weight, seats)
+    except ValueError as exc:
+        hint = (
+            "; give the backend a fixed address (docker-compose: ipv4_address) and use it"
+            if "IP address" in str(exc)
+            else ""
+        )
+        reader.error(fields["url"], f"{path}.url", f"{exc}{hint}")
+        return None
+
+
+def _at_least_one(value: int) -> str | None:
+    return None if value >= 1 else "must be >= 1"
+
+
+def _seats_range(value: int) -> str | None:
+    if value >= 1:
+        return None
+    return "must be >= 1 (the requests the engine runs at once, --max-num-seqs)"
 
 
 def _read_policy(

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from extproc.envoy import bootstrap as envoy_config
+from extproc.envoy.binary import envoy_argv, write_bootstrap
+from extproc.envoy.params import MAX_MESSAGE_TIMEOUT_S, EnvoyParams
 from extproc.fleet.backend import BackendSpec
 from extproc.ops.processes import (
     Child,
@@ -119,21 +120,17 @@ class Stack:
         wait_port_open(self.service_port, service)
         self.admin_port = config.admin_port or free_port()
         longest_hold = max(t.queue_deadline_s for t in policy.tiers)
-        params = envoy_config.EnvoyParams(
+        params = EnvoyParams(
             listen_port=config.port,
             admin_port=self.admin_port,
             extproc_port=self.service_port,
             backends=self.backends,
             max_body_bytes=policy.max_body_bytes,
-            longest_hold_s=min(envoy_config.MAX_MESSAGE_TIMEOUT_S, longest_hold + 10),
+            longest_hold_s=min(MAX_MESSAGE_TIMEOUT_S, longest_hold + 10),
             max_held_requests=sum(t.queue_limit for t in policy.tiers),
         )
-        bootstrap = envoy_config.write_bootstrap(
-            params, self.group.log_dir / "envoy.yaml", check=False
-        )
-        envoy = self.group.start(
-            "envoy", envoy_config.envoy_argv(bootstrap, log_level=config.envoy_log_level)
-        )
+        bootstrap = write_bootstrap(params, self.group.log_dir / "envoy.yaml", check=False)
+        envoy = self.group.start("envoy", envoy_argv(bootstrap, log_level=config.envoy_log_level))
         wait_http_ready(f"{self.admin_url}/ready", envoy, timeout=30)
         return self
 

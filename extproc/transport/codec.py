@@ -17,13 +17,11 @@ from google.protobuf import duration_pb2, struct_pb2
 
 from extproc.core.decisions import Forward, Respond
 from extproc.core.events import Completion, RequestInfo
+from extproc.wire import DESTINATION_HEADER as ENDPOINT_HEADER
+from extproc.wire import FAIRLANE_NAMESPACE, LB_NAMESPACE
 
 ProcessingRequest = pb.ProcessingRequest
 ProcessingResponse = pb.ProcessingResponse
-
-ENDPOINT_HEADER = "x-gateway-destination-endpoint"
-LB_NAMESPACE = "envoy.lb"
-FAIRLANE_NAMESPACE = "fairlane"
 
 
 class HeadersPart:

@@ -28,10 +28,12 @@ from typing import Any
 
 import yaml
 
-from extproc.envoy import bootstrap as envoy_config
+from extproc.envoy.binary import envoy_argv
+from extproc.envoy.params import EnvoyParams
 from extproc.fleet.backend import BackendSpec
 from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
 from extproc.ops.up import Stack, StackConfig
+from loadtests.bench.fifo_bootstrap import FIFO_CLUSTER, render_fifo_bootstrap
 from loadtests.bench.scenario import ENVOY_ONLY_KINDS, Arm, Scenario
 
 REGION = "local"  # one region: the whole fleet is equally near, as in the FIFO baseline
@@ -122,15 +124,15 @@ def start_arm(
     return RunningArm(arm.name, url, pids, tuple(b.url for b in backends))
 
 
-def envoy_only_bootstrap(params: envoy_config.EnvoyParams, kind: str) -> dict[str, Any]:
-    """The FIFO baseline's bootstrap (:func:`envoy_config.render_fifo_bootstrap`) with the
+def envoy_only_bootstrap(params: EnvoyParams, kind: str) -> dict[str, Any]:
+    """The FIFO baseline's bootstrap (:func:`render_fifo_bootstrap`) with the
     backend cluster's load balancing replaced by ``kind``'s: the same listener, timeouts
     and cluster limits, so the arms differ in the picking only."""
-    bootstrap = envoy_config.render_fifo_bootstrap(params)
+    bootstrap = render_fifo_bootstrap(params)
     if kind == "fifo":
         return bootstrap
     clusters = bootstrap["static_resources"]["clusters"]
-    cluster = next(c for c in clusters if c["name"] == envoy_config.FIFO_CLUSTER)
+    cluster = next(c for c in clusters if c["name"] == FIFO_CLUSTER)
     cluster.pop("lb_policy", None)  # load_balancing_policy wins only if lb_policy is unset
     cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": LB_POLICIES[kind]}]}
     return bootstrap
@@ -138,9 +140,9 @@ def envoy_only_bootstrap(params: envoy_config.EnvoyParams, kind: str) -> dict[st
 
 def _start_envoy_only(backends: tuple[BackendSpec, ...], group: ProcessGroup, kind: str) -> str:
     port, admin_port = free_port(), free_port()
-    params = envoy_config.EnvoyParams(listen_port=port, admin_port=admin_port, backends=backends)
+    params = EnvoyParams(listen_port=port, admin_port=admin_port, backends=backends)
     path = group.log_dir / f"envoy-{kind}.yaml"
     path.write_text(yaml.safe_dump(envoy_only_bootstrap(params, kind), sort_keys=False))
-    envoy = group.start("envoy", envoy_config.envoy_argv(path))
+    envoy = group.start("envoy", envoy_argv(path))
     wait_http_ready(f"http://127.0.0.1:{admin_port}/ready", envoy, timeout=30)
     return f"http://127.0.0.1:{port}"

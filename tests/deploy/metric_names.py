@@ -127,7 +127,9 @@ def envoy_exposition() -> str:
     import urllib.request
     from pathlib import Path
 
-    from extproc.envoy.bootstrap import EnvoyConfigError, EnvoyParams, envoy_argv, render_yaml
+    from extproc.envoy.binary import envoy_argv
+    from extproc.envoy.bootstrap import render_yaml
+    from extproc.envoy.params import EnvoyConfigError, EnvoyParams
     from extproc.ops.processes import free_port
 
     admin = free_port()
@@ -189,7 +191,7 @@ ENVOY_EXT_PROC_STATS = frozenset(
         "server_half_closed",
     }
 )
-# fairlane's ext_proc filter sets stat_prefix "fairlane" (extproc/envoy/bootstrap.py), so its
+# fairlane's ext_proc filter sets stat_prefix "fairlane" (extproc/envoy/filter.py), so its
 # stats are http.<hcm prefix>.ext_proc.fairlane.<stat>, in Prometheus form:
 ENVOY_EXT_PROC_PREFIX = "envoy_http_ext_proc_fairlane_"
 

@@ -29,10 +29,11 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.envoy.bootstrap import BACKEND_CLUSTER, EXTPROC_CLUSTER, validate
+from extproc.envoy.binary import validate
 from extproc.envoy.deployment import load_deployment
 from extproc.envoy.render import render
 from extproc.fleet.backend import parse_backend
+from extproc.wire import BACKEND_CLUSTER, EXTPROC_CLUSTER
 from tests.deploy.conftest import REPO, run_tool
 
 COMPOSE = REPO / "docker-compose.yml"

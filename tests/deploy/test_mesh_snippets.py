@@ -1,8 +1,9 @@
 """The snippets for existing meshes in deploy/mesh/: fresh, consistent, and valid Envoy config.
 
 All three are rendered from one deployment (deploy/mesh/fairlane.yaml) by ``fairlane
-render-envoy`` with the builders of extproc/envoy/bootstrap.py, so they cannot drift from the
-bootstrap: the tests re-render them and compare, then check each against those builders.
+render-envoy`` with the builders in extproc/envoy/ (filter, routes, clusters), so they cannot
+drift from the bootstrap: the tests re-render them and compare, then check each against those
+builders.
 
 - plain Envoy (``--snippet``): wrapped in a minimal bootstrap and ``envoy --mode validate``d;
 - Istio (``--mesh istio``): the EnvoyFilter's patch values are the rendered filter, clusters,
@@ -25,26 +26,20 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.envoy.bootstrap import (
-    DESTINATION_HEADER,
-    EXT_PROC_FILTER,
-    RETRY_ON,
-    backend_cluster,
-    envoy_argv,
-    ext_proc_filter,
-    extproc_cluster,
-    hcm_settings,
-    render_mesh_snippet,
-    routes,
-    validate,
-    wrap_snippet,
-)
+from extproc.envoy.binary import envoy_argv, validate
+from extproc.envoy.clusters import backend_cluster, extproc_cluster
+from extproc.envoy.connection_manager import hcm_settings
 from extproc.envoy.deployment import Deployment, load_deployment
+from extproc.envoy.filter import ext_proc_filter
 from extproc.envoy.mesh import VLLM_SERVICE, route_merge
 from extproc.envoy.mesh.envoy_gateway import kube_name
 from extproc.envoy.mesh.istio import ISTIO_HEADER, backend_cluster_merge, istio_bootstrap
+from extproc.envoy.params import RETRY_ON
 from extproc.envoy.render import render, typed_check
+from extproc.envoy.routes import routes
+from extproc.envoy.snippet import render_mesh_snippet, wrap_snippet
 from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
+from extproc.wire import DESTINATION_HEADER, EXT_PROC_FILTER
 from tests.deploy.conftest import REPO
 from tests.http_backends import serve_every_path
 

@@ -19,24 +19,13 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.envoy.bootstrap import (
-    BACKEND_CLUSTER,
-    DESTINATION_HEADER,
-    EXTPROC_CLUSTER,
-    MAX_MESSAGE_TIMEOUT_S,
-    EnvoyConfigError,
-    EnvoyParams,
-    envoy_argv,
-    envoy_binary,
-    render_bootstrap,
-    render_mesh_snippet,
-    render_mesh_snippet_yaml,
-    render_yaml,
-    validate,
-    wrap_snippet,
-)
+from extproc.envoy.binary import envoy_argv, envoy_binary, validate
+from extproc.envoy.bootstrap import render_bootstrap, render_yaml
+from extproc.envoy.params import MAX_MESSAGE_TIMEOUT_S, EnvoyConfigError, EnvoyParams
+from extproc.envoy.snippet import render_mesh_snippet, render_mesh_snippet_yaml, wrap_snippet
 from extproc.fleet.backend import BackendSpec
 from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
+from extproc.wire import BACKEND_CLUSTER, DESTINATION_HEADER, EXTPROC_CLUSTER
 from tests.ext_proc_double import ExtProcDouble, header_option
 from tests.http_backends import serve_every_path
 
@@ -335,7 +324,8 @@ REJECT_BODY = json.dumps(
 
 
 class _ExtProcDouble(ExtProcDouble):
-    """A protocol-only stand-in for the fairlane service (the real one is extproc/transport/servicer.py).
+    """A protocol-only stand-in for the fairlane service (the real one is
+    extproc/transport/servicer.py).
 
     Per request, test headers say what to do: ``x-test-endpoint`` is the backend to route to,
     ``x-test-reject`` answers 429 from the body phase (``with-metadata``: plus ``fairlane``

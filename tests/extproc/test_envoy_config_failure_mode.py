@@ -15,24 +15,16 @@ from typing import Any
 
 import pytest
 
-from extproc.envoy.bootstrap import (
-    CATCH_ALL_ROUTE,
-    EXT_PROC_FILTER,
-    EXT_PROC_PER_ROUTE_TYPE,
-    EnvoyConfigError,
-    EnvoyParams,
-    RouteSpec,
-    envoy_argv,
-    ext_proc_filter,
-    render_bootstrap,
-    render_mesh_snippet,
-    render_yaml,
-    validate,
-)
+from extproc.envoy.binary import envoy_argv, validate
+from extproc.envoy.bootstrap import render_bootstrap, render_yaml
 from extproc.envoy.deployment import DeploymentError, parse_deployment
+from extproc.envoy.filter import EXT_PROC_PER_ROUTE_TYPE, ext_proc_filter
+from extproc.envoy.params import CATCH_ALL_ROUTE, EnvoyConfigError, EnvoyParams, RouteSpec
 from extproc.envoy.render import render, typed_check
+from extproc.envoy.snippet import render_mesh_snippet
 from extproc.fleet.backend import BackendSpec
 from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
+from extproc.wire import EXT_PROC_FILTER
 from tests.http_backends import serve_every_path
 
 OPEN_ROUTES = (

@@ -21,17 +21,11 @@ import pytest
 import yaml
 
 from extproc.envoy import render as render_envoy
-from extproc.envoy.bootstrap import (
-    BACKEND_CLUSTER,
-    DESTINATION_HEADER,
-    EXTPROC_CLUSTER,
-    EnvoyConfigError,
-    envoy_argv,
-    render_bootstrap,
-    wrap_snippet,
-)
+from extproc.envoy.binary import envoy_argv
+from extproc.envoy.bootstrap import render_bootstrap
 from extproc.envoy.deployment import DeploymentError, load_deployment, parse_deployment
 from extproc.envoy.mesh import MESHES
+from extproc.envoy.params import EnvoyConfigError
 from extproc.envoy.render import (
     TypedCheckError,
     envoy_validate,
@@ -39,8 +33,10 @@ from extproc.envoy.render import (
     report,
     typed_check,
 )
+from extproc.envoy.snippet import wrap_snippet
 from extproc.ops import cli
 from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
+from extproc.wire import BACKEND_CLUSTER, DESTINATION_HEADER, EXTPROC_CLUSTER
 from tests.ext_proc_double import ExtProcDouble, header_option
 from tests.http_backends import serve_every_path
 
@@ -405,7 +401,8 @@ def test_cli_reports_deployment_errors(tmp_path: Path, capsys: pytest.CaptureFix
 def test_envoy_data_plane_stays_out_of_the_request_path() -> None:
     """Only render-envoy's typed check imports envoy-data-plane (about a second)."""
     code = (
-        "import sys, extproc.transport.server, extproc.transport.servicer, extproc.envoy.render, extproc.ops.cli\n"
+        "import sys, extproc.transport.server, extproc.transport.servicer\n"
+        "import extproc.envoy.render, extproc.ops.cli\n"
         "assert 'envoy_data_plane' not in sys.modules and 'betterproto2' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

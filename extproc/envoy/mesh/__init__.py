@@ -22,7 +22,8 @@ from typing import Any
 
 import yaml
 
-from extproc.envoy.bootstrap import EnvoyConfigError, EnvoyParams, RouteSpec, route
+from extproc.envoy.params import EnvoyConfigError, EnvoyParams, RouteSpec
+from extproc.envoy.routes import route
 
 MESHES = ("istio", "envoy-gateway")
 VLLM_SERVICE = "vllm"

@@ -9,19 +9,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from extproc.envoy.bootstrap import (
+from extproc.envoy.clusters import backend_cluster
+from extproc.envoy.connection_manager import hcm_settings
+from extproc.envoy.filter import ext_proc_filter
+from extproc.envoy.mesh import (
+    GATEWAY,
+    VLLM_SERVICE,
+    KubeNames,
+    kube_names,
+    route_merge,
+    route_specs,
+    workload,
+)
+from extproc.envoy.params import (
     BACKEND_MAX_REQUESTS,
     BACKEND_MAX_RETRIES,
-    DESTINATION_HEADER,
     NUM_RETRIES,
     RETRY_ON,
     EnvoyParams,
-    backend_cluster,
-    ext_proc_filter,
-    hcm_settings,
-    route,
 )
-from extproc.envoy.mesh import GATEWAY, VLLM_SERVICE, kube_names, route_merge, route_specs, workload
+from extproc.envoy.routes import route
+from extproc.wire import DESTINATION_HEADER
 
 GATEWAY_API = "gateway.networking.k8s.io"
 ENVOY_GATEWAY_API = "gateway.envoyproxy.io/v1alpha1"
@@ -72,13 +80,28 @@ def render_envoy_gateway(params: EnvoyParams) -> list[dict[str, Any]]:
     rendered route (failOpen per route), a BackendTrafficPolicy (override_host routing,
     retries, circuit breakers, health checks) and a ClientTrafficPolicy (buffer, idle)."""
     names = kube_names(params)
-    filter_config = ext_proc_filter(params)["typed_config"]
-    mode = filter_config["processing_mode"]
-    backend = backend_cluster(params)
-    check = backend["health_checks"][0]
-    outlier = backend["outlier_detection"]
     fairlane_ref = {"name": names.service, "port": params.extproc_port}
-    proxy = {
+    objects: list[dict[str, Any]] = [
+        *workload(params, names),
+        _envoy_proxy(params, names, fairlane_ref),
+        _gateway(names),
+        _client_policy(params, names),
+    ]
+    route_refs = []
+    for rendered, allow in route_specs(params):
+        name = kube_name(rendered["name"])
+        route_refs.append({"group": GATEWAY_API, "kind": "HTTPRoute", "name": name})
+        objects.append(_http_route(rendered, name, names))
+        objects.append(_extension_policy(params, name, names, fairlane_ref, allow))
+    objects.append(_backend_policy(params, names, route_refs))
+    return objects
+
+
+def _envoy_proxy(
+    params: EnvoyParams, names: KubeNames, fairlane_ref: dict[str, Any]
+) -> dict[str, Any]:
+    """The EnvoyProxy: Envoy Gateway's proxy settings, here the completion feed (ALS)."""
+    return {
         "apiVersion": ENVOY_GATEWAY_API,
         "kind": "EnvoyProxy",
         "metadata": {"name": "fairlane-proxy", "namespace": names.namespace},
@@ -103,7 +126,10 @@ def render_envoy_gateway(params: EnvoyParams) -> list[dict[str, Any]]:
             }
         },
     }
-    gateway = {
+
+
+def _gateway(names: KubeNames) -> dict[str, Any]:
+    return {
         "apiVersion": f"{GATEWAY_API}/v1",
         "kind": "Gateway",
         "metadata": {"name": GATEWAY, "namespace": names.namespace},
@@ -119,7 +145,11 @@ def render_envoy_gateway(params: EnvoyParams) -> list[dict[str, Any]]:
             "listeners": [{"name": "http", "protocol": "HTTP", "port": 80}],
         },
     }
-    client_policy = {
+
+
+def _client_policy(params: EnvoyParams, names: KubeNames) -> dict[str, Any]:
+    """The listener's buffer and idle timeout (the bootstrap's listener and HCM settings)."""
+    return {
         "apiVersion": ENVOY_GATEWAY_API,
         "kind": "ClientTrafficPolicy",
         "metadata": {"name": "fairlane-client", "namespace": names.namespace},
@@ -131,113 +161,120 @@ def render_envoy_gateway(params: EnvoyParams) -> list[dict[str, Any]]:
             },
         },
     }
-    objects: list[dict[str, Any]] = [*workload(params, names), proxy, gateway, client_policy]
-    route_refs = []
-    for rendered, allow in route_specs(params):
-        name = kube_name(rendered["name"])
-        kind, value = next(iter(rendered["match"].items()))
-        route_refs.append({"group": GATEWAY_API, "kind": "HTTPRoute", "name": name})
-        objects.append(
-            {
-                "apiVersion": f"{GATEWAY_API}/v1",
-                "kind": "HTTPRoute",
-                "metadata": {"name": name, "namespace": names.namespace},
-                "spec": {
-                    "parentRefs": [{"name": GATEWAY}],
-                    "rules": [
+
+
+def _http_route(rendered: dict[str, Any], name: str, names: KubeNames) -> dict[str, Any]:
+    """The HTTPRoute of one rendered route: its match, to the vLLM Service."""
+    kind, value = next(iter(rendered["match"].items()))
+    return {
+        "apiVersion": f"{GATEWAY_API}/v1",
+        "kind": "HTTPRoute",
+        "metadata": {"name": name, "namespace": names.namespace},
+        "spec": {
+            "parentRefs": [{"name": GATEWAY}],
+            "rules": [
+                {
+                    "matches": [
                         {
-                            "matches": [
-                                {
-                                    "path": {
-                                        "type": "PathPrefix" if kind == "prefix" else "Exact",
-                                        "value": value,
-                                    }
-                                }
-                            ],
-                            "backendRefs": [{"name": VLLM_SERVICE, "port": names.backend_port}],
+                            "path": {
+                                "type": "PathPrefix" if kind == "prefix" else "Exact",
+                                "value": value,
+                            }
                         }
                     ],
-                },
-            }
-        )
-        objects.append(
-            {
-                "apiVersion": ENVOY_GATEWAY_API,
-                "kind": "EnvoyExtensionPolicy",
-                "metadata": {"name": name, "namespace": names.namespace},
-                "spec": {
-                    "targetRefs": [{"group": GATEWAY_API, "kind": "HTTPRoute", "name": name}],
-                    "extProc": [
-                        {
-                            "backendRefs": [fairlane_ref],
-                            "processingMode": {
-                                # request present = request headers SEND; no `response`:
-                                # response headers and body are skipped
-                                "request": {"body": _EG_BODY_MODES[mode["request_body_mode"]]}
-                            },
-                            # no max_message_timeout in Envoy Gateway: the hold must fit here
-                            "messageTimeout": _gateway_api_duration(
-                                max(params.longest_hold_s, params.message_timeout_s)
-                            ),
-                            "failOpen": allow,
-                            "metadata": {
-                                "writableNamespaces": list(
-                                    filter_config["metadata_options"]["receiving_namespaces"][
-                                        "untyped"
-                                    ]
-                                )
-                            },
-                        }
-                    ],
-                },
-            }
-        )
-    objects.append(
-        {
-            "apiVersion": ENVOY_GATEWAY_API,
-            "kind": "BackendTrafficPolicy",
-            "metadata": {"name": "fairlane-backends", "namespace": names.namespace},
-            "spec": {
-                "targetRefs": route_refs,
-                "loadBalancer": {
-                    # the fallback when no listed endpoint is usable, as in the bootstrap
-                    "type": "LeastRequest",
-                    "endpointOverride": {"extractFrom": [{"header": DESTINATION_HEADER}]},
-                },
-                "retry": {
-                    "numRetries": NUM_RETRIES,
-                    "retryOn": {"triggers": RETRY_ON.split(",")},
-                },
-                "circuitBreaker": {
-                    "maxConnections": BACKEND_MAX_REQUESTS,
-                    "maxPendingRequests": BACKEND_MAX_REQUESTS,
-                    "maxParallelRequests": BACKEND_MAX_REQUESTS,
-                    "maxParallelRetries": BACKEND_MAX_RETRIES,
-                },
-                "timeout": {
-                    "http": {"requestTimeout": route_merge(route(params))["route"]["timeout"]}
-                },
-                "healthCheck": {
-                    "active": {
-                        "type": "HTTP",
-                        "http": {"path": check["http_health_check"]["path"]},
-                        "interval": check["interval"],
-                        "timeout": check["timeout"],
-                        "unhealthyThreshold": check["unhealthy_threshold"],
-                        "healthyThreshold": check["healthy_threshold"],
+                    "backendRefs": [{"name": VLLM_SERVICE, "port": names.backend_port}],
+                }
+            ],
+        },
+    }
+
+
+def _extension_policy(
+    params: EnvoyParams,
+    name: str,
+    names: KubeNames,
+    fairlane_ref: dict[str, Any],
+    failure_mode_allow: bool,
+) -> dict[str, Any]:
+    """The ext_proc filter on one HTTPRoute, with that route's failure mode."""
+    filter_config = ext_proc_filter(params)["typed_config"]
+    mode = filter_config["processing_mode"]
+    namespaces = filter_config["metadata_options"]["receiving_namespaces"]["untyped"]
+    return {
+        "apiVersion": ENVOY_GATEWAY_API,
+        "kind": "EnvoyExtensionPolicy",
+        "metadata": {"name": name, "namespace": names.namespace},
+        "spec": {
+            "targetRefs": [{"group": GATEWAY_API, "kind": "HTTPRoute", "name": name}],
+            "extProc": [
+                {
+                    "backendRefs": [fairlane_ref],
+                    "processingMode": {
+                        # request present = request headers SEND; no `response`:
+                        # response headers and body are skipped
+                        "request": {"body": _EG_BODY_MODES[mode["request_body_mode"]]}
                     },
-                    "passive": {
-                        "consecutive5XxErrors": outlier["consecutive_5xx"],
-                        "consecutiveGatewayErrors": outlier["consecutive_gateway_failure"],
-                        "interval": outlier["interval"],
-                        "baseEjectionTime": outlier["base_ejection_time"],
-                        "maxEjectionPercent": outlier["max_ejection_percent"],
-                    },
+                    # no max_message_timeout in Envoy Gateway: the hold must fit here
+                    "messageTimeout": _gateway_api_duration(
+                        max(params.longest_hold_s, params.message_timeout_s)
+                    ),
+                    "failOpen": failure_mode_allow,
+                    "metadata": {"writableNamespaces": list(namespaces)},
+                }
+            ],
+        },
+    }
+
+
+def _backend_policy(
+    params: EnvoyParams, names: KubeNames, route_refs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The backend cluster's settings on every fairlane route: override_host routing,
+    retries, circuit breakers, no request timeout, active and passive health checks."""
+    backend = backend_cluster(params)
+    check = backend["health_checks"][0]
+    outlier = backend["outlier_detection"]
+    return {
+        "apiVersion": ENVOY_GATEWAY_API,
+        "kind": "BackendTrafficPolicy",
+        "metadata": {"name": "fairlane-backends", "namespace": names.namespace},
+        "spec": {
+            "targetRefs": route_refs,
+            "loadBalancer": {
+                # the fallback when no listed endpoint is usable, as in the bootstrap
+                "type": "LeastRequest",
+                "endpointOverride": {"extractFrom": [{"header": DESTINATION_HEADER}]},
+            },
+            "retry": {
+                "numRetries": NUM_RETRIES,
+                "retryOn": {"triggers": RETRY_ON.split(",")},
+            },
+            "circuitBreaker": {
+                "maxConnections": BACKEND_MAX_REQUESTS,
+                "maxPendingRequests": BACKEND_MAX_REQUESTS,
+                "maxParallelRequests": BACKEND_MAX_REQUESTS,
+                "maxParallelRetries": BACKEND_MAX_RETRIES,
+            },
+            "timeout": {"http": {"requestTimeout": route_merge(route(params))["route"]["timeout"]}},
+            "healthCheck": {
+                "active": {
+                    "type": "HTTP",
+                    "http": {"path": check["http_health_check"]["path"]},
+                    "interval": check["interval"],
+                    "timeout": check["timeout"],
+                    "unhealthyThreshold": check["unhealthy_threshold"],
+                    "healthyThreshold": check["healthy_threshold"],
+                },
+                "passive": {
+                    "consecutive5XxErrors": outlier["consecutive_5xx"],
+                    "consecutiveGatewayErrors": outlier["consecutive_gateway_failure"],
+                    "interval": outlier["interval"],
+                    "baseEjectionTime": outlier["base_ejection_time"],
+                    "maxEjectionPercent": outlier["max_ejection_percent"],
                 },
             },
-        }
-    )
-    return objects
+        },
+    }
 
 
 def _als_log_name(params: EnvoyParams) -> str:

@@ -11,22 +11,21 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from extproc.envoy.bootstrap import (
-    EnvoyParams,
-    backend_cluster,
-    extproc_cluster,
-    failure_mode_override,
-    hcm_settings,
-    scoped_ext_proc_filter,
+from extproc.envoy.clusters import backend_cluster, extproc_cluster
+from extproc.envoy.connection_manager import hcm_settings
+from extproc.envoy.filter import failure_mode_override
+from extproc.envoy.mesh import GATEWAY, KubeNames, kube_names, route_merge, route_specs, workload
+from extproc.envoy.params import EnvoyParams
+from extproc.envoy.protojson import (
+    HCM_FILTER,
+    HCM_TYPE,
+    ROUTER_FILTER,
+    hcm_filter_chains,
+    router_filter,
+    socket_address,
 )
-from extproc.envoy.mesh import GATEWAY, kube_names, route_merge, route_specs, workload
+from extproc.envoy.snippet import scoped_ext_proc_filter
 
-HCM_FILTER = "envoy.filters.network.http_connection_manager"
-HCM_TYPE = (
-    "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
-    "HttpConnectionManager"
-)
-ROUTER_FILTER = "envoy.filters.http.router"
 ISTIO_API = "networking.istio.io/v1alpha3"
 
 ISTIO_HEADER = """\
@@ -78,12 +77,35 @@ def render_istio(params: EnvoyParams) -> list[dict[str, Any]]:
     the ingress gateway with the rendered ext_proc filter, clusters and settings."""
     names = kube_names(params)
     specs = route_specs(params)
+    envoy_filter = {
+        "apiVersion": ISTIO_API,
+        "kind": "EnvoyFilter",
+        "metadata": {"name": "fairlane-ext-proc", "namespace": "istio-system"},
+        "spec": {
+            "workloadSelector": {"labels": {"istio": "ingressgateway"}},
+            "configPatches": config_patches(params, names, specs),
+        },
+    }
     routes = [rendered for rendered, _ in specs]
+    return [
+        *workload(params, names),
+        _gateway(names),
+        _virtual_service(names, routes),
+        envoy_filter,
+    ]
+
+
+def config_patches(
+    params: EnvoyParams, names: KubeNames, specs: list[tuple[dict[str, Any], bool]]
+) -> list[dict[str, Any]]:
+    """The EnvoyFilter's patches: the scoped filter before the router, the HCM settings,
+    the listener buffer, the ext_proc cluster, the vLLM cluster's routing, and per route
+    the settings plus the ``ExtProcPerRoute`` that enables the filter on it."""
     hcm_match = {
         "context": "GATEWAY",
         "listener": {"filterChain": {"filter": {"name": HCM_FILTER}}},
     }
-    patches: list[dict[str, Any]] = [
+    return [
         {
             "applyTo": "HTTP_FILTER",
             "match": {
@@ -128,19 +150,26 @@ def render_istio(params: EnvoyParams) -> list[dict[str, Any]]:
             },
             "patch": {"operation": "MERGE", "value": backend_cluster_merge(params)},
         },
-        *(
-            {
-                "applyTo": "HTTP_ROUTE",
-                "match": {
-                    "context": "GATEWAY",
-                    "routeConfiguration": {"vhost": {"route": {"name": rendered["name"]}}},
-                },
-                "patch": {"operation": "MERGE", "value": enabling_route_merge(rendered, allow)},
-            }
-            for rendered, allow in specs
-        ),
+        *(_route_patch(rendered, allow) for rendered, allow in specs),
     ]
-    gateway = {
+
+
+def _route_patch(rendered: dict[str, Any], failure_mode_allow: bool) -> dict[str, Any]:
+    return {
+        "applyTo": "HTTP_ROUTE",
+        "match": {
+            "context": "GATEWAY",
+            "routeConfiguration": {"vhost": {"route": {"name": rendered["name"]}}},
+        },
+        "patch": {
+            "operation": "MERGE",
+            "value": enabling_route_merge(rendered, failure_mode_allow),
+        },
+    }
+
+
+def _gateway(names: KubeNames) -> dict[str, Any]:
+    return {
         "apiVersion": ISTIO_API,
         "kind": "Gateway",
         "metadata": {"name": GATEWAY, "namespace": names.namespace},
@@ -151,6 +180,10 @@ def render_istio(params: EnvoyParams) -> list[dict[str, Any]]:
             ],
         },
     }
+
+
+def _virtual_service(names: KubeNames, routes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The VirtualService: one named HTTP route per rendered route, to the vLLM Service."""
     http_routes = []
     for rendered in routes:
         kind, value = next(iter(rendered["match"].items()))
@@ -173,22 +206,12 @@ def render_istio(params: EnvoyParams) -> list[dict[str, Any]]:
                 },
             }
         )
-    virtual_service = {
+    return {
         "apiVersion": ISTIO_API,
         "kind": "VirtualService",
         "metadata": {"name": "llm", "namespace": names.namespace},
         "spec": {"hosts": ["*"], "gateways": [GATEWAY], "http": http_routes},
     }
-    envoy_filter = {
-        "apiVersion": ISTIO_API,
-        "kind": "EnvoyFilter",
-        "metadata": {"name": "fairlane-ext-proc", "namespace": "istio-system"},
-        "spec": {
-            "workloadSelector": {"labels": {"istio": "ingressgateway"}},
-            "configPatches": patches,
-        },
-    }
-    return [*workload(params, names), gateway, virtual_service, envoy_filter]
 
 
 def proto_merge(base: Any, patch: Any) -> Any:
@@ -213,19 +236,36 @@ def istio_bootstrap(objects: list[dict[str, Any]]) -> dict[str, Any]:
     is config Envoy accepts where Istio puts it."""
     by_kind = {obj["kind"]: obj for obj in objects}
     patches = by_kind["EnvoyFilter"]["spec"]["configPatches"]
-
-    def patch_values(apply_to: str, operation: str) -> list[dict[str, Any]]:
-        return [
-            p["patch"]["value"]
-            for p in patches
-            if p["applyTo"] == apply_to and p["patch"]["operation"] == operation
-        ]
-
-    deployment = by_kind["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
-    backends = [urlsplit(arg.split("=", 2)[2]) for arg in deployment if arg.startswith("--backend")]
     virtual_service = by_kind["VirtualService"]["spec"]
     destination = virtual_service["http"][0]["route"][0]["destination"]
     outbound = f"outbound|{destination['port']['number']}||{destination['host']}"
+    routes = _stand_in_routes(virtual_service, patches, outbound)
+    vllm = _stand_in_vllm_cluster(by_kind["Deployment"], outbound)
+    for value in _patch_values(patches, "CLUSTER", "MERGE"):
+        vllm = proto_merge(vllm, value)
+    return {
+        "static_resources": {
+            "listeners": [_stand_in_listener(routes, patches)],
+            "clusters": [*_patch_values(patches, "CLUSTER", "ADD"), vllm],
+        }
+    }
+
+
+def _patch_values(
+    patches: list[dict[str, Any]], apply_to: str, operation: str
+) -> list[dict[str, Any]]:
+    return [
+        p["patch"]["value"]
+        for p in patches
+        if p["applyTo"] == apply_to and p["patch"]["operation"] == operation
+    ]
+
+
+def _stand_in_routes(
+    virtual_service: dict[str, Any], patches: list[dict[str, Any]], outbound: str
+) -> list[dict[str, Any]]:
+    """The routes Istio renders from the VirtualService, with the HTTP_ROUTE patches merged
+    into the route of the same name."""
     route_patches = {
         p["match"]["routeConfiguration"]["vhost"]["route"]["name"]: p["patch"]["value"]
         for p in patches
@@ -258,6 +298,14 @@ def istio_bootstrap(objects: list[dict[str, Any]]) -> dict[str, Any]:
             },
         }
         routes.append(proto_merge(istio_route, route_patches.get(http["name"], {})))
+    return routes
+
+
+def _stand_in_listener(
+    routes: list[dict[str, Any]], patches: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Istio's gateway listener on 8080 with the HTTP_FILTER, NETWORK_FILTER and LISTENER
+    patches applied."""
     hcm: dict[str, Any] = {
         "@type": HCM_TYPE,
         "stat_prefix": "outbound_0.0.0.0_8080",
@@ -265,26 +313,26 @@ def istio_bootstrap(objects: list[dict[str, Any]]) -> dict[str, Any]:
             "name": "http.8080",
             "virtual_hosts": [{"name": "*:80", "domains": ["*"], "routes": routes}],
         },
-        "http_filters": [
-            *patch_values("HTTP_FILTER", "INSERT_BEFORE"),
-            {
-                "name": ROUTER_FILTER,
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-                },
-            },
-        ],
+        "http_filters": [*_patch_values(patches, "HTTP_FILTER", "INSERT_BEFORE"), router_filter()],
     }
-    for value in patch_values("NETWORK_FILTER", "MERGE"):
+    for value in _patch_values(patches, "NETWORK_FILTER", "MERGE"):
         hcm = proto_merge(hcm, value["typed_config"])
     listener: dict[str, Any] = {
         "name": "0.0.0.0_8080",
         "address": {"socket_address": {"address": "0.0.0.0", "port_value": 8080}},
-        "filter_chains": [{"filters": [{"name": HCM_FILTER, "typed_config": hcm}]}],
+        "filter_chains": hcm_filter_chains(hcm),
     }
-    for value in patch_values("LISTENER", "MERGE"):
+    for value in _patch_values(patches, "LISTENER", "MERGE"):
         listener = proto_merge(listener, value)
-    vllm: dict[str, Any] = {
+    return listener
+
+
+def _stand_in_vllm_cluster(deployment: dict[str, Any], outbound: str) -> dict[str, Any]:
+    """Istio's outbound cluster of the vLLM Service, its endpoints the backends fairlane's
+    Deployment is started with (Istio would take them from EDS)."""
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    backends = [urlsplit(arg.split("=", 2)[2]) for arg in args if arg.startswith("--backend")]
+    return {
         "name": outbound,
         "type": "STATIC",
         "connect_timeout": "10s",
@@ -294,27 +342,10 @@ def istio_bootstrap(objects: list[dict[str, Any]]) -> dict[str, Any]:
             "endpoints": [
                 {
                     "lb_endpoints": [
-                        {
-                            "endpoint": {
-                                "address": {
-                                    "socket_address": {
-                                        "address": url.hostname,
-                                        "port_value": url.port,
-                                    }
-                                }
-                            }
-                        }
+                        {"endpoint": {"address": socket_address(url.hostname, url.port)}}
                         for url in backends
                     ]
                 }
             ],
         },
-    }
-    for value in patch_values("CLUSTER", "MERGE"):
-        vllm = proto_merge(vllm, value)
-    return {
-        "static_resources": {
-            "listeners": [listener],
-            "clusters": [*patch_values("CLUSTER", "ADD"), vllm],
-        }
     }

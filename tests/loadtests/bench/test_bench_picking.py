@@ -12,12 +12,14 @@ import pytest
 import yaml
 
 from extproc.core.prompt import render_chat, tokenize
-from extproc.envoy import bootstrap as envoy_config
+from extproc.envoy.binary import validate
+from extproc.envoy.params import EnvoyParams
 from extproc.fleet.backend import BackendSpec
 from loadtests.bench import cpu, report
 from loadtests.bench.arms import envoy_only_bootstrap, sim_argv
 from loadtests.bench.cachestats import PrefixCounters, parse_prefix_counters, window_hit_rate
 from loadtests.bench.client import RequestRecord
+from loadtests.bench.fifo_bootstrap import render_fifo_bootstrap
 from loadtests.bench.scenario import (
     SCENARIO_DIR,
     Dist,
@@ -129,7 +131,7 @@ def test_shared_prefix_needs_closed_loop(tmp_path: Path) -> None:
 @pytest.mark.parametrize("kind", ["least-request", "random"])
 def test_envoy_only_arms_render_a_config_envoy_accepts(kind: str, tmp_path: Path) -> None:
     backends = tuple(BackendSpec("127.0.0.1", 18100 + i, "local") for i in range(4))
-    params = envoy_config.EnvoyParams(listen_port=18080, admin_port=18081, backends=backends)
+    params = EnvoyParams(listen_port=18080, admin_port=18081, backends=backends)
     bootstrap = envoy_only_bootstrap(params, kind)
     cluster = bootstrap["static_resources"]["clusters"][0]
     [policy] = cluster["load_balancing_policy"]["policies"]
@@ -139,10 +141,10 @@ def test_envoy_only_arms_render_a_config_envoy_accepts(kind: str, tmp_path: Path
     assert len(cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 4
     # the FIFO render itself is left as it is
     fifo = envoy_only_bootstrap(params, "fifo")
-    assert fifo == envoy_config.render_fifo_bootstrap(params)
+    assert fifo == render_fifo_bootstrap(params)
     path = tmp_path / f"{kind}.yaml"
     path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
-    envoy_config.validate(path)
+    validate(path)
 
 
 def test_overrides_reach_one_backend_and_balanced_arms_drop_them() -> None:

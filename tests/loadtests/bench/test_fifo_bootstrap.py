@@ -11,14 +11,12 @@ from pathlib import Path
 
 import yaml
 
-from extproc.envoy.bootstrap import (
-    EnvoyParams,
-    backend_cluster,
-    render_bootstrap,
-    render_fifo_bootstrap,
-    validate,
-)
+from extproc.envoy.binary import validate
+from extproc.envoy.bootstrap import render_bootstrap
+from extproc.envoy.clusters import backend_cluster
+from extproc.envoy.params import EnvoyParams
 from extproc.fleet.backend import BackendSpec
+from loadtests.bench.fifo_bootstrap import render_fifo_bootstrap
 
 BACKENDS = (
     BackendSpec("127.0.0.1", 18101, "region-a"),

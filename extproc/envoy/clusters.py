@@ -1,0 +1,204 @@
+"""The two clusters: the ext_proc service (gRPC) and the vLLM backends.
+
+The service's cluster must carry one stream per held request, so its circuit breakers and
+HTTP/2 windows are sized from the queue limits and the body limit. The backends' cluster
+routes with the ``override_host`` LB policy: the service's ``x-gateway-destination-endpoint``
+(``ip:port[,ip:port...]``, also in ``envoy.lb`` metadata) picks the host; regions are
+priority levels for failover of the fallback LB, and Envoy's own limits are lifted because
+admission is fairlane's job.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from extproc.envoy.params import (
+    BACKEND_MAX_REQUESTS,
+    BACKEND_MAX_RETRIES,
+    H2_DEFAULT_CONNECTION_WINDOW,
+    H2_DEFAULT_STREAM_WINDOW,
+    H2_MAX_WINDOW,
+    EnvoyParams,
+)
+from extproc.envoy.protojson import lb_endpoint
+from extproc.wire import BACKEND_CLUSTER, DESTINATION_HEADER, EXTPROC_CLUSTER, LB_NAMESPACE
+
+
+def extproc_cluster(params: EnvoyParams) -> dict[str, Any]:
+    """The cluster of the fairlane ext_proc service (gRPC, so HTTP/2)."""
+    return {
+        "name": EXTPROC_CLUSTER,
+        "type": _discovery_type(params.extproc_host),
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
+                "HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": _extproc_http2(params)},
+            }
+        },
+        # Every held request keeps one stream open. The defaults (1024 requests) would cap the
+        # queue depth of the whole gateway and fail the excess with status_on_error.
+        "circuit_breakers": {
+            "thresholds": [
+                _extproc_threshold("DEFAULT", params.extproc_stream_limit),
+                _extproc_threshold("HIGH", params.extproc_stream_limit),
+            ]
+        },
+        "load_assignment": {
+            "cluster_name": EXTPROC_CLUSTER,
+            "endpoints": [
+                {"lb_endpoints": [lb_endpoint(params.extproc_host, params.extproc_port)]}
+            ],
+        },
+    }
+
+
+def _extproc_http2(params: EnvoyParams) -> dict[str, Any]:
+    return {
+        # Held streams are silent for minutes: pings detect a dead service
+        # (the server must permit them: grpc.http2.max_ping_strikes=0 etc.).
+        "connection_keepalive": {"interval": "10s", "timeout": "5s"},
+        # BUFFERED sends the whole body in one message: the windows must not
+        # be smaller than it (Envoy's defaults are 16/24 MiB).
+        "initial_stream_window_size": _window(params.buffer_limit_bytes, H2_DEFAULT_STREAM_WINDOW),
+        "initial_connection_window_size": _window(
+            params.buffer_limit_bytes, H2_DEFAULT_CONNECTION_WINDOW
+        ),
+    }
+
+
+def _extproc_threshold(priority: str, limit: int) -> dict[str, Any]:
+    return {
+        "priority": priority,
+        "max_connections": limit,
+        "max_pending_requests": limit,
+        "max_requests": limit,
+        "max_retries": 3,
+    }
+
+
+def backend_cluster(params: EnvoyParams) -> dict[str, Any]:
+    """The vLLM backends: one priority level per region, routed by override_host."""
+    return {
+        "name": BACKEND_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "2s",
+        "per_connection_buffer_limit_bytes": params.buffer_limit_bytes,
+        "load_balancing_policy": {
+            "policies": [
+                {
+                    "typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.override_host",
+                        "typed_config": _override_host(),
+                    }
+                }
+            ]
+        },
+        # Admission is fairlane's job; Envoy's defaults (1024 requests, 3 retries) would
+        # only add a second, blind limit.
+        "circuit_breakers": {
+            "thresholds": [
+                {
+                    "priority": "DEFAULT",
+                    "max_connections": BACKEND_MAX_REQUESTS,
+                    "max_pending_requests": BACKEND_MAX_REQUESTS,
+                    "max_requests": BACKEND_MAX_REQUESTS,
+                    "max_retries": BACKEND_MAX_RETRIES,
+                }
+            ]
+        },
+        "health_checks": [_health_check()],
+        # Passive checks on real traffic: ejected hosts leave the fallback LB (and make
+        # previous_priorities move on). They do not stop override_host from using a listed
+        # host, which is why the service lists only endpoints its own probes call healthy.
+        "outlier_detection": {
+            "consecutive_5xx": 5,
+            "consecutive_gateway_failure": 3,
+            "interval": "5s",
+            "base_ejection_time": "30s",
+            "max_ejection_percent": 50,
+        },
+        "load_assignment": {
+            "cluster_name": BACKEND_CLUSTER,
+            # Envoy's default, explicit: priority 0 (the first region) keeps all traffic
+            # until fewer than 1/1.4 = ~71% of its hosts are healthy, then spills over.
+            "policy": {"overprovisioning_factor": 140},
+            "endpoints": _region_endpoints(params),
+        },
+    }
+
+
+def _override_host() -> dict[str, Any]:
+    return {
+        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies."
+        "override_host.v3.OverrideHost",
+        # The header and the same value in envoy.lb metadata (the GIE
+        # protocol). Listed hosts are used even when health checks fail
+        # them: the service must list only healthy endpoints.
+        "override_host_sources": [
+            {"header": DESTINATION_HEADER},
+            {
+                "metadata": {
+                    "key": LB_NAMESPACE,
+                    "path": [{"key": DESTINATION_HEADER}],
+                }
+            },
+        ],
+        # No (usable) listed host left: least-request over healthy hosts,
+        # honouring priorities (regions).
+        "fallback_policy": {
+            "policies": [
+                {
+                    "typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.least_request",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions."
+                            "load_balancing_policies.least_request.v3."
+                            "LeastRequest",
+                        },
+                    }
+                }
+            ]
+        },
+    }
+
+
+def _health_check() -> dict[str, Any]:
+    return {
+        "timeout": "2s",
+        "interval": "5s",
+        # Without it a standby region that never carried traffic is checked only
+        # every 60 s.
+        "no_traffic_interval": "5s",
+        "unhealthy_threshold": 2,
+        "healthy_threshold": 1,
+        "http_health_check": {"path": "/health"},
+    }
+
+
+def _region_endpoints(params: EnvoyParams) -> list[dict[str, Any]]:
+    """One ``LocalityLbEndpoints`` per region, its priority the order the region was named."""
+    return [
+        {
+            "locality": {"region": region},
+            "priority": priority,
+            "lb_endpoints": [
+                lb_endpoint(b.host, b.port, b.weight) for b in params.backends if b.region == region
+            ],
+        }
+        for priority, region in enumerate(params.regions)
+    ]
+
+
+def _discovery_type(host: str) -> str:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return "STRICT_DNS"
+    return "STATIC"
+
+
+def _window(needed: int, default: int) -> int:
+    return min(max(needed, default), H2_MAX_WINDOW)

@@ -1,0 +1,87 @@
+"""The HTTP connection manager settings a hold depends on, and the access logs.
+
+Shared by the bootstrap's listener, the mesh snippet and Istio's EnvoyFilter, which merge
+them into a connection manager they did not render. The access logs are here because Envoy
+configures them on the connection manager: the first is not a log at all but the completion
+feed, Envoy's gRPC access-log stream to the service, which is how the service learns that a
+request finished and frees its backend slot without response bodies passing through Python.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from extproc.envoy.params import EnvoyParams
+from extproc.envoy.protojson import duration
+from extproc.wire import (
+    COMPLETIONS_LOG,
+    EXTPROC_CLUSTER,
+    FAIRLANE_NAMESPACE,
+    QUEUE_MS_KEY,
+    TIER_KEY,
+)
+
+
+def hcm_settings(params: EnvoyParams) -> dict[str, Any]:
+    """HTTP connection manager fields the hold depends on (for the bootstrap's own HCM and
+    for meshes that merge them into an HCM they generate)."""
+    return {
+        # Keeps ticking while ext_proc holds the request: must exceed the longest hold.
+        "stream_idle_timeout": duration(params.stream_idle_timeout_s),
+        # Slow-loris guard; unrelated to holds (the headers are complete before ext_proc).
+        "request_headers_timeout": "10s",
+        # Huge headers get a clear 431 instead of a reset.
+        "max_request_headers_kb": 96,
+        # x-request-id ties the service's logs, the access log and the client together.
+        "generate_request_id": True,
+        "access_log": access_logs(params),
+    }
+
+
+def access_logs(params: EnvoyParams) -> list[dict[str, Any]]:
+    """The completion feed first, then the optional file log.
+
+    ``buffer_size_bytes: 0`` sends each entry at once instead of batching for 1 s: a slot
+    freed a second late is a second of an idle engine seat.
+    """
+    logs = [
+        {
+            "name": "envoy.access_loggers.http_grpc",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3."
+                "HttpGrpcAccessLogConfig",
+                "common_config": {
+                    "log_name": COMPLETIONS_LOG,
+                    "transport_api_version": "V3",
+                    "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+                    "buffer_size_bytes": 0,
+                    "buffer_flush_interval": "0.1s",
+                },
+            },
+        }
+    ]
+    if params.access_log_path is not None:
+        logs.append(file_access_log(params.access_log_path))
+    return logs
+
+
+def file_access_log(path: str) -> dict[str, Any]:
+    """A one-line-per-request text log with the tier and the time held (from the
+    ``fairlane`` metadata; empty for requests the service never saw)."""
+    fields = [
+        "[%START_TIME%]",
+        '"%REQ(:METHOD)% %REQ(X-ENVOY-ORIGINAL-PATH?:PATH)% %PROTOCOL%"',
+        "%RESPONSE_CODE% %RESPONSE_FLAGS% %BYTES_RECEIVED% %BYTES_SENT% %DURATION%ms",
+        "upstream=%UPSTREAM_HOST%",
+        f"tier=%DYNAMIC_METADATA({FAIRLANE_NAMESPACE}:{TIER_KEY})%",
+        f"queue_ms=%DYNAMIC_METADATA({FAIRLANE_NAMESPACE}:{QUEUE_MS_KEY})%",
+        "id=%REQ(X-REQUEST-ID)%",
+    ]
+    return {
+        "name": "envoy.access_loggers.file",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": path,
+            "log_format": {"text_format_source": {"inline_string": " ".join(fields) + "\n"}},
+        },
+    }

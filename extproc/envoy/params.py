@@ -1,0 +1,172 @@
+"""What the Envoy config depends on: :class:`EnvoyParams`, its routes, and Envoy's limits.
+
+Almost every Envoy default is wrong for a gateway that holds requests for minutes, so the
+settings that matter are derived from these few parameters in one place (the properties of
+:class:`EnvoyParams`), each with the reason next to it; the builders only place them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from extproc.fleet.backend import BackendSpec
+
+MiB = 1024 * 1024
+
+# Proto limit for ext_proc's max_message_timeout (and thus for one hold per processing state).
+MAX_MESSAGE_TIMEOUT_S = 3600.0
+# stream_idle_timeout = longest hold + this: a request released at its deadline still has
+# time to be forwarded and send response headers before the idle timer can fire.
+IDLE_MARGIN_S = 60.0
+# Streams that are not held also occupy the ext_proc cluster: in BUFFERED mode the stream
+# stays open until the upstream's response headers arrive (time to first byte).
+EXTPROC_STREAM_HEADROOM = 1024
+# Headroom over max_body_bytes for headers and framing in the listener/cluster buffers.
+BUFFER_HEADROOM_BYTES = 1 * MiB
+# Envoy's HTTP/2 defaults (since 1.36) for the stream/connection flow-control windows.
+H2_DEFAULT_STREAM_WINDOW = 16 * MiB
+H2_DEFAULT_CONNECTION_WINDOW = 24 * MiB
+H2_MAX_WINDOW = 2**31 - 1
+# Upstream (vLLM) limits: high enough never to be the bottleneck; admission is fairlane's job.
+BACKEND_MAX_REQUESTS = 100_000
+BACKEND_MAX_RETRIES = 1_000  # Envoy's default of 3 concurrent retries (hedges count) is too low.
+# The route's retry policy (see extproc.envoy.routes): which failures are retried, and how
+# often. Hedges (per-request, from the service) count against num_retries as well.
+RETRY_ON = "connect-failure,refused-stream,reset,gateway-error"
+NUM_RETRIES = 2
+# Floor for the global downstream connection limit (overload manager).
+MIN_DOWNSTREAM_CONNECTIONS = 50_000
+
+CATCH_ALL_ROUTE = "fairlane_llm"
+
+
+class EnvoyConfigError(RuntimeError):
+    """A bad parameter, a missing Envoy binary, or a config Envoy refused (with its message)."""
+
+
+def _check_port(name: str, port: int, allow_zero: bool) -> None:
+    low = 0 if allow_zero else 1
+    if not low <= port <= 65535:
+        raise EnvoyConfigError(f"{name} must be in [{low}, 65535], got {port}")
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """An extra route, matched before the catch-all ``/`` route, with its own failure mode.
+
+    Every route goes through the ext_proc service in the same way; what differs is what
+    Envoy does when the service is down, wedged or unreachable. Fail-closed (the default,
+    and always the ext_proc filter's own setting) answers the client ``status_on_error``
+    (503; 504 for a message timeout) and never forwards a request the scheduler did not
+    admit. Fail-open (``failure_mode_allow`` via ``ExtProcPerRoute.overrides``) forwards it
+    unprocessed: no authentication, no queueing, no vLLM priority, Envoy's fallback load
+    balancer picks the backend. That only makes sense for cheap, idempotent paths such as
+    ``GET /v1/models`` or a health route, never for generation.
+    """
+
+    name: str
+    prefix: str | None = None
+    path: str | None = None
+    failure_mode_allow: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.name or self.name == CATCH_ALL_ROUTE:
+            raise EnvoyConfigError(f"route name must be set and not {CATCH_ALL_ROUTE!r}")
+        if (self.prefix is None) == (self.path is None):
+            raise EnvoyConfigError(f"route {self.name}: exactly one of prefix and path")
+        match = self.prefix if self.prefix is not None else self.path
+        if not match or not match.startswith("/"):
+            raise EnvoyConfigError(f"route {self.name}: the match must start with '/'")
+
+    @property
+    def match(self) -> dict[str, str]:
+        """The Envoy ``RouteMatch``."""
+        if self.prefix is not None:
+            return {"prefix": self.prefix}
+        return {"path": self.path or "/"}
+
+
+DEFAULT_BACKENDS: tuple[BackendSpec, ...] = (
+    BackendSpec("127.0.0.1", 8101, "region-a"),
+    BackendSpec("127.0.0.1", 8102, "region-b"),
+)
+
+
+@dataclass(frozen=True)
+class EnvoyParams:
+    """Everything the bootstrap depends on. Defaults give the shipped ``envoy/fairlane.yaml``."""
+
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8080
+    admin_host: str = "127.0.0.1"  # admin can drain/quit Envoy: keep it on loopback
+    admin_port: int = 9901
+    extproc_host: str = "127.0.0.1"  # an IP (STATIC cluster) or a DNS name (STRICT_DNS)
+    extproc_port: int = 50051
+    backends: tuple[BackendSpec, ...] = field(default=DEFAULT_BACKENDS)
+    max_body_bytes: int = 8 * MiB
+    # The longest a request may be held in fairlane's queues (the largest queue deadline).
+    longest_hold_s: float = 600.0
+    # The most requests the queues may hold at once, across the whole Envoy.
+    max_held_requests: int = 10_000
+    message_timeout_s: float = 2.0
+    access_log_path: str | None = None
+    # Extra routes before the catch-all, each fail-open or fail-closed (RouteSpec).
+    routes: tuple[RouteSpec, ...] = ()
+    # The catch-all route's failure mode when the service is down: False = fail-closed
+    # (503), the only safe choice for generation (see RouteSpec).
+    failure_mode_allow: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("listen_port", "admin_port", "extproc_port"):
+            _check_port(name, getattr(self, name), allow_zero=name != "extproc_port")
+        self._check_backends()
+        if self.max_body_bytes <= 0:
+            raise EnvoyConfigError("max_body_bytes must be positive")
+        if not 0 < self.longest_hold_s <= MAX_MESSAGE_TIMEOUT_S:
+            raise EnvoyConfigError(
+                f"longest_hold_s must be in (0, {MAX_MESSAGE_TIMEOUT_S:.0f}] (ext_proc's "
+                f"max_message_timeout caps one hold), got {self.longest_hold_s}"
+            )
+        if self.max_held_requests <= 0:
+            raise EnvoyConfigError("max_held_requests must be positive")
+        if not 0 < self.message_timeout_s <= MAX_MESSAGE_TIMEOUT_S:
+            raise EnvoyConfigError(f"message_timeout_s must be in (0, {MAX_MESSAGE_TIMEOUT_S:.0f}]")
+        names = [spec.name for spec in self.routes]
+        for name in names:
+            if names.count(name) > 1:
+                raise EnvoyConfigError(f"route {name} is listed twice")
+
+    def _check_backends(self) -> None:
+        if not self.backends:
+            raise EnvoyConfigError("at least one backend is needed")
+        seen: set[str] = set()
+        for backend in self.backends:
+            if backend.address in seen:
+                raise EnvoyConfigError(f"backend {backend.address} is listed twice")
+            seen.add(backend.address)
+
+    @property
+    def regions(self) -> tuple[str, ...]:
+        """Regions in the order first named; the index is the Envoy priority level."""
+        return tuple(dict.fromkeys(b.region for b in self.backends))
+
+    @property
+    def buffer_limit_bytes(self) -> int:
+        """Listener/cluster buffer limit: the largest allowed body plus headroom."""
+        return self.max_body_bytes + BUFFER_HEADROOM_BYTES
+
+    @property
+    def stream_idle_timeout_s(self) -> float:
+        """Above the longest hold, because the idle timer keeps ticking while ext_proc holds."""
+        return self.longest_hold_s + IDLE_MARGIN_S
+
+    @property
+    def extproc_stream_limit(self) -> int:
+        """Circuit-breaker limit on the ext_proc cluster: every held request is one stream."""
+        return self.max_held_requests + EXTPROC_STREAM_HEADROOM
+
+    @property
+    def max_downstream_connections(self) -> int:
+        """Global client-connection cap: HTTP/1.1 clients hold one connection per held
+        request, so it must sit well above ``max_held_requests``."""
+        return max(MIN_DOWNSTREAM_CONNECTIONS, 2 * self.max_held_requests)

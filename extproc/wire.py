@@ -1,0 +1,65 @@
+"""The names the ext_proc service and the rendered Envoy config must agree on.
+
+Nothing checks these at runtime: if the service writes the destination into a metadata
+namespace the filter does not accept, or a header the load balancer does not read, Envoy
+silently falls back to its own pick and fairness is gone without an error anywhere. So each
+name has exactly one definition, here, imported by both sides (``extproc.transport.codec``
+and ``extproc.core.gateway`` on the request path, the builders in ``extproc.envoy`` for the
+config). The request path imports this module, so it imports nothing but the standard
+library.
+"""
+
+from __future__ import annotations
+
+# --------------------------------------------------------------------------- Envoy's names
+
+EXTPROC_CLUSTER = "fairlane_extproc"
+"""The cluster of the ext_proc service; Envoy's gRPC access log goes to it too."""
+BACKEND_CLUSTER = "fairlane_backends"
+"""The vLLM engines, one priority level per region, routed by ``override_host``."""
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+"""The HTTP filter's name: ``typed_per_filter_config`` on a route is keyed by it."""
+COMPLETIONS_LOG = "fairlane-completions"
+"""``log_name`` of the gRPC access log that tells the service a request finished."""
+
+# --------------------------------------------------------------------------- routing
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+"""``ip:port[,ip:port...]`` the service picked, first choice first (the Gateway API
+Inference Extension's name). The ``override_host`` LB policy reads it from the header and
+from the same key in :data:`LB_NAMESPACE` metadata."""
+
+# --------------------------------------------------------------------------- dynamic metadata
+
+LB_NAMESPACE = "envoy.lb"
+"""Metadata namespace ``override_host`` reads the destination from."""
+FAIRLANE_NAMESPACE = "fairlane"
+"""Metadata namespace of what the service tells the access log and the response headers."""
+# ext_proc drops metadata in every namespace not listed in the filter's receiving namespaces,
+# without a warning: the filter lists exactly these two.
+
+TIER_KEY = "tier"
+QUEUE_MS_KEY = "queue_ms"
+
+# --------------------------------------------------------------------------- headers
+
+TIER_HEADER = "x-fairlane-tier"
+"""The tier a request was served in: set by the service on the upstream request, and by
+Envoy on the response from the ``fairlane`` metadata."""
+QUEUE_MS_HEADER = "x-fairlane-queue-ms"
+"""How long the gateway held the request, on the response."""
+
+RESPONSE_METADATA_HEADERS: dict[str, str] = {
+    TIER_HEADER: TIER_KEY,
+    QUEUE_MS_HEADER: QUEUE_MS_KEY,
+}
+"""Response header -> key in the :data:`FAIRLANE_NAMESPACE` metadata the route copies it from."""
+
+# Router headers the service sets per request. Envoy honours them only from a trusted filter
+# (the ext_proc filter's ``mutation_rules.allow_envoy``) and strips a client's copies.
+MAX_RETRIES_HEADER = "x-envoy-max-retries"
+"""How many listed alternates a retry may use: never more than the service listed."""
+PER_TRY_TIMEOUT_HEADER = "x-envoy-upstream-rq-per-try-timeout-ms"
+"""A hedged tier's ``hedge_after_ms``."""
+HEDGE_ON_TIMEOUT_HEADER = "x-envoy-hedge-on-per-try-timeout"
+"""``true``: on the per-try timeout, send a copy to the next listed endpoint."""

@@ -76,8 +76,19 @@ def other_cores(row: Row, cpus: int | None) -> float:
 
 
 def render_markdown(results: Mapping[str, Any]) -> str:
-    scenario, meta = results["scenario"], results["meta"]
     lines = [
+        *_head_lines(results),
+        *_target_lines(results),
+        *_phase_lines(results),
+        *_saturation_lines(results),
+        *_warning_lines(results),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _head_lines(results: Mapping[str, Any]) -> list[str]:
+    scenario, meta = results["scenario"], results["meta"]
+    return [
         "# fairlane bench overhead: Envoy direct vs Envoy + fairlane ext_proc",
         "",
         scenario["description"].strip(),
@@ -91,10 +102,11 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         "the backend and anything else running on it",
         f"- {scenario['duration_s']:g} wall seconds per phase, "
         f"{scenario['warmup_requests']} warm-up requests per arm",
-        "",
-        "## Targets",
-        "",
     ]
+
+
+def _target_lines(results: Mapping[str, Any]) -> list[str]:
+    lines = ["", "## Targets", ""]
     for t in results["targets"]:
         verdict = {True: "PASS", False: "FAIL", None: "N/A"}[t["passed"]]
         sign = "≤" if t["op"] == "max" else "≥"
@@ -104,7 +116,12 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         )
     for arm, error in results["failed_arms"].items():
         lines += ["", f"**Arm {arm} failed**:", "", "```", error, "```"]
-    lines += [
+    return lines
+
+
+def _phase_lines(results: Mapping[str, Any]) -> list[str]:
+    """Every phase of every arm, one table row each (fairlane's with the added latency)."""
+    lines = [
         "",
         SECTION_PHASES,
         "",
@@ -114,6 +131,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     direct = results["arms"].get("direct", [])
+    cpus = results["meta"]["cpus"]
     for arm, rows in results["arms"].items():
         for row in rows:
             extra: dict[str, float | None] = {"p50_ms": None, "p99_ms": None}
@@ -127,9 +145,13 @@ def render_markdown(results: Mapping[str, Any]) -> str:
                 f"| {row['errors']} | {_fmt(cores.get('service'))} | {_fmt(cores.get('envoy'))} "
                 f"| {_fmt(cores.get('backend'))} | {row['loadgen_cores']:g} "
                 f"| {_fmt(row.get('send_late_p99_ms'))} | {row['machine_busy']:.0%} "
-                f"| {other_cores(row, meta['cpus']):.2f} |"
+                f"| {other_cores(row, cpus):.2f} |"
             )
-    lines += ["", SECTION_SATURATION, ""]
+    return lines
+
+
+def _saturation_lines(results: Mapping[str, Any]) -> list[str]:
+    lines = ["", SECTION_SATURATION, ""]
     for arm, rows in results["arms"].items():
         row = phase_row(rows, None)
         if row is None:
@@ -145,16 +167,26 @@ def render_markdown(results: Mapping[str, Any]) -> str:
             f"{_fmt(row['p50_ms'])}/{_fmt(row['p99_ms'])} ms; CPU cores: {cores}, load "
             f"generator {row['loadgen_cores']:.2f}; machine {row['machine_busy']:.0%} busy"
         )
+    return lines
+
+
+def _warning_lines(results: Mapping[str, Any]) -> list[str]:
     warnings = [
         f"- {arm} {_phase(r)}: {w}"
         for arm, rs in results["arms"].items()
         for r in rs
         for w in row_warnings(r)
     ]
-    if warnings:
-        lines += ["", "## Warnings", "", "Numbers at these phases measure the machine too:", ""]
-        lines += warnings
-    return "\n".join(lines) + "\n"
+    if not warnings:
+        return []
+    return [
+        "",
+        "## Warnings",
+        "",
+        "Numbers at these phases measure the machine too:",
+        "",
+        *warnings,
+    ]
 
 
 def write_report(out: Path, results: Mapping[str, Any]) -> Path:

@@ -345,10 +345,10 @@ def run(args: argparse.Namespace) -> int:
     path = args.deployment or default_deployment()
     if path is None:
         print(
-            "fairlane render-envoy: no deployment file given, and this installation has no "
-            "default (deploy/fairlane.yaml comes only with a source checkout): pass one, "
-            "`fairlane render-envoy DEPLOYMENT.yaml` (the shape: extproc/envoy/deployment.py "
-            "or deploy/fairlane.yaml in the fairlane repository)",
+            "fairlane render-envoy: no deployment file given, and there is no default outside "
+            "a source checkout (its deploy/fairlane.yaml): name one, "
+            "`fairlane render-envoy DEPLOYMENT.yaml` (envoy/README.md in the fairlane "
+            "repository shows the shape)",
             file=sys.stderr,
         )
         return 2

@@ -29,13 +29,11 @@ from extproc.policy.model import (
 from extproc.policy.parse import key_hint, load_policy, parse_policy
 from extproc.policy.store import PolicyListener, PolicyStore
 
-_EXTPROC = Path(__file__).resolve().parent.parent
-_PACKAGED_DEFAULT = _EXTPROC / "default_policy.yaml"
-_REPO_DEFAULT = _EXTPROC.parent / "policies" / "default.yaml"
-DEFAULT_POLICY_PATH = _REPO_DEFAULT if _REPO_DEFAULT.is_file() else _PACKAGED_DEFAULT
-"""The policy used when none is given: the checkout's ``policies/default.yaml`` when
-running from a source tree (editable install), else the copy shipped inside the package
-(``extproc/default_policy.yaml``, a symlink in the repository that wheels turn into a file)."""
+DEFAULT_POLICY_PATH = (Path(__file__).resolve().parent.parent / "default_policy.yaml").resolve()
+"""The policy used when none is given: ``extproc/default_policy.yaml``, package data. In the
+repository it is a symlink to ``policies/default.yaml``, which this path resolves to (so
+messages name the file people edit); a wheel holds a copy of it, so an installed fairlane
+needs no checkout (``tests/packaging/test_wheel.py``)."""
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",

@@ -111,6 +111,28 @@ def test_stdout_is_pure_yaml_and_the_summary_goes_to_stderr(
     assert "skipped (--no-validate)" in captured.err
 
 
+def test_without_a_file_the_checkouts_deployment_is_rendered(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert render_envoy.default_deployment() == SHIPPED
+    assert cli.main(["render-envoy", "--no-validate", "-q"]) == 0
+    default = capsys.readouterr().out
+    assert cli.main(["render-envoy", str(SHIPPED), "--no-validate", "-q"]) == 0
+    assert default == capsys.readouterr().out
+    assert "static_resources" in yaml.safe_load(default)
+
+
+def test_without_a_file_outside_a_checkout_the_error_names_the_argument(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Installed from a wheel there is no deploy/ to default to: say what to pass."""
+    monkeypatch.setattr(render_envoy, "CHECKOUT_DEPLOYMENT", tmp_path / "absent.yaml")
+    assert cli.main(["render-envoy", "--no-validate"]) == 2
+    err = capsys.readouterr().err
+    assert "no deployment file given" in err
+    assert "`fairlane render-envoy DEPLOYMENT.yaml`" in err
+
+
 def test_snippet_validates_wrapped_in_a_minimal_bootstrap(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

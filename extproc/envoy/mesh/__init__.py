@@ -4,9 +4,10 @@
 Envoy bootstrap: the same ext_proc filter, clusters, route settings and HCM settings as the
 bootstrap, but delivered as Istio takes them (an EnvoyFilter, :mod:`extproc.envoy.mesh.istio`) or
 as Envoy Gateway does (Gateway API + its policies, :mod:`extproc.envoy.mesh.envoy_gateway`).
-Everything Envoy-side is taken from the builders in ``extproc/envoy/bootstrap.py`` (Istio's
-patches carry them verbatim; Envoy Gateway's fields are derived from them), so the meshes
-cannot drift from the bootstrap; ``tests/deploy/test_mesh_snippets.py`` checks both.
+Everything Envoy-side is taken from the builders in ``extproc/envoy/`` (filter, routes,
+clusters, connection manager; Istio's patches carry them verbatim, Envoy Gateway's fields are
+derived from them), so the meshes cannot drift from the bootstrap;
+``tests/deploy/test_mesh_snippets.py`` checks both.
 
 This module holds what both meshes share: where fairlane runs in Kubernetes (names read from
 the deployment's ``service.host``), fairlane's own Deployment and Service, the rendered routes
@@ -22,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from extproc.envoy.generated import comment
 from extproc.envoy.params import EnvoyConfigError, EnvoyParams, RouteSpec
 from extproc.envoy.routes import route
 
@@ -163,10 +165,7 @@ def render_mesh_yaml(params: EnvoyParams, mesh: str, generated_by: str) -> str:
         header, objects = ENVOY_GATEWAY_HEADER, render_envoy_gateway(params)
     else:
         raise EnvoyConfigError(f"unknown mesh {mesh!r}: one of {', '.join(MESHES)}")
-    comment = "".join(
-        f"# {line}".rstrip() + "\n" for line in f"{generated_by}\n\n{header}".splitlines()
-    )
     body = yaml.dump_all(
         objects, Dumper=_NoAliases, sort_keys=False, default_flow_style=False, width=100
     )
-    return comment + "---\n" + body
+    return comment(f"{generated_by}\n\n{header}") + "---\n" + body

@@ -1,8 +1,18 @@
 """``fairlane bench``: run a load scenario against FIFO and fairlane in one go, and report.
 
-The modules, one concern each: ``scenario`` (the YAML model and its validation),
-``workload`` (the seeded request schedule), ``client`` (the asyncio load generator),
-``arms`` (starting and stopping each arm's processes), ``cpu`` (per-process CPU
-accounting), ``report`` (statistics, targets, report.md/results.json), ``cli`` (the
-command).
+The modules, one concern each, in the order a run uses them:
+
+- ``scenario``      the scenario file: its model and its validation (a package)
+- ``policy_scale``  ``policy: default`` rescaled to the run's speedup
+- ``workload``      the seeded request schedule
+- ``arms``          starting and stopping each arm's processes (``fifo_bootstrap``: the
+  Envoy-only baseline's config)
+- ``client``        the asyncio load generator and its request records
+- ``cpu``           per-process CPU accounting; ``cachestats`` the fleet's prefix-cache hits
+- ``stats``         an arm's figures from its records
+- ``targets``       the scenario's targets checked against the arms
+- ``results``       the typed results (``results.json``'s shape)
+- ``report``, ``plots``  ``report.md`` and its PNG plots
+- ``cli``           the command (``frontier``: the reserve ceiling's chat-vs-batch frontier)
+- ``overhead``      ``fairlane bench overhead``, the gateway's own cost (a package)
 """

@@ -100,6 +100,16 @@ class PrefixWindow:
             "per_backend": list(self.per_backend),
         }
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PrefixWindow:
+        return cls(
+            queries=data["prefix_queries"],
+            hits=data["prefix_hits"],
+            backends=data["prefix_backends"],
+            missing=data["prefix_backends_missing"],
+            per_backend=tuple(dict(b) for b in data["per_backend"]),
+        )
+
 
 def window_hit_rate(
     start: Sequence[PrefixCounters | None], end: Sequence[PrefixCounters | None]

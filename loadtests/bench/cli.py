@@ -13,6 +13,7 @@ A ``kind: overhead`` scenario (``overhead.yaml``) goes to :mod:`loadtests.bench.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -32,6 +33,7 @@ from loadtests.bench import cpu, report
 from loadtests.bench.arms import start_arm
 from loadtests.bench.cachestats import window_hit_rate
 from loadtests.bench.client import RequestRecord, run_load
+from loadtests.bench.results import ArmResult, BenchResults
 from loadtests.bench.scenario import (
     Document,
     Scenario,
@@ -39,6 +41,8 @@ from loadtests.bench.scenario import (
     load_scenario,
     read_document,
 )
+from loadtests.bench.stats import arm_summary
+from loadtests.bench.targets import evaluate, mark_suspect
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,7 +97,7 @@ def run_arm(
     log_dir: Path,
     external: tuple[BackendSpec, ...] = (),
     policy: Path | None = None,
-) -> tuple[list[RequestRecord], dict[str, Any]]:
+) -> tuple[list[RequestRecord], ArmResult]:
     """Start the arm, play the workload, stop everything; records and the arm's summary.
     ``policy``: the file the gateway reads (default: the scenario's, see ``start_arm``).
 
@@ -124,39 +128,26 @@ def run_arm(
     usage.loop_lag_max_s, usage.machine_peak = load.loop_lag_max_s, load.machine_peak
     usage.speedup = scenario.speedup
     usage.warnings = cpu.warnings(usage)
-    summary = report.arm_summary(scenario, records)
-    summary["prefix_cache"] = window_hit_rate(*load.prefix_window).to_json()
+    summary = dataclasses.replace(
+        arm_summary(scenario, records), prefix_cache=window_hit_rate(*load.prefix_window)
+    )
+    total = summary.total
     _log(
-        f"{arm.name}: {summary['total']['ok']} ok of {summary['total']['sent']} sent, "
-        f"{summary['total']['unfinished']} unfinished, {time.monotonic() - started:.1f} s wall"
+        f"{arm.name}: {total.ok} ok of {total.sent} sent, "
+        f"{total.unfinished} unfinished, {time.monotonic() - started:.1f} s wall"
     )
     for warning in usage.warnings:
         _log(f"{arm.name}: {warning}")
-    return records, {
-        "kind": arm.kind,
-        "balanced": arm.balanced,
-        "groups": [g.name for g in scenario.groups_of(arm)],
-        "pids": running.pids,
-        "capped": capped,
-        "wall_s": time.monotonic() - started,
-        "cpu": usage.to_json(),
-        "summary": summary,
-    }
-
-
-def mark_suspect(target: dict[str, Any], arms: dict[str, Any]) -> dict[str, Any]:
-    """A verdict computed from an arm with CPU warnings (client stalled, machine saturated)
-    is kept but flagged: it may say more about the machine than about the scheduler."""
-    noisy = [
-        a
-        for a in (target["arm"], target["baseline_arm"])
-        if a in arms and arms[a]["cpu"]["warnings"]
-    ]
-    target["suspect"] = bool(noisy)
-    if noisy:
-        note = f"suspect: CPU warnings in {', '.join(noisy)}; rerun on a quieter machine"
-        target["note"] = "; ".join(n for n in (target["note"], note) if n)
-    return target
+    return records, ArmResult(
+        kind=arm.kind,
+        balanced=arm.balanced,
+        groups=[g.name for g in scenario.groups_of(arm)],
+        pids=running.pids,
+        capped=capped,
+        wall_s=time.monotonic() - started,
+        cpu=usage,
+        summary=summary,
+    )
 
 
 def scenario_json(
@@ -197,11 +188,11 @@ def _shown(path: Path) -> str:
     return str(path.resolve()) if relative.startswith("..") else relative
 
 
-def bench(scenario: Scenario, out: Path, external: tuple[BackendSpec, ...] = ()) -> dict[str, Any]:
+def bench(scenario: Scenario, out: Path, external: tuple[BackendSpec, ...] = ()) -> BenchResults:
     """Run every arm and write the report; the results (also written to ``out``).
     ``external``: existing backends (``--backend``) instead of simulated ones."""
     records: dict[str, list[RequestRecord]] = {}
-    arms: dict[str, Any] = {}
+    arms: dict[str, ArmResult] = {}
     failed: dict[str, str] = {}
     # ``policy: default``: the rescaled copy, written once next to the report.
     policy_file = scenario.policy_file(out)
@@ -216,57 +207,59 @@ def bench(scenario: Scenario, out: Path, external: tuple[BackendSpec, ...] = ())
             failed[arm.name] = f"{type(exc).__name__}: {exc}"
             _log(f"{arm.name}: FAILED: {failed[arm.name]}")
     weights = {t.name: t.weight for t in load_policy(scenario.policy).tenants}
-    summaries = {name: data["summary"] for name, data in arms.items()}
-    targets = report.evaluate(scenario.targets, summaries, weights)
-    results = {
-        "scenario": scenario_json(scenario, external, policy_file),
-        "arms": arms,
-        "failed_arms": failed,
-        "targets": [mark_suspect(t.to_json(), arms) for t in targets],
-    }
+    summaries = {name: arm.summary for name, arm in arms.items()}
+    targets = evaluate(scenario.targets, summaries, weights)
+    results = BenchResults(
+        scenario=scenario_json(scenario, external, policy_file),
+        arms=arms,
+        failed_arms=failed,
+        targets=[mark_suspect(t, arms) for t in targets],
+    )
     report.write(out, results, records)
     return results
 
 
-def print_summary(results: dict[str, Any], out: Path) -> None:
-    arms = results["arms"]
-    external = results["scenario"]["backends"].get("external")
+def _print_arm(name: str, arm: ArmResult) -> None:
+    fmt = report.fmt
+    print(f"{name}:")
+    for tier, s in arm.summary.by_tier.items():
+        print(
+            f"  {tier:>12}: TTFT p50/p99 {fmt(s.ttft_p50)}/{fmt(s.ttft_p99)} s, e2e p95 "
+            f"{fmt(s.e2e_p95)} s, goodput {fmt(s.goodput)} tok/s, wait max "
+            f"{fmt(s.wait_max)} s, ok {s.ok}, unfinished {s.unfinished}"
+        )
+    total = arm.summary.total
+    cache = arm.summary.prefix_cache
+    rate = None if cache is None else cache.hit_rate
+    print(
+        f"  {'fleet':>12}: {fmt(total.throughput)} req/s, {fmt(total.goodput)} output tok/s, "
+        f"TTFT p50/p90/p99 {fmt(total.ttft_p50)}/{fmt(total.ttft_p90)}/"
+        f"{fmt(total.ttft_p99)} s, e2e p99 {fmt(total.e2e_p99)} s, "
+        f"prefix-cache hit rate {'-' if rate is None else f'{rate:.1%}'}"
+    )
+    cores = ", ".join(f"{p} {c:.2f}" for p, c in arm.cpu.cores.items())
+    print(f"  CPU cores: {cores}; machine {arm.cpu.machine_cores:.2f}")
+    for warning in arm.cpu.warnings:
+        print(f"  {warning}")
+
+
+def print_summary(results: BenchResults, out: Path) -> None:
+    external = results.scenario["backends"].get("external")
     if external:
         print(
             f"engines: {', '.join(external)} (--backend): their scheduling policy is their "
             "own, the same for every arm (FIFO vs priority is not switched per arm)"
         )
-    for name, data in arms.items():
-        print(f"{name}:")
-        for tier, s in data["summary"]["by_tier"].items():
-            print(
-                f"  {tier:>12}: TTFT p50/p99 {report.fmt(s['ttft_p50'])}/"
-                f"{report.fmt(s['ttft_p99'])} s, e2e p95 {report.fmt(s['e2e_p95'])} s, "
-                f"goodput {report.fmt(s['goodput'])} tok/s, wait max "
-                f"{report.fmt(s['wait_max'])} s, ok {s['ok']}, unfinished {s['unfinished']}"
-            )
-        total = data["summary"]["total"]
-        rate = (data["summary"].get("prefix_cache") or {}).get("prefix_hit_rate")
-        print(
-            f"  {'fleet':>12}: {report.fmt(total['throughput'])} req/s, "
-            f"{report.fmt(total['goodput'])} output tok/s, TTFT p50/p90/p99 "
-            f"{report.fmt(total['ttft_p50'])}/{report.fmt(total['ttft_p90'])}/"
-            f"{report.fmt(total['ttft_p99'])} s, e2e p99 {report.fmt(total['e2e_p99'])} s, "
-            f"prefix-cache hit rate {'-' if rate is None else f'{rate:.1%}'}"
-        )
-        cores = ", ".join(f"{p} {c:.2f}" for p, c in data["cpu"]["cores"].items())
-        print(f"  CPU cores: {cores}; machine {data['cpu']['machine_cores']:.2f}")
-        for warning in data["cpu"]["warnings"]:
-            print(f"  {warning}")
-    for name, error in results["failed_arms"].items():
+    for name, arm in results.arms.items():
+        _print_arm(name, arm)
+    for name, error in results.failed_arms.items():
         print(f"{name}: FAILED: {error.splitlines()[0]} (logs under {out / 'logs' / name})")
     print("targets:")
-    for t in results["targets"]:
-        verdict = {True: "PASS", False: "FAIL", None: "N/A"}[t["passed"]]
-        measured = report.fmt(t["measured"])
-        sign = "<=" if t["op"] == "max" else ">="
-        note = f" ({t['note']})" if t["note"] else ""
-        print(f"  {verdict} {t['name']}: {measured} {sign} {t['bound']:g}{note}")
+    for r in results.targets:
+        t = r.target
+        sign = "<=" if t.op == "max" else ">="
+        note = f" ({r.note})" if r.note else ""
+        print(f"  {r.verdict} {t.name}: {report.fmt(r.measured)} {sign} {t.bound:g}{note}")
     print(f"report: {out / 'report.md'}\nresults: {out / 'results.json'}")
 
 
@@ -304,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     print_summary(results, out)
-    return 1 if results["failed_arms"] else 0
+    return 1 if results.failed_arms else 0
 
 
 def policy_note(scenario: Scenario, written_for: float) -> str | None:

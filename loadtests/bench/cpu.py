@@ -14,6 +14,7 @@ import resource
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 LOADGEN = "load-generator"
@@ -82,6 +83,19 @@ class CpuUsage:
             "loop_lag_max_s": self.loop_lag_max_s,
             "machine_peak": self.machine_peak,
         }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CpuUsage:
+        """Read back from ``results.json`` (which has no ``speedup``: it is the run's)."""
+        return cls(
+            wall_s=data["wall_s"],
+            cores=dict(data["cores"]),
+            machine_cores=data["machine_cores"],
+            machine_capacity=data["machine_capacity"],
+            warnings=list(data["warnings"]),
+            loop_lag_max_s=data.get("loop_lag_max_s", 0.0),
+            machine_peak=data.get("machine_peak", 0.0),
+        )
 
 
 def sample(pids: Mapping[str, int]) -> CpuSample:

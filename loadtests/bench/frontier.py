@@ -28,6 +28,7 @@ import yaml
 from extproc.policy import DEFAULT_POLICY_PATH
 from loadtests.bench.cli import run_arm
 from loadtests.bench.policy_scale import rescale_policy
+from loadtests.bench.results import ArmResult
 from loadtests.bench.scenario import Scenario, load_scenario
 
 DEFAULT_SHARES = (0.0, 0.1, 0.25, 0.5)
@@ -45,8 +46,9 @@ def policy_with_ceiling(share: float, speedup: float, directory: Path) -> Path:
     return path
 
 
-def _tier(data: dict[str, Any], tier: str, metric: str) -> float | None:
-    value = data["summary"]["by_tier"].get(tier, {}).get(metric)
+def _tier(arm: ArmResult, tier: str, metric: str) -> float | None:
+    figures = arm.summary.by_tier.get(tier)
+    value = None if figures is None else figures.metric(metric)
     return None if value is None else float(value)
 
 
@@ -70,7 +72,7 @@ def measure(scenario: Scenario, shares: list[float], out: Path) -> dict[str, Any
                 if goodput and fifo_goodput
                 else None,
                 "interactive_p90_vs_no_flood": p90 / alone_p90 if p90 and alone_p90 else None,
-                "cpu": arm.get("cpu"),
+                "cpu": arm.cpu.to_json(),
             }
         )
         print(f"frontier: share {share:g}: {points[-1]}", file=sys.stderr)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loadtests.bench.client import RequestRecord
+from loadtests.bench.results import BenchResults, Figures
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -266,10 +267,10 @@ def throughput(
     return save_figure(fig, out_dir / "throughput.png")
 
 
-def service_share(out_dir: Path, results: Mapping[str, Any]) -> Path | None:
+def service_share(out_dir: Path, results: BenchResults) -> Path | None:
     """Per-tenant share of the service in the window, a stacked bar per arm."""
-    arms: Mapping[str, Any] = results["arms"]
-    tenants = list(dict.fromkeys(t for a in arms.values() for t in a["summary"]["by_tenant"]))
+    arms = results.arms
+    tenants = list(dict.fromkeys(t for a in arms.values() for t in a.summary.by_tenant))
     if not tenants:
         return None
     names = list(arms)
@@ -277,10 +278,7 @@ def service_share(out_dir: Path, results: Mapping[str, Any]) -> Path | None:
     ax = axes[0][0]
     left = [0.0] * len(names)
     for i, tenant in enumerate(tenants):
-        shares = [
-            float((arms[n]["summary"]["by_tenant"].get(tenant) or {}).get("share", 0.0)) * 100
-            for n in names
-        ]
+        shares = [_share(arms[n].summary.by_tenant.get(tenant)) * 100 for n in names]
         bars = ax.barh(names, shares, left=left, color=f"C{i % 10}", label=tenant)
         ax.bar_label(
             bars,
@@ -293,22 +291,20 @@ def service_share(out_dir: Path, results: Mapping[str, Any]) -> Path | None:
     ax.set_xlim(0, 100)
     ax.invert_yaxis()  # first arm on top, as in the report's tables
     ax.set_xlabel("share of service in the measured window (%, input + 2 x output tokens)")
-    ax.set_title(f"{results['scenario']['name']}: per-tenant service share")
+    ax.set_title(f"{results.scenario['name']}: per-tenant service share")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncols=min(len(tenants), 4))
     return save_figure(fig, out_dir / "service_share.png")
 
 
 def write_plots(
-    out_dir: Path, results: Mapping[str, Any], records: Mapping[str, Sequence[RequestRecord]]
+    out_dir: Path, results: BenchResults, records: Mapping[str, Sequence[RequestRecord]]
 ) -> dict[str, list[Path]]:
     """Draw every plot into ``out_dir``; ``{report section heading: [png, ...]}``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    scenario = results["scenario"]
+    scenario = results.scenario
     records = {arm: recs for arm, recs in records.items() if recs}
-    kinds = {arm: str(data.get("kind", "")) for arm, data in results["arms"].items()}
-    order = list(
-        dict.fromkeys(t for a in results["arms"].values() for t in a["summary"]["by_tier"])
-    )
+    kinds = {name: arm.kind for name, arm in results.arms.items()}
+    order = list(dict.fromkeys(t for a in results.arms.values() for t in a.summary.by_tier))
     sections: dict[str, list[Path]] = {}
     if records:
         for tier, paths in latency_cdfs(out_dir, scenario, records, order).items():
@@ -321,6 +317,10 @@ def write_plots(
     if share is not None:
         sections[SECTION_TENANTS] = [share]
     return sections
+
+
+def _share(figures: Figures | None) -> float:
+    return 0.0 if figures is None or figures.share is None else float(figures.share)
 
 
 def _alt(path: Path) -> str:
@@ -356,7 +356,7 @@ def embed(markdown: str, sections: Mapping[str, Sequence[Path]]) -> str:
 def add_plots(
     markdown: str,
     out_dir: Path,
-    results: Mapping[str, Any],
+    results: BenchResults,
     records: Mapping[str, Sequence[RequestRecord]],
 ) -> str:
     """Draw the plots and embed them in ``markdown``. A failure to draw (matplotlib missing,

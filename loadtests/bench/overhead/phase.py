@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtests.bench.report import percentile
+from loadtests.bench.stats import percentile
 
 
 @dataclass

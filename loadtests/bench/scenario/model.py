@@ -28,7 +28,7 @@ ArmKind = Literal["fifo", "least-request", "random", "fairlane"]
 ENVOY_ONLY_KINDS: tuple[str, ...] = ("fifo", "least-request", "random")
 ARM_KINDS: tuple[str, ...] = (*ENVOY_ONLY_KINDS, "fairlane")
 DistKind = Literal["fixed", "uniform", "lognormal"]
-# Metrics a target may check; see report.metric_value for their definitions.
+# Metrics a target may check; see targets.metric_value for their definitions.
 LATENCY_METRICS = (
     "ttft_p50",
     "ttft_p90",

@@ -15,11 +15,17 @@ from extproc.core.prompt import render_chat, tokenize
 from extproc.envoy.binary import validate
 from extproc.envoy.params import EnvoyParams
 from extproc.fleet.backend import BackendSpec
-from loadtests.bench import cpu, report
+from loadtests.bench import cpu, report, stats, targets
 from loadtests.bench.arms import envoy_only_bootstrap, sim_argv
-from loadtests.bench.cachestats import PrefixCounters, parse_prefix_counters, window_hit_rate
+from loadtests.bench.cachestats import (
+    PrefixCounters,
+    PrefixWindow,
+    parse_prefix_counters,
+    window_hit_rate,
+)
 from loadtests.bench.client import RequestRecord
 from loadtests.bench.fifo_bootstrap import render_fifo_bootstrap
+from loadtests.bench.results import ArmResult, ArmSummary, BenchResults
 from loadtests.bench.scenario import (
     SCENARIO_DIR,
     Dist,
@@ -258,27 +264,31 @@ def _record(start: float, end: float, ttft: float) -> RequestRecord:
     )
 
 
+def hit_rate(summary: ArmSummary, rate: float | None) -> ArmSummary:
+    """``summary`` with a fleet prefix-cache hit rate of ``rate`` (None: no queries)."""
+    window = PrefixWindow(1.0, rate, 1, 0) if rate is not None else PrefixWindow(0.0, 0.0, 1, 0)
+    return dataclasses.replace(summary, prefix_cache=window)
+
+
 def test_throughput_and_hit_rate_targets() -> None:
     scenario = load_scenario("shared-prefix")
     window_s = scenario.duration_s - scenario.warmup_s
     fast = [_record(100 + i, 101 + i, 0.5) for i in range(30)]
     slow = [_record(100 + 2 * i, 102 + 2 * i, 1.0) for i in range(10)]
     summaries = {
-        "fairlane": report.arm_summary(scenario, fast),
-        "least-request": report.arm_summary(scenario, slow),
+        "fairlane": hit_rate(stats.arm_summary(scenario, fast), 0.9),
+        "least-request": hit_rate(stats.arm_summary(scenario, slow), 0.4),
     }
-    summaries["fairlane"]["prefix_cache"] = {"prefix_hit_rate": 0.9}
-    summaries["least-request"]["prefix_cache"] = {"prefix_hit_rate": 0.4}
-    total = summaries["fairlane"]["total"]
-    assert total["throughput"] == pytest.approx(30 / window_s)
-    assert total["ttft_p90"] == pytest.approx(0.5)
-    results = {r.target.name: r for r in report.evaluate(scenario.targets, summaries)}
+    total = summaries["fairlane"].total
+    assert total.throughput == pytest.approx(30 / window_s)
+    assert total.ttft_p90 == pytest.approx(0.5)
+    results = {r.target.name: r for r in targets.evaluate(scenario.targets, summaries)}
     throughput = results["throughput >= 1.5x least-request"]
     assert throughput.measured == pytest.approx(3.0) and throughput.passed
     hits = results["prefix-cache hit rate >= 2x least-request"]
     assert hits.measured == pytest.approx(2.25) and hits.passed
-    summaries["least-request"]["prefix_cache"] = {"prefix_hit_rate": None}
-    [hits] = [r for r in report.evaluate(scenario.targets, summaries) if r.target.tier is None]
+    summaries["least-request"] = hit_rate(summaries["least-request"], None)
+    [hits] = [r for r in targets.evaluate(scenario.targets, summaries) if r.target.tier is None]
     assert hits.passed is None and hits.note == "no data"
 
 
@@ -307,20 +317,20 @@ def test_report_shows_fleet_rows(tmp_path: Path) -> None:
         [PrefixCounters(0, 0, 0), PrefixCounters(0, 0, 0)],
         [PrefixCounters(1000, 250, 40, 7), PrefixCounters(3000, 750, 120)],
     )
-    summary = report.arm_summary(scenario, [_record(100, 110, 10)])
-    summary["prefix_cache"] = window.to_json()
-    arm = {
-        "kind": "fairlane",
-        "balanced": True,
-        "groups": ["chat"],
-        "pids": {},
-        "capped": False,
-        "wall_s": 1.0,
-        "cpu": cpu.CpuUsage(1.0, {}, 0.5, 2).to_json(),
-        "summary": summary,
-    }
-    results = {
-        "scenario": {
+    summary = stats.arm_summary(scenario, [_record(100, 110, 10)])
+    summary = dataclasses.replace(summary, prefix_cache=window)
+    arm = ArmResult(
+        kind="fairlane",
+        balanced=True,
+        groups=["chat"],
+        pids={},
+        capped=False,
+        wall_s=1.0,
+        cpu=cpu.CpuUsage(1.0, {}, 0.5, 2),
+        summary=summary,
+    )
+    results = BenchResults(
+        scenario={
             "name": "unbalanced",
             "description": "d",
             "duration_s": 600,
@@ -331,10 +341,8 @@ def test_report_shows_fleet_rows(tmp_path: Path) -> None:
             "policy": "p.yaml",
             "backends": {"count": 2, "profile": "x", "flags": [], "overrides": {"0": ["--a"]}},
         },
-        "arms": {"fairlane-balanced": arm},
-        "failed_arms": {},
-        "targets": [],
-    }
+        arms={"fairlane-balanced": arm},
+    )
     text = report.render_markdown(results)
     assert "| prefix-cache hit rate (tokens) | 25.0% (1,000 of 4,000) |" in text
     assert "| requests finished per backend (window) | 40 / 120 |" in text

@@ -3,13 +3,14 @@ under the right section."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
-from loadtests.bench import plots, report
+from loadtests.bench import cpu, plots, stats
 from loadtests.bench.client import RequestRecord
+from loadtests.bench.results import ArmResult, ArmSummary, BenchResults
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -59,27 +60,29 @@ def records() -> dict[str, list[RequestRecord]]:
     return {"fifo": fifo, "fairlane": fairlane}
 
 
-def results(recs: dict[str, list[RequestRecord]]) -> dict[str, Any]:
+def arm_result(kind: str, summary: ArmSummary) -> ArmResult:
+    return ArmResult(kind, False, [], {}, False, 1.0, cpu.CpuUsage(1.0), summary)
+
+
+def results(recs: dict[str, list[RequestRecord]]) -> BenchResults:
     scenario = {"name": "hand-made", "warmup_s": 5.0, "duration_s": 60.0, "speedup": 20.0}
-    window = report.Window(5.0, 60.0)
-    arms: dict[str, Any] = {}
+    window = stats.Window(5.0, 60.0)
+    arms: dict[str, ArmResult] = {}
     for arm, rs in recs.items():
         tiers = {
-            t: report.selection_stats([r for r in rs if r.tier == t], window, 20.0)
+            t: stats.selection_stats([r for r in rs if r.tier == t], window, 20.0)
             for t in ("interactive", "batch")
         }
         tenants = {
-            t: report.selection_stats([r for r in rs if r.tenant == t], window, 20.0)
+            t: stats.selection_stats([r for r in rs if r.tenant == t], window, 20.0)
             for t in ("chat", "nightly")
         }
-        total = sum(s["service_tokens"] for s in tenants.values())
-        for s in tenants.values():
-            s["share"] = s["service_tokens"] / total
-        arms[arm] = {
-            "kind": arm,
-            "summary": {"by_tier": tiers, "by_tenant": tenants},
+        total = sum(s.service_tokens for s in tenants.values())
+        tenants = {
+            t: dataclasses.replace(s, share=s.service_tokens / total) for t, s in tenants.items()
         }
-    return {"scenario": scenario, "arms": arms}
+        arms[arm] = arm_result(arm, ArmSummary(by_tier=tiers, by_tenant=tenants))
+    return BenchResults(scenario, arms)
 
 
 def assert_png(path: Path) -> None:
@@ -113,10 +116,10 @@ def test_write_plots_writes_valid_pngs(tmp_path: Path) -> None:
 
 def test_tier_names_are_made_safe_for_file_names(tmp_path: Path) -> None:
     recs = {"fifo": [rec("fifo", "a b/c", "t", 1.0, 0.5, 1.0)]}
-    res = {
-        "scenario": {"name": "x", "warmup_s": 0.0, "duration_s": 10.0, "speedup": 1.0},
-        "arms": {"fifo": {"kind": "fifo", "summary": {"by_tier": {}, "by_tenant": {}}}},
-    }
+    res = BenchResults(
+        {"name": "x", "warmup_s": 0.0, "duration_s": 10.0, "speedup": 1.0},
+        {"fifo": arm_result("fifo", ArmSummary())},
+    )
     plots.write_plots(tmp_path, res, recs)
     assert_png(tmp_path / "ttft_cdf_a_b_c.png")
 
@@ -140,7 +143,7 @@ def test_embed_puts_images_at_the_end_of_their_sections() -> None:
 
 
 def test_a_plotting_failure_keeps_the_report(tmp_path: Path) -> None:
-    broken: dict[str, Any] = {"scenario": {"name": "x"}, "arms": {}}  # no times: KeyError
+    broken = BenchResults({"name": "x"})  # no times: KeyError
     recs = {"fifo": [rec("fifo", "a", "t", 1.0, 0.5, 1.0)]}
     out = plots.add_plots("# report\n", tmp_path, broken, recs)
     assert out.startswith("# report\n") and "plots not drawn: KeyError" in out

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from loadtests.bench import cpu, report
+from loadtests.bench import cpu, report, stats, targets
 from loadtests.bench.client import RequestRecord
-from loadtests.bench.report import Window, jain_index, percentile, selection_stats
+from loadtests.bench.results import ArmResult, ArmSummary, BenchResults
 from loadtests.bench.scenario import Target, load_scenario
+from loadtests.bench.stats import Window, jain_index, percentile, selection_stats
 
 
 def rec(
@@ -78,20 +78,20 @@ def test_selection_stats_window_goodput_waits_and_counts() -> None:
         rec(start=40, ttft=None, e2e=3.0, ok=False, status=503),  # shed after 3 s
         rec(start=50, ttft=None, e2e=45.0, ok=False, status=0, unfinished=True),
     ]
-    stats = selection_stats(records, Window(10, 100), speedup=20)
-    assert stats["sent"] == 6 and stats["ok"] == 4
-    assert stats["errors"] == {"503": 1}
-    assert stats["unfinished"] == 1
-    assert stats["measured"] == 3
-    assert stats["ttft_p50"] == 1.0
-    assert stats["e2e_p99"] == pytest.approx(percentile([3.0, 4.0, 10.0], 99))
+    figures = selection_stats(records, Window(10, 100), speedup=20)
+    assert figures.sent == 6 and figures.ok == 4
+    assert figures.errors == {"503": 1}
+    assert figures.unfinished == 1
+    assert figures.measured == 3
+    assert figures.ttft_p50 == 1.0
+    assert figures.e2e_p99 == pytest.approx(percentile([3.0, 4.0, 10.0], 99))
     # finished inside [10, 100]: the 2nd and 3rd (the 1st ended at 10.5, also inside)
-    assert stats["goodput"] == pytest.approx((50 + 60 + 40) / 90)
-    assert stats["service_tokens"] == 3 * 100 + 2 * (50 + 60 + 40)
-    assert stats["plain_tokens"] == 3 * 100 + 50 + 60 + 40
+    assert figures.goodput == pytest.approx((50 + 60 + 40) / 90)
+    assert figures.service_tokens == 3 * 100 + 2 * (50 + 60 + 40)
+    assert figures.plain_tokens == 3 * 100 + 50 + 60 + 40
     # the unfinished request waited 45 s without a token: it is the maximum wait
-    assert stats["wait_max"] == 45.0
-    assert stats["queue_wait_max"] == pytest.approx(0.1 * 20)  # wall ms x speedup
+    assert figures.wait_max == 45.0
+    assert figures.queue_wait_max == pytest.approx(0.1 * 20)  # wall ms x speedup
 
 
 def test_arm_summary_shares_and_targets() -> None:
@@ -103,20 +103,20 @@ def test_arm_summary_shares_and_targets() -> None:
         rec(tier="api", tenant="tenant-d", group="heavy-d", start=50, completion=100),
         rec(tier="api", tenant="tenant-b", group="light-b", start=50, e2e=3.0),
     ]
-    summary = report.arm_summary(scenario, records)
-    tenants = summary["by_tenant"]
-    service = {t: s["service_tokens"] for t, s in tenants.items()}
+    summary = stats.arm_summary(scenario, records)
+    tenants = summary.by_tenant
+    service = {t: s.service_tokens for t, s in tenants.items()}
     assert service["power-a"] == 3 * 300 and service["tenant-d"] == 300
-    assert tenants["power-a"]["share"] == pytest.approx(900 / (900 + 300 + 200))
-    assert sum(s["share"] for s in tenants.values()) == pytest.approx(1.0)
+    assert tenants["power-a"].share == pytest.approx(900 / (900 + 300 + 200))
+    assert sum(s.share or 0.0 for s in tenants.values()) == pytest.approx(1.0)
     assert "tenant-c" not in tenants
 
-    unloaded = report.arm_summary(
+    unloaded = stats.arm_summary(
         scenario, [rec(tier="api", tenant="tenant-b", group="light-b", start=50, e2e=2.0)]
     )
     results = {
         r.target.name: r
-        for r in report.evaluate(
+        for r in targets.evaluate(
             scenario.targets, {"fairlane": summary, "fairlane-unloaded": unloaded}
         )
     }
@@ -128,7 +128,7 @@ def test_arm_summary_shares_and_targets() -> None:
     assert jain.measured == pytest.approx(jain_index([900, 300]))
     assert jain.passed is False
     # weights divide the service: power-a with weight 3 is exactly even with tenant-d
-    weighted = report.evaluate(
+    weighted = targets.evaluate(
         [t for t in scenario.targets if t.metric == "jain"],
         {"fairlane": summary},
         weights={"power-a": 3.0},
@@ -147,7 +147,7 @@ def test_target_against_a_missing_arm_is_not_applicable() -> None:
         tier="batch",
         baseline_arm="fifo",
     )
-    (result,) = report.evaluate([target], {"fairlane": {"by_tier": {}}})
+    (result,) = targets.evaluate([target], {"fairlane": ArmSummary(by_tier={})})
     assert result.passed is None and "fifo" in result.note
 
 
@@ -173,21 +173,22 @@ def test_markdown_and_json(tmp_path: Path) -> None:
     records = {"fifo": [rec()], "fairlane": [rec(queue_ms=20.0)]}
     usage = cpu.CpuUsage(3.0, {"envoy": 0.1, cpu.LOADGEN: 0.9}, 1.0, 2)
     usage.warnings = cpu.warnings(usage)
-    arms: dict[str, dict[str, Any]] = {
-        name: {
-            "kind": name,
-            "groups": ["chat"],
-            "pids": {},
-            "capped": name == "fifo",
-            "wall_s": 3.0,
-            "cpu": usage.to_json(),
-            "summary": report.arm_summary(scenario, recs),
-        }
+    arms = {
+        name: ArmResult(
+            kind=name,
+            balanced=False,
+            groups=["chat"],
+            pids={},
+            capped=name == "fifo",
+            wall_s=3.0,
+            cpu=usage,
+            summary=stats.arm_summary(scenario, recs),
+        )
         for name, recs in records.items()
     }
-    targets = report.evaluate(scenario.targets, {n: a["summary"] for n, a in arms.items()})
-    results = {
-        "scenario": {
+    verdicts = targets.evaluate(scenario.targets, {n: a.summary for n, a in arms.items()})
+    results = BenchResults(
+        scenario={
             "name": "smoke",
             "description": "d",
             "duration_s": 50,
@@ -198,10 +199,10 @@ def test_markdown_and_json(tmp_path: Path) -> None:
             "policy": "p.yaml",
             "backends": {"count": 1, "profile": "x", "flags": []},
         },
-        "arms": arms,
-        "failed_arms": {"other": "NotReady: sim died"},
-        "targets": [t.to_json() for t in targets],
-    }
+        arms=arms,
+        failed_arms={"other": "NotReady: sim died"},
+        targets=verdicts,
+    )
     md, js = report.write(tmp_path, results, records)
     text = md.read_text()
     assert "| fifo | fairlane |" in text

@@ -82,13 +82,17 @@ class FieldReader:
         return self._located.construct(field.node)
 
     def pairs(self, field: Field) -> list[tuple[Any, Field]] | None:
-        """A mapping's (key, field) pairs with any keys, or None when it is not a mapping."""
+        """A mapping's (key, field) pairs with any keys, or None when it is not a mapping.
+        A key given twice is read as ``yaml.safe_load`` reads it: the last value, in the
+        first one's place (and line)."""
         if not isinstance(field.node, MappingNode):
             return None
-        return [
-            (key := self._located.construct(k), Field(join_path(field.path, str(key)), v, k))
-            for k, v in self._located.pairs(field.node)
-        ]
+        pairs: dict[Any, Field] = {}
+        for key_node, value_node in self._located.pairs(field.node):
+            key = self._located.construct(key_node)
+            at = pairs[key].at if key in pairs else key_node
+            pairs[key] = Field(join_path(field.path, str(key)), value_node, at)
+        return list(pairs.items())
 
     def section(self, field: Field, allowed: Sequence[str]) -> Section | None:
         """The mapping at ``field``, with an error for each key not in ``allowed``."""
@@ -96,12 +100,10 @@ class FieldReader:
         if pairs is None:
             self.error(field, f"must be a mapping, got {type(self.value(field)).__name__}")
             return None
-        fields: dict[Any, Field] = {}
         for key, item in pairs:
-            if key not in allowed and key not in fields:
+            if key not in allowed:
                 self.error(item, f"unknown field (allowed: {', '.join(allowed)})")
-            fields[key] = item
-        return Section(field, fields)
+        return Section(field, dict(pairs))
 
     def items(self, field: Field | None) -> list[Field] | None:
         """A list's items, or None when ``field`` is absent or not a list."""

@@ -15,7 +15,7 @@ completions keep failing (``FAILURES_TO_COOL_OFF`` 5xx or dead connections in a 
 Envoy's access log reports them) is set aside for ``COOL_OFF_S``, the gateway's
 counterpart of Envoy's outlier ejection, since ``/health`` can answer while requests fail.
 
-Each backend also carries the picker's model of its prefix cache (``extproc.core.prefix``),
+Each backend also carries the picker's model of its prefix cache (``extproc.fleet.prefix_cache``),
 sized from the ``vllm:cache_config_info`` its scrapes report.
 """
 
@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from extproc.core.prefix import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS, PrefixLRU
+from extproc.fleet.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS, PrefixLRU
 from extproc.fleet.seats import Seats
 from extproc.fleet.vllm_metrics import EngineMetrics, interval_itl
 

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from extproc.core.prefix import CHARS_PER_TOKEN, PrefixLRU, PromptBlocks, prefix_blocks
+from extproc.core.prefix import CHARS_PER_TOKEN, PromptBlocks, prefix_blocks
+from extproc.fleet.prefix_cache import PrefixLRU
 
 
 def test_same_prefix_same_leading_hashes_and_divergence_after_the_differing_block() -> None:

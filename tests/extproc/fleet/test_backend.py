@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from extproc.core.prefix import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS
 from extproc.fleet.backend import Backend, BackendPool, BackendSpec, parse_backend
+from extproc.fleet.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS
 from extproc.fleet.vllm_metrics import EngineMetrics
 
 

@@ -211,7 +211,9 @@ async def test_one_late_scrape_is_missed_two_in_a_row_mark_the_backend_unscrapab
     runner, port = await _serve(app)
     pool = BackendPool([BackendSpec("127.0.0.1", port)])
     (backend,) = pool.backends
-    watch = asyncio.create_task(Poller(pool).watch_metrics(interval_s=0.02, timeout_s=0.2))
+    # A timeout far above a loopback answer's time, so that only the held answers time out
+    # even on a busy machine.
+    watch = asyncio.create_task(Poller(pool).watch_metrics(interval_s=0.02, timeout_s=1.0))
     try:
         await _until(lambda: answered[0] >= 2)
         slow_next[0] = 1

@@ -1,14 +1,16 @@
 """fairlane's ext_proc service: classify, hold, prioritise and route LLM requests for Envoy.
 
-Where things live (one concept per module):
+Where things live (one package per concern; the README's "Where things live" has the
+module table and one request's path through them):
 
-- ``cli``        the ``fairlane`` command and its sub-commands
-- ``messages``   plain request/decision objects that cross the protobuf boundary
-- ``codec``      the only module that touches ext_proc protobuf
-- ``service``    the thin grpc.aio servicer
-- ``errors``     OpenAI-shaped client errors
-- ``prompt``     chat rendering and the cheap deterministic tokenizer shared with the simulator
-- ``processes``  starting and always stopping child processes
+- ``core``       every per-request decision, synchronous and free of I/O
+- ``policy``     the YAML policy: model, whole-file validation, the store
+- ``fleet``      the backends' state; ``fleet.poller`` is its only HTTP
+- ``transport``  gRPC servicers, the protobuf codec, held requests, the server, Prometheus
+- ``envoy``      rendering Envoy's bootstrap, snippet, mesh objects; the deployment file
+- ``ops``        the ``fairlane`` command, ``fairlane up``, ``check``, child processes
+- ``wire``       the names the service and Envoy's config must agree on
+- ``yamlfile``   hand-edited YAML read with ``file:line`` errors
 """
 
 __version__ = "0.1.0"

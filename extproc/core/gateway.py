@@ -27,7 +27,14 @@ from extproc.core.events import Completion, RequestInfo
 from extproc.core.feedback import settle
 from extproc.core.picker import choose
 from extproc.policy import PolicyStore
-from extproc.wire import TIER_HEADER
+from extproc.wire import (
+    HEDGE_ON_TIMEOUT_HEADER,
+    MAX_RETRIES_HEADER,
+    PER_TRY_TIMEOUT_HEADER,
+    QUEUE_MS_KEY,
+    TIER_HEADER,
+    TIER_KEY,
+)
 
 log = logging.getLogger("fairlane.gateway")
 
@@ -189,14 +196,14 @@ class Gateway:
         # Envoy's fallback load balancer would pick any host its own health check passes,
         # including one the service left out (garbage metrics, cooling off, saturated).
         alternates = len(grant.endpoints) - 1
-        set_headers["x-envoy-max-retries"] = str(alternates)
+        set_headers[MAX_RETRIES_HEADER] = str(alternates)
         if request.tier.hedge_after_ms is not None and alternates:
             # Envoy's router reads these from a trusted filter (mutation_rules allow_envoy)
             # and strips any a client sends: hedge on the per-try timeout, to the next
             # endpoint listed in x-gateway-destination-endpoint.
             hedge_ms = str(request.tier.hedge_after_ms)
-            set_headers["x-envoy-upstream-rq-per-try-timeout-ms"] = hedge_ms
-            set_headers["x-envoy-hedge-on-per-try-timeout"] = "true"
+            set_headers[PER_TRY_TIMEOUT_HEADER] = hedge_ms
+            set_headers[HEDGE_ON_TIMEOUT_HEADER] = "true"
         if request_id != info.request_id:
             set_headers["x-request-id"] = request_id
         strip = client_headers_to_strip(info.headers, overwritten=set_headers)
@@ -208,7 +215,7 @@ class Gateway:
             endpoints=grant.endpoints,
             set_headers=set_headers,
             remove_headers=strip,
-            metadata={"tier": request.tier.name, "queue_ms": str(round(grant.queued_s * 1000))},
+            metadata={TIER_KEY: request.tier.name, QUEUE_MS_KEY: str(round(grant.queued_s * 1000))},
         )
 
     def completed(self, completion: Completion) -> list[Grant]:

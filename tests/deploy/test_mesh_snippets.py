@@ -93,8 +93,9 @@ def test_plain_envoy_snippet_validates(deployment: Deployment, tmp_path: Path) -
 
 
 def test_shipped_envoy_mesh_snippet_is_referenced() -> None:
-    """envoy/mesh-snippet.yaml (EnvoyParams defaults) is validated by test_envoy_config.py;
-    the deploy README points at both it and the deployment-specific one here."""
+    """envoy/mesh-snippet.yaml (EnvoyParams defaults) is validated by
+    tests/extproc/envoy/test_bootstrap.py; the deploy README points at both it and the
+    deployment-specific one here."""
     readme = (REPO / "deploy" / "README.md").read_text()
     assert "envoy/mesh-snippet.yaml" in readme
     assert "mesh/envoy-snippet.yaml" in readme

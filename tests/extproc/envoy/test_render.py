@@ -40,7 +40,7 @@ from extproc.wire import BACKEND_CLUSTER, DESTINATION_HEADER, EXTPROC_CLUSTER
 from tests.ext_proc_double import ExtProcDouble, header_option
 from tests.http_backends import serve_every_path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SHIPPED = REPO / "deploy" / "fairlane.yaml"
 POLICY = REPO / "policies" / "default.yaml"
 

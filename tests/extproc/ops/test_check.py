@@ -10,7 +10,7 @@ import pytest
 
 from extproc.ops.cli import main
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FAIRLANE = Path(sys.executable).with_name("fairlane")
 
 

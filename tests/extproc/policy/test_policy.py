@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import textwrap
@@ -20,7 +19,6 @@ from extproc.policy import (
     parse_policy,
 )
 from extproc.policy import parse as parse_module
-from extproc.transport.server import watch_policy
 
 REPO = Path(__file__).resolve().parents[3]
 SHIPPED = sorted((REPO / "policies").glob("*.yaml"))
@@ -486,21 +484,6 @@ def test_missing_file_keeps_the_policy(policy_file: Path, caplog: pytest.LogCapt
     assert len(caplog.records) == 1  # reported once, not on every poll
     policy_file.write_text(MINIMAL.replace("queue_limit: 10", "queue_limit: 13"))
     assert store.reload() is True
-
-
-async def test_watch_picks_up_a_change(policy_file: Path) -> None:
-    store = PolicyStore(policy_file, poll_interval_s=0.01)
-    swapped = asyncio.Event()
-    store.on_change(lambda _: swapped.set())
-    task = asyncio.create_task(watch_policy(store))
-    try:
-        rewrite(policy_file, MINIMAL.replace("queue_limit: 10", "queue_limit: 77"))
-        await asyncio.wait_for(swapped.wait(), timeout=5)
-        assert store.current.tier("fast").queue_limit == 77
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
 
 
 # --------------------------------------------------------------------------- scheduling knobs

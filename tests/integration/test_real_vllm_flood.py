@@ -12,9 +12,11 @@ The bounds are generous on purpose (this is a regression test on a noisy 2-core 
 where the engine itself takes the cores; ``fairlane bench flood-vllm-cpu`` measures the
 target): the median TTFT under the flood below ``FLOOD_P50_BOUND_S``, which a regression to
 waiting for batch seats (half a batch request, about a second and a half, on average)
-exceeds, and the p90 below ``FLOOD_P90_BOUND_S``: seconds, not tenths. The tail on this
-machine moves with CPU scheduling (a few chats in twelve took 0.6-1.1 s in one run with
-every one of them seated at once), so it is not held to the median's bound.
+exceeds, and the p90 below ``FLOOD_P90_BOUND_S``: seconds, not tenths. Both move with CPU
+scheduling on this machine, where the engine alone can keep both cores busy: alone, the
+median was 0.05 s; in the full suite, where other tests' processes were still winding down,
+it was 0.52 s (every chat seated at once, held 0 s in the gateway), and a few chats in
+twelve took 0.6-1.5 s. The median's bound sits between that and the regression's 1.5 s.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ ENGINE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "2", "--scheduling-po
 BATCH_CLIENTS = 10
 BATCH_TOKENS = 420  # about 3 s of one seat on this engine: the prompt fits in the 512 context
 CHATS = 16
-FLOOD_P50_BOUND_S = 0.35
+FLOOD_P50_BOUND_S = 0.8
 FLOOD_P90_BOUND_S = 2.5
 
 

@@ -194,16 +194,22 @@ async def test_garbage_down_and_hung_backends_are_saturated_while_a_good_one_kee
 
 async def test_one_late_scrape_is_missed_two_in_a_row_mark_the_backend_unscrapable() -> None:
     """A busy engine's API server answers /metrics late now and then: one timeout keeps the
-    backend usable (its metrics age meanwhile); a second one in a row does not."""
+    backend usable (its metrics age meanwhile); a second one in a row does not.
+
+    The state between two scrapes lasts one interval, too short to poll for reliably, so
+    the server records the backend's state as each scrape arrives: what the previous scrape
+    left behind."""
     slow_next = [0]
-    answered = [0]
+    seen: list[tuple[int, bool, bool]] = []  # (timeouts, scrape_ok, healthy) per scrape
     release = asyncio.Event()
+    pool = BackendPool([BackendSpec("127.0.0.1", 1)])  # replaced below, once the port is known
 
     async def metrics(_: web.Request) -> web.Response:
+        (backend,) = pool.backends
+        seen.append((backend.timeouts, backend.scrape_ok, backend.healthy))
         if slow_next[0]:
             slow_next[0] -= 1
             await release.wait()  # past the scrape timeout
-        answered[0] += 1
         return web.Response(text=METRICS_PAGE.format(waiting=0, running=1, count=0, itl_sum=0))
 
     app = web.Application()
@@ -215,15 +221,16 @@ async def test_one_late_scrape_is_missed_two_in_a_row_mark_the_backend_unscrapab
     # even on a busy machine.
     watch = asyncio.create_task(Poller(pool).watch_metrics(interval_s=0.02, timeout_s=1.0))
     try:
-        await _until(lambda: answered[0] >= 2)
+        await _until(lambda: len(seen) >= 2 and backend.scrape_ok)
         slow_next[0] = 1
-        await _until(lambda: backend.timeouts == 1)
-        assert backend.scrape_ok and backend.healthy  # one late answer: a missed scrape
-        await _until(lambda: backend.timeouts == 0)  # the next one answered
+        await _until(lambda: any(t == 1 for t, _, _ in seen))
+        assert all(ok and healthy for t, ok, healthy in seen if t == 1)  # one late: missed
+        await _until(lambda: seen[-1][0] == 0 and len(seen) > 3)  # the next one answered
+        mark = len(seen)
         slow_next[0] = 2
-        await _until(lambda: not backend.scrape_ok)
-        assert backend.timeouts >= 2 and not backend.healthy
-        await _until(lambda: backend.scrape_ok)  # answers again: usable again
+        await _until(lambda: any(t >= 2 for t, _, _ in seen[mark:]), timeout_s=10.0)
+        assert all(not ok and not healthy for t, ok, healthy in seen[mark:] if t >= 2)
+        await _until(lambda: backend.scrape_ok and backend.timeouts == 0)  # usable again
     finally:
         watch.cancel()
         await asyncio.gather(watch, return_exceptions=True)

@@ -290,13 +290,30 @@ def test_knows_queued_and_in_flight_ids() -> None:
 
 def test_a_completion_frees_an_empty_queue_seat_before_the_next_scrape() -> None:
     batch = with_gate(BATCH, Gate(max_waiting=0))
-    admission, pool, _ = make_admission(limit=100, tiers=(INTERACTIVE, API, batch))
+    admission, pool, _ = make_admission(limit=100, seats=8, tiers=(INTERACTIVE, API, batch))
     first = submit(admission, "b0", Request(batch))
     second = submit(admission, "b1", Request(batch))
     assert first.granted and not second.granted  # b0 may be waiting in the engine
     admission.release("b0", output_tokens=10)  # it finished: a seat is free, no scrape needed
     assert second.granted
     assert pool.backends[0].effective_waiting() == 1
+
+
+def test_a_big_engine_fills_free_seats_several_grants_a_scrape() -> None:
+    """One grant a scrape would take a 256-seat engine 26 s to fill after a lull; one per
+    16 seats fills it in 16 scrapes, and a small engine still gets one a scrape."""
+    batch = dataclasses.replace(
+        with_gate(BATCH, Gate(max_waiting=0, max_kv_cache_usage=None)), queue_limit=100
+    )
+    for seats, per_scrape in ((8, 1), (16, 1), (32, 2), (256, 16)):
+        admission, pool, clock = make_admission(
+            limit=4096, seats=seats, tiers=(INTERACTIVE, API, batch)
+        )
+        tickets = [submit(admission, f"b{i}", Request(batch)) for i in range(40)]
+        assert sum(t.granted for t in tickets) == per_scrape, seats
+        scraped(pool.backends[0], clock, waiting=1)  # the engine queues: nothing more goes
+        admission.dispatch()
+        assert sum(t.granted for t in tickets) == per_scrape, seats
 
 
 def test_an_aged_band_is_gated_and_prioritised_as_the_tier_it_reached() -> None:

@@ -127,6 +127,22 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _interruptible() -> None:
+    """In the child: Ctrl-C as a shell delivers it. A child inherits its parent's ignored
+    and blocked signals, and earlier tests in this process may have left SIGINT so."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _signal_state(pid: int) -> str:
+    """The process's ignored, blocked and caught signal masks, for a failure message."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError as exc:
+        return str(exc)
+    return ", ".join(line for line in lines if line.startswith(("SigIgn", "SigBlk", "SigCgt")))
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -149,6 +165,7 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_interruptible,
     )
     try:
         assert bench.stderr is not None
@@ -159,8 +176,13 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
                 break
         children = _children(bench.pid)
         assert len(children) >= 2, children  # Envoy and a simulator (the fifo arm)
+        state = _signal_state(bench.pid)
         bench.send_signal(signal.SIGINT)
-        rest = bench.communicate(timeout=30)[1]
+        try:
+            rest = bench.communicate(timeout=30)[1]
+        except subprocess.TimeoutExpired:
+            running = "still running" if bench.poll() is None else f"exited {bench.returncode}"
+            raise AssertionError(f"no exit 30 s after SIGINT ({running}; {state})") from None
         assert bench.returncode == 1
         assert "interrupted; every process was stopped" in rest
         assert not [pid for pid in children if alive(pid)]

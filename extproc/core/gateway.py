@@ -144,9 +144,20 @@ class Gateway:
             request_id = self._new_request_id()  # a client reused an id: keep ours unique
         granted = self.admission.submit(request_id, request)
         others = tuple(g for g in granted if g.request_id != request_id)
+        try:
+            return Decision(self._answer_submitted(info, body, request, request_id), others)
+        except Exception:  # the grants made for others must still reach them
+            log.exception("unexpected error answering %s %s", info.method, info.path)
+            self.stats.reject(500, "internal_error")
+            return Decision(Respond(500, error_body(500, "internal gateway error")), others)
+
+    def _answer_submitted(
+        self, info: RequestInfo, body: dict[str, Any], request: RequestClass, request_id: str
+    ) -> Forward | Hold:
+        """Forward a request admission granted on submission; hold one it queued."""
         own = self.admission.grant_of(request_id)
         if own is not None:
-            return Decision(self.forward(info, body, request, own, request_id), others)
+            return self.forward(info, body, request, own, request_id)
         deadline_s = request.tier.queue_deadline_s
         hold = Hold(
             request_id=request_id,
@@ -157,7 +168,7 @@ class Gateway:
             body=body,
             request=request,
         )
-        return Decision(hold, others)
+        return hold
 
     def _forward_bodiless(self, info: RequestInfo) -> Forward:
         """``GET /v1/models`` and friends: authenticated, not queued (they cost no GPU)."""

@@ -5,6 +5,7 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from extproc.core.admission import Grant
 from extproc.core.decisions import Forward, Hold, Respond
 from extproc.core.events import Completion, RequestInfo
 from extproc.core.gateway import Gateway
@@ -177,3 +178,22 @@ def test_picks_are_exported_per_backend_and_reason() -> None:
     text = generate_latest(registry).decode()
     assert 'fairlane_picks_total{backend="127.0.0.1:8101",reason="load"} 1.0' in text
     assert 'fairlane_picks_total{backend="127.0.0.1:8101",reason="prefix"} 1.0' in text
+
+
+def test_a_bug_after_submission_still_hands_over_the_grants_made_for_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A submission may let other held requests go; a bug answering this one must cost this
+    one a 500, not leave the others waiting for grants nobody delivers."""
+    gateway = make_gateway()
+    submit = gateway.admission.submit
+    other = Grant("held-elsewhere", ("127.0.0.1:8101",), 10, 0.5, "acme")
+    monkeypatch.setattr(gateway.admission, "submit", lambda rid, req: [*submit(rid, req), other])
+
+    def broken(*_: object) -> Forward:
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(gateway, "forward", broken)
+    decision = gateway.handle(request())
+    assert isinstance(decision.answer, Respond) and decision.answer.status == 500
+    assert decision.grants == (other,)

@@ -102,7 +102,10 @@ def _pip(*args: str) -> None:
 @pytest.fixture(scope="module")
 def installed() -> Iterator[Installed]:
     if not _can_build_wheels_offline():
-        pytest.skip("building a wheel offline needs setuptools>=70.1 (pip install -e '.[dev]')")
+        pytest.fail(
+            "building a wheel offline needs setuptools>=70.1, which the dev extra installs"
+            " (scripts/bootstrap, or pip install -e '.[dev]')"
+        )
     with tempfile.TemporaryDirectory(prefix="fairlane-wheel-") as tmp:
         root = Path(tmp).resolve()
         _copy_sources(root / "src")

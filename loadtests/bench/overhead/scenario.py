@@ -20,10 +20,10 @@ from loadtests.bench.scenario.fields import (
     FieldReader,
     Section,
     choice,
-    document_root,
     integer_at_least,
     number,
     positive,
+    read_whole,
     string,
     text,
 )
@@ -112,11 +112,7 @@ OVERHEAD_FIELDS = (
 
 def parse_overhead(document: Document) -> OverheadScenario:
     """Validate a ``kind: overhead`` document; one :class:`ScenarioError` for every problem."""
-    reader = FieldReader(document.path)
-    scenario = _read_overhead(reader, document_root(document))
-    if reader.errors or scenario is None:
-        raise reader.failure()
-    return scenario
+    return read_whole(document, _read_overhead)
 
 
 def _read_overhead(reader: FieldReader, root: Field) -> OverheadScenario | None:

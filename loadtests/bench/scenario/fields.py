@@ -141,6 +141,16 @@ def document_root(document: Document) -> Field:
     return Field("", node, node)
 
 
+def read_whole(document: Document, read: Callable[[FieldReader, Field], T | None]) -> T:
+    """``read`` the whole document from its root; one :class:`ScenarioError` listing every
+    problem, when there was any."""
+    reader = FieldReader(document.path)
+    value = read(reader, document_root(document))
+    if reader.errors or value is None:
+        raise reader.failure()
+    return value
+
+
 # --------------------------------------------------------------------------- value checks
 
 

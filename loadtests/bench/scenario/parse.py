@@ -18,11 +18,11 @@ from loadtests.bench.scenario.fields import (
     Section,
     boolean,
     choice,
-    document_root,
     integer_at_least,
     non_negative,
     number,
     positive,
+    read_whole,
     string,
     string_list,
     text,
@@ -90,11 +90,7 @@ def parse_scenario(data: Any, path: Path) -> Scenario:
 
 def parse_document(document: Document) -> Scenario:
     """Validate the whole document; raise one :class:`ScenarioError` listing every problem."""
-    reader = FieldReader(document.path)
-    scenario = _read_scenario(reader, document_root(document))
-    if reader.errors or scenario is None:
-        raise reader.failure()
-    return scenario
+    return read_whole(document, _read_scenario)
 
 
 def _read_scenario(reader: FieldReader, root: Field) -> Scenario | None:

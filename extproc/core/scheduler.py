@@ -434,7 +434,7 @@ class FairScheduler:
         return sum(len(band.entries) for band in self._bands.values())
 
     def contains(self, request_id: str) -> bool:
-        return any(request_id in band.entries for band in self._bands.values())
+        return self.find(request_id) is not None
 
     def find(self, request_id: str) -> Entry | None:
         """The queued entry for ``request_id``, or None when it is not queued."""

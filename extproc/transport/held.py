@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Iterable
 
 from extproc.core.admission import Grant
-from extproc.core.decisions import Decision, Forward, Hold, Respond
+from extproc.core.decisions import Forward, Hold, Respond
 from extproc.core.errors import Rejection
 from extproc.core.events import Completion, RequestInfo
 from extproc.core.gateway import Gateway
@@ -44,7 +44,7 @@ class HeldRequests:
         answer = decision.answer
         if isinstance(answer, Hold):
             self._waiting[answer.request_id] = asyncio.get_running_loop().create_future()
-        self._deliver(decision)
+        self._wake(decision.grants)
         assert answer is not None  # handle always answers the request in hand
         return answer
 
@@ -88,22 +88,19 @@ class HeldRequests:
             grant = await asyncio.wait_for(asyncio.shield(future), hold.deadline_s)
         except TimeoutError:
             decision = self.gateway.give_up(hold)
-            self._deliver(decision)
+            self._wake(decision.grants)
             assert decision.answer is not None and not isinstance(decision.answer, Hold)
             return decision.answer
         except Rejection as rejection:  # turned away on shutdown
             return self.gateway.respond_to(rejection)
         except asyncio.CancelledError:
-            self._deliver(self.gateway.give_up(hold, cancelled=True))
+            self._wake(self.gateway.give_up(hold, cancelled=True).grants)
             raise
         finally:
             self._waiting.pop(hold.request_id, None)
         return self.gateway.resume(hold, grant)
 
     # ----------------------------------------------------------------- grants out
-
-    def _deliver(self, decision: Decision) -> None:
-        self._wake(decision.grants)
 
     def _wake(self, grants: Iterable[Grant]) -> None:
         for grant in grants:

@@ -16,12 +16,16 @@ from typing import Any
 from loadtests.bench.overhead import runner
 from loadtests.bench.overhead.backend import serve_backend
 from loadtests.bench.overhead.eventloop import run_loop
-from loadtests.bench.overhead.scenario import OverheadScenario, parse_overhead
+from loadtests.bench.overhead.scenario import HALF_CAPACITY, OverheadScenario, Rate, parse_overhead
 from loadtests.bench.scenario.document import ScenarioError, read_document
 
 
-def _rates(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v.strip()]
+def _rates(text: str) -> list[Rate]:
+    return [
+        HALF_CAPACITY if v.strip() == HALF_CAPACITY else float(v)
+        for v in text.split(",")
+        if v.strip()
+    ]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,7 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     backend = sub.add_parser("backend", help="the instant backend alone")
     backend.add_argument("--port", type=int, required=True)
-    parser.add_argument("--rates", type=_rates, default=None, help="req/s list, e.g. 100,500")
+    parser.add_argument(
+        "--rates", type=_rates, default=None, help="req/s list, e.g. 100,half_capacity"
+    )
     parser.add_argument("--duration", type=float, default=None, help="wall seconds per phase")
     parser.add_argument(
         "--concurrency", type=int, default=None, help="connections at saturation (0: skip)"

@@ -1,6 +1,8 @@
 """``fairlane bench`` with a tiny ``kind: overhead`` scenario, end to end through the real
-Envoy, service and instant backend on loopback (about 10 s): the report's numbers are present
-and sane, the plots are written, nothing is left running; and a service killed during the
+Envoy, service and instant backend on loopback (about 15 s): every phase (saturation, the rates
+with half capacity, concurrency 1, a 1 s overload and the recovery watch) of the default-policy
+arm and of direct, the report's numbers present and sane, the plots written, nothing left
+running; and a service killed during the
 fairlane arm is named, the arm reported failed, everything stopped."""
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -29,17 +30,31 @@ TINY = f"""\
 kind: overhead
 name: overhead-tiny
 description: CI check of the overhead runner, not a measurement.
-policy: {SCENARIO_DIR / "policies" / "overhead.yaml"}
-rates: [50]
+fairlane_arms:
+  fairlane: {{policy: {SCENARIO_DIR / "policies" / "overhead.yaml"}}}
+  fairlane-default: {{policy: default, api_key: sk-chat-demo, seats: 256}}
+rates: [50, half_capacity]
 duration_s: 1
 saturation_connections: 4
 warmup_requests: 20
-arms: [direct, fairlane]
+concurrency1_requests: 20
+overload: {{factor: 2, duration_s: 1, timeout_s: 2, recovery_window_s: 0.5, recovery_max_s: 1}}
+arms: [direct, fairlane, fairlane-default]
 targets:
   - {{name: added p50, metric: added_p50_ms, rate: 50, max: 0.5}}
   - {{name: added p99, metric: added_p99_ms, rate: 50, max: 2}}
+  - {{name: added p50 half, metric: added_p50_ms, rate: half_capacity, max: 0.5}}
   - {{name: saturation, metric: saturation_rps, min: 2000}}
+  - {{name: per core, metric: rps_per_core_vs_envoy, min: 0.25}}
+  - {{name: c1, metric: c1_added_p50_ms, max: 1}}
+  - {{name: admitted, metric: overload_admitted_fraction, min: 0.9}}
+  - {{name: within, metric: overload_answered_within_fraction, min: 1}}
+  - {{name: envoy errors, metric: overload_envoy_errors, max: 0}}
+  - {{name: timeouts, metric: overload_timeouts, max: 0}}
+  - {{name: recovery, metric: recovery_s, max: 5}}
 """
+ARM = "fairlane-default"
+"""The fairlane arm the end-to-end run drives (the default policy: gates, scrapes, seats)."""
 
 
 @pytest.fixture
@@ -53,37 +68,73 @@ def test_overhead_tiny_runs_both_arms_and_reports(
     tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "out"
-    assert main(["bench", str(tiny), "--out", str(out)]) == 0
+    assert main(["bench", str(tiny), "--out", str(out), "--arms", f"direct,{ARM}"]) == 0
     printed = capsys.readouterr().out
-    assert re.search(r"(PASS|FAIL) added p50: [\d.]+ <= 0.5", printed), printed
+    assert re.search(rf"(PASS|FAIL) \[{ARM}\] added p50: [\d.]+ <= 0.5", printed), printed
 
     data = json.loads((out / "results.json").read_text())
     assert data["failed_arms"] == {}
-    assert set(data["arms"]) == {"direct", "fairlane"}
+    assert list(data["arms"]) == [ARM, "direct"]  # the fairlane arm first: direct needs its rates
+    fair, direct = data["arms"][ARM], data["arms"]["direct"]
+    assert [r["mode"] for r in fair] == [
+        "saturation",
+        "rate",
+        "rate",
+        "concurrency1",
+        "overload",
+        "recovery",
+    ]
+    assert [r["mode"] for r in direct] == ["saturation", "rate", "rate", "concurrency1"]
     for arm, rows in data["arms"].items():
-        assert [r["mode"] for r in rows] == ["rate", "saturation"], arm
-        for row in rows:
+        for row in rows[:4]:
+            # the default policy's arm is not throttled (its backend's seats are declared)
             assert row["errors"] == 0, (arm, row)
             assert row["achieved_rps"] > 0 and row["requests"] > 0, (arm, row)
             assert 0 < row["p50_ms"] <= row["p99_ms"] < 1000, (arm, row)
-            assert row["cpu_cores"]["envoy"] > 0 and row["loadgen_cores"] > 0, (arm, row)
-        assert ("service" in rows[0]["cpu_cores"]) is (arm == "fairlane")
-    direct, fairlane = data["arms"]["direct"][0], data["arms"]["fairlane"][0]
-    # the gateway's extra gRPC round trips cost something (noise allowed for a busy machine)
-    assert fairlane["p50_ms"] - direct["p50_ms"] > -0.5, (direct, fairlane)
-    assert data["arms"]["fairlane"][1]["rps_per_service_core"] > 0
-    targets = {t["metric"]: t for t in data["targets"]}
-    assert set(targets) == {"added_p50_ms", "added_p99_ms", "saturation_rps"}
+            assert row["loadgen_cores"] > 0, (arm, row)
+        for row in rows[:3]:
+            assert row["cpu_cores"]["envoy"] > 0, (arm, row)
+        assert ("service" in rows[0]["cpu_cores"]) is (arm == ARM)
+    capacity = fair[0]["achieved_rps"]
+    half = round(capacity / 2)
+    assert data["half_capacity_rps"] == {ARM: half}
+    assert (fair[2]["target_rps"], fair[2]["rate_label"]) == (half, "half_capacity")
+    assert {r["target_rps"] for r in direct[1:3]} == {50, half}
+    c1 = fair[3]
+    assert c1["requests"] == 20 and 0 < c1["backend_p50_ms"] < c1["p50_ms"]
+    assert c1["c1_added_p50_ms"] == pytest.approx(c1["p50_ms"] - c1["backend_p50_ms"], abs=1e-3)
+    overload, recovery = fair[4], fair[5]
+    assert overload["target_rps"] == pytest.approx(2 * capacity, abs=0.1)
+    # every request due was either sent (and classified) or counted unsent
+    assert overload["sent"] + overload["unsent"] == int(2 * capacity * 1)
+    assert sum(overload["outcomes"].values()) == overload["sent"] > 0
+    assert overload["admitted_fraction"] == pytest.approx(
+        overload["achieved_rps"] / capacity, abs=1e-3
+    )
+    assert overload["cpu_cores"]["service"] > 0
+    assert recovery["baseline_p50_ms"] == fair[1]["p50_ms"]
+    assert [w["t_s"] for w in recovery["windows"]] == [0.0, 0.5]
+    assert recovery["recovered"] is (recovery["recovery_s"] is not None)
+
+    targets = {t["name"]: t for t in data["targets"]}
+    assert len(targets) == len(data["targets"]) == 11  # one fairlane arm: one verdict each
+    assert {t["arm"] for t in data["targets"]} == {ARM}
     for t in targets.values():
-        assert t["measured"] is not None and t["passed"] in (True, False), t
-    assert targets["saturation_rps"]["measured"] == data["arms"]["fairlane"][1]["achieved_rps"]
+        if t["name"] != "recovery":
+            assert t["measured"] is not None and t["passed"] in (True, False), t
+    assert targets["saturation"]["measured"] == capacity
+    assert targets["timeouts"]["measured"] == overload["timeouts"]
+    assert targets["added p50 half"]["measured"] == pytest.approx(
+        fair[2]["p50_ms"] - next(r for r in direct if r["target_rps"] == half)["p50_ms"], abs=1e-3
+    )
 
     report = (out / "report.md").read_text()
     assert "load generator the bottleneck?" in report and "machine CPU-bound?" in report
-    assert "| 50 req/s | fairlane |" in report and "| saturation | direct |" in report
-    assert re.search(r"\*\*(PASS|FAIL)\*\* saturation: [\d.]+ ≥ 2000", report)
+    assert f"| 50 req/s | {ARM} |" in report and "| saturation | direct |" in report
+    assert re.search(rf"\*\*(PASS|FAIL)\*\* \[{ARM}\] saturation: [\d.]+ ≥ 2000", report)
+    assert "## Concurrency 1" in report and "## Overload and recovery" in report
     images = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", report)
-    assert set(images) == {"latency.png", "added_latency.png", "saturation.png"}
+    assert set(images) == {"latency.png", "added_latency.png", "saturation.png", "recovery.png"}
     for image in images:
         png = (out / image).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000, image
@@ -100,14 +151,14 @@ def kill_service_after(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
     def start_arm(
         arm: str, scenario: OverheadScenario, group: ProcessGroup
-    ) -> tuple[int, dict[str, Any]]:
-        port, pids = real(arm, scenario, group)
-        if "service" in pids:
-            killed.append(pids["service"])
-            timer = threading.Timer(0.5, os.kill, (pids["service"], signal.SIGKILL))
+    ) -> overhead_runner.Started:
+        started = real(arm, scenario, group)
+        if "service" in started.pids:
+            killed.append(started.pids["service"])
+            timer = threading.Timer(0.5, os.kill, (started.pids["service"], signal.SIGKILL))
             timers.append(timer)
             timer.start()
-        return port, pids
+        return started
 
     monkeypatch.setattr(overhead_runner, "start_arm", start_arm)
     yield killed
@@ -126,7 +177,7 @@ def test_overhead_names_a_component_that_died(
     assert main(["bench", str(tiny), "--out", str(out), "--arms", "fairlane"]) == 1
     captured = capsys.readouterr()
     pid = kill_service_after[0]
-    # (at 50 req/s, or in the warm-up on a very slow machine)
+    # (at saturation, or in the warm-up on a very slow machine)
     message = f"the service (pid {pid}) exited with signal SIGKILL during arm fairlane"
     assert message in captured.err
     assert "last lines of its log" in captured.err

@@ -63,3 +63,11 @@ PER_TRY_TIMEOUT_HEADER = "x-envoy-upstream-rq-per-try-timeout-ms"
 """A hedged tier's ``hedge_after_ms``."""
 HEDGE_ON_TIMEOUT_HEADER = "x-envoy-hedge-on-per-try-timeout"
 """``true``: on the per-try timeout, send a copy to the next listed endpoint."""
+
+# --------------------------------------------------------------------------- runtime (RTDS)
+
+RUNTIME_LAYER = "fairlane"
+"""The runtime layer the service serves over RTDS and the bootstrap subscribes to."""
+SHED_RUNTIME_KEY = "fairlane.overload.shed_percent"
+"""The percentage of new requests the overload routes turn away before they reach the
+service (Envoy reads an integer runtime value as a percentage)."""

@@ -25,6 +25,7 @@ from extproc.core.decisions import Decision, Forward, Hold, Respond
 from extproc.core.errors import Rejection, error_body
 from extproc.core.events import Completion, RequestInfo
 from extproc.core.feedback import settle
+from extproc.core.overload import OverloadControl
 from extproc.core.picker import choose
 from extproc.policy import PolicyStore
 from extproc.wire import (
@@ -51,6 +52,9 @@ _STRIPPED_EXACT = frozenset(
     }
 )
 _STRIPPED_PREFIXES = ("x-fairlane-",)
+
+#: What a request turned away because the service is overloaded is told to wait.
+OVERLOAD_RETRY_AFTER_S = 1
 
 #: Envoy holds a request at most this long past its queue deadline before giving up on us.
 HOLD_MARGIN_S = 5.0
@@ -81,7 +85,9 @@ class Gateway:
     """The per-request decisions, over the live policy and the admission gate.
 
     ``new_request_id`` names a request whose client sent no id, or one already in use;
-    injected so that tests and the simulator decide what ids look like.
+    injected so that tests and the simulator decide what ids look like. ``overload`` says
+    when the service itself is overloaded (``extproc.core.overload``); the least urgent
+    tier is then turned away here, before it costs a queue entry.
     """
 
     def __init__(
@@ -89,11 +95,13 @@ class Gateway:
         policies: PolicyStore,
         admission: Admission,
         new_request_id: Callable[[], str] = _new_request_id,
+        overload: OverloadControl | None = None,
     ) -> None:
         self.policies = policies
         self.admission = admission
         self.stats = GatewayStats()
         self._new_request_id = new_request_id
+        self.overload = overload or OverloadControl()
 
     def handle(self, info: RequestInfo) -> Decision:
         """A new request: forward it, answer it, or hold it in its tier's queue."""
@@ -139,6 +147,15 @@ class Gateway:
             return Decision(self._forward_bodiless(info))
         body = parse_body(policy, info)
         request = classify(policy, info, body)
+        tier = request.tier
+        if self.overload.overloaded and len(policy.tiers) > 1 and tier is policy.lowest_tier:
+            raise Rejection(
+                429,
+                "the gateway is overloaded; retry later",
+                code="gateway_overloaded",
+                headers={"retry-after": str(OVERLOAD_RETRY_AFTER_S)},
+                tier=tier.name,
+            )
         request_id = info.request_id
         if not request_id or self.admission.knows(request_id):
             request_id = self._new_request_id()  # a client reused an id: keep ours unique

@@ -12,6 +12,8 @@ modules of ``extproc.envoy`` build, each with the reasons for its settings next 
 * :mod:`~extproc.envoy.routes`: no route timeout, retries, the ``x-fairlane-*`` headers;
 * :mod:`~extproc.envoy.clusters`: the service (a stream per held request) and the backends
   (``override_host`` routing, regions as priority levels);
+* :mod:`~extproc.envoy.overload`: the runtime layer the service serves and the routes that
+  turn requests away for it while it is overloaded;
 * here: the listener, whose buffer must exceed the largest allowed body (else BUFFERED mode
   turns big prompts into 413s), and the overload manager's connection cap.
 
@@ -41,9 +43,9 @@ from extproc.envoy.clusters import backend_cluster, extproc_cluster
 from extproc.envoy.connection_manager import hcm_settings
 from extproc.envoy.filter import ext_proc_filter
 from extproc.envoy.generated import comment, dump_yaml, generated_header
+from extproc.envoy.overload import buffer_filter, guarded_routes, layered_runtime
 from extproc.envoy.params import EnvoyParams
 from extproc.envoy.protojson import HCM_TYPE, hcm_filter_chains, router_filter, socket_address
-from extproc.envoy.routes import routes
 from extproc.envoy.snippet import render_mesh_snippet_yaml
 
 BOOTSTRAP_COMMAND = "python -m extproc.envoy.bootstrap"
@@ -58,6 +60,9 @@ def render_bootstrap(params: EnvoyParams) -> dict[str, Any]:
             "clusters": [extproc_cluster(params), backend_cluster(params)],
         },
         "overload_manager": overload_manager(params),
+        # RTDS needs a node; the service serves the same layer to every Envoy.
+        "node": {"id": "fairlane-envoy", "cluster": "fairlane"},
+        "layered_runtime": layered_runtime(),
     }
 
 
@@ -93,9 +98,11 @@ def _listener(params: EnvoyParams) -> dict[str, Any]:
         **hcm_settings(params),
         "route_config": {
             "name": "fairlane",
-            "virtual_hosts": [{"name": "fairlane", "domains": ["*"], "routes": routes(params)}],
+            "virtual_hosts": [
+                {"name": "fairlane", "domains": ["*"], "routes": guarded_routes(params)}
+            ],
         },
-        "http_filters": [ext_proc_filter(params), router_filter()],
+        "http_filters": [ext_proc_filter(params), buffer_filter(params), router_filter()],
     }
     return {
         "name": "fairlane_http",

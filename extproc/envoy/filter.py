@@ -66,6 +66,9 @@ def ext_proc_filter(params: EnvoyParams) -> dict[str, Any]:
                 "receiving_namespaces": {"untyped": [LB_NAMESPACE, FAIRLANE_NAMESPACE]},
             },
             "stat_prefix": "fairlane",
+            # When Envoy received the request: how old it is when the service decides it is
+            # how far behind the service is (its overload signal, extproc.transport.overload).
+            "request_attributes": ["request.time"],
         },
     }
 

@@ -1,7 +1,8 @@
 """The only module that touches Envoy's protobuf messages.
 
 ext_proc ``ProcessingRequest`` / ``ProcessingResponse`` and access-log entries are converted
-here to and from the plain objects of ``extproc.core.decisions``. upb-backed ``xds-protos`` classes
+here to and from the plain objects of ``extproc.core.decisions``, and the runtime layer
+the service serves Envoy (RTDS) is packed here. upb-backed ``xds-protos`` classes
 are used because decoding them costs a few microseconds, where betterproto-style dataclasses
 cost hundreds (see the performance notes in the README).
 """
@@ -9,11 +10,14 @@ cost hundreds (see the performance notes in the README).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from datetime import datetime
 
 from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.runtime.v3 import rtds_pb2
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import duration_pb2, struct_pb2
+from google.protobuf import any_pb2, duration_pb2, struct_pb2
 
 from extproc.core.decisions import Forward, Respond
 from extproc.core.events import Completion, RequestInfo
@@ -24,15 +28,28 @@ ProcessingRequest = pb.ProcessingRequest
 ProcessingResponse = pb.ProcessingResponse
 
 
+ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
+"""Where Envoy puts the filter's ``request_attributes`` in the first message."""
+RECEIVED_ATTRIBUTE = "request.time"
+
+
 class HeadersPart:
     """The request-headers message, decoded: what is known before the body arrives."""
 
-    __slots__ = ("end_of_stream", "headers", "invalid")
+    __slots__ = ("end_of_stream", "headers", "invalid", "received_at")
 
-    def __init__(self, headers: dict[str, str], invalid: tuple[str, ...], end_of_stream: bool):
+    def __init__(
+        self,
+        headers: dict[str, str],
+        invalid: tuple[str, ...],
+        end_of_stream: bool,
+        received_at: float | None = None,
+    ):
         self.headers = headers
         self.invalid = invalid
         self.end_of_stream = end_of_stream
+        self.received_at = received_at
+        """When Envoy received the request (Unix time), if it said so."""
 
     def request_info(self, body: bytes = b"") -> RequestInfo:
         headers = self.headers
@@ -56,7 +73,20 @@ def decode_headers(message: pb.ProcessingRequest) -> HeadersPart:
             headers[header.key] = header.raw_value.decode("utf-8")
         except UnicodeDecodeError:
             invalid.append(header.key)
-    return HeadersPart(headers, tuple(invalid), http_headers.end_of_stream)
+    return HeadersPart(headers, tuple(invalid), http_headers.end_of_stream, _received_at(message))
+
+
+def _received_at(message: pb.ProcessingRequest) -> float | None:
+    """Envoy's ``request.time`` attribute (RFC 3339) as Unix time; None if absent or bad."""
+    if ATTRIBUTES_KEY not in message.attributes:
+        return None
+    fields = message.attributes[ATTRIBUTES_KEY].fields
+    if RECEIVED_ATTRIBUTE not in fields:
+        return None
+    try:
+        return datetime.fromisoformat(fields[RECEIVED_ATTRIBUTE].string_value).timestamp()
+    except ValueError:
+        return None
 
 
 def kind(message: pb.ProcessingRequest) -> str:
@@ -169,3 +199,23 @@ def completions(entries: Iterable[accesslog_pb2.HTTPAccessLogEntry]) -> Iterator
 
 def _seconds(duration: duration_pb2.Duration) -> float:
     return duration.seconds + duration.nanos / 1e9
+
+
+RUNTIME_TYPE_URL = "type.googleapis.com/envoy.service.runtime.v3.Runtime"
+
+
+def runtime_response(
+    name: str, version: int, values: Mapping[str, float]
+) -> discovery_pb2.DiscoveryResponse:
+    """The whole runtime layer ``name`` (state of the world), as one RTDS response."""
+    runtime = rtds_pb2.Runtime(name=name)
+    for key, value in values.items():
+        runtime.layer.fields[key].number_value = value
+    resource = any_pb2.Any()
+    resource.Pack(runtime)
+    return discovery_pb2.DiscoveryResponse(
+        version_info=str(version),
+        resources=[resource],
+        type_url=RUNTIME_TYPE_URL,
+        nonce=str(version),
+    )

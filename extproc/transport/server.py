@@ -21,15 +21,19 @@ import grpc
 from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from envoy.service.runtime.v3 import rtds_pb2_grpc
 
 from extproc.core.admission import Admission
 from extproc.core.gateway import Gateway
+from extproc.core.overload import OverloadControl
 from extproc.fleet.backend import BACKEND_SYNTAX, BackendPool, BackendSpec, parse_backend
 from extproc.fleet.poller import Poller
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyStore
 from extproc.transport.held import HeldRequests
+from extproc.transport.overload import Ages, watch_overload
 from extproc.transport.prometheus import GatewayCollector, start_metrics_server
-from extproc.transport.servicer import AccessLog, ExternalProcessor
+from extproc.transport.runtime import RuntimeLayer
+from extproc.transport.servicer import AccessLog, ExternalProcessor, RuntimeDiscovery
 
 log = logging.getLogger("fairlane.server")
 
@@ -70,14 +74,20 @@ class Service:
         self.pool = BackendPool(config.backends)
         self.admission = Admission(self.pool, self.policies.current)
         self.policies.on_change(self._policy_changed)
-        self.gateway = Gateway(self.policies, self.admission)
+        self.overload = OverloadControl()
+        self.runtime = RuntimeLayer()
+        self.ages = Ages()
+        self.gateway = Gateway(self.policies, self.admission, overload=self.overload)
         self.held = HeldRequests(self.gateway)
         self.poller = Poller(self.pool, on_change=self.held.dispatch)
         self.server = grpc.aio.server(options=grpc_options())
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessor(self.held), self.server
+            ExternalProcessor(self.held, self.ages), self.server
         )
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(self.held), self.server)
+        rtds_pb2_grpc.add_RuntimeDiscoveryServiceServicer_to_server(
+            RuntimeDiscovery(self.runtime), self.server
+        )
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         self._tasks: list[asyncio.Task[None]] = []
         self._scrape: asyncio.Task[None] | None = None
@@ -98,6 +108,9 @@ class Service:
                 self.poller.watch_health(self.config.health_interval_s), name="health"
             ),
             asyncio.create_task(self._expire_lost_completions(), name="expire"),
+            asyncio.create_task(
+                watch_overload(self.overload, self.runtime, self.ages), name="overload"
+            ),
         ]
         self._scrape = self._start_scraping()
         log.info("fairlane ext_proc service on %s:%d", self.config.host, self.port)

@@ -4,30 +4,38 @@ Deliberately thin. ``ExternalProcessor.Process`` runs once per HTTP request: it 
 headers message (or decides on it when there is no body), holds the request with
 ``override_message_timeout`` while it waits in a queue, and sends the final body response
 or immediate response. ``AccessLog.StreamAccessLogs`` receives Envoy's access-log entries,
-which tell the gateway when each request finished.
+which tell the gateway when each request finished. ``RuntimeDiscovery.StreamRuntime``
+serves the runtime layer (``transport.runtime``) to every Envoy subscribed to it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
-from time import perf_counter
+from time import perf_counter, time
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from envoy.service.runtime.v3 import rtds_pb2_grpc
 
 from extproc.core.decisions import Forward, Hold
 from extproc.transport import codec
 from extproc.transport.held import HeldRequests
+from extproc.transport.overload import Ages
+from extproc.transport.runtime import RuntimeLayer
 
 log = logging.getLogger("fairlane.service")
 
 
 class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
-    def __init__(self, held: HeldRequests) -> None:
+    def __init__(self, held: HeldRequests, ages: Ages | None = None) -> None:
         self.held = held
         self._service_time = held.gateway.stats.service_time
+        self._ages = ages or Ages()
 
     async def Process(
         self,
@@ -54,6 +62,8 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
                     "unexpected ext_proc message %r; check the filter's processing_mode", phase
                 )
                 continue
+            if headers is not None and headers.received_at is not None:
+                self._ages.observe(time() - headers.received_at)
             outcome = self.held.handle(info)
             if isinstance(outcome, Hold):
                 busy_s += perf_counter() - started
@@ -84,3 +94,43 @@ class AccessLog(als_pb2_grpc.AccessLogServiceServicer):
             for completion in codec.completions(message.http_logs.log_entry):
                 self.held.completed(completion)
         return als_pb2.StreamAccessLogsResponse()
+
+
+class RuntimeDiscovery(rtds_pb2_grpc.RuntimeDiscoveryServiceServicer):
+    """RTDS, state of the world: the whole layer when an Envoy subscribes and again on every
+    change. Envoy's acknowledgements are read and otherwise ignored (a rejection is logged):
+    the layer is small and always valid, so there is nothing to roll back."""
+
+    def __init__(self, layer: RuntimeLayer) -> None:
+        self.layer = layer
+
+    async def StreamRuntime(
+        self,
+        request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            return
+        if self.layer.name not in first.resource_names:
+            log.warning(
+                "an Envoy subscribed to runtime layers %s; this service serves %r",
+                list(first.resource_names),
+                self.layer.name,
+            )
+        acks = asyncio.create_task(_read_acks(request_iterator))
+        try:
+            while True:
+                version = self.layer.version
+                yield codec.runtime_response(self.layer.name, version, self.layer.values)
+                await self.layer.changed_since(version)
+        finally:
+            acks.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await acks
+
+
+async def _read_acks(requests: AsyncIterator[discovery_pb2.DiscoveryRequest]) -> None:
+    async for request in requests:
+        if request.HasField("error_detail"):
+            log.error("Envoy rejected the runtime layer: %s", request.error_detail.message)

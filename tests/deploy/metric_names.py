@@ -22,30 +22,26 @@ from dataclasses import dataclass
 from functools import cache
 
 from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 # -- expositions --------------------------------------------------------------------------
 
 
-_COUNTER_TYPE = re.compile(r"^#\s*TYPE\s+(\S+)\s+counter\s*$", re.MULTILINE)
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 def stored_samples(text: str) -> Iterator[tuple[str, dict[str, str]]]:
-    """(name, labels) of each sample, named as Prometheus stores it.
+    """(name, labels) of each sample, named as Prometheus stores it: as written.
 
-    prometheus_client's parser appends ``_total`` to the samples of a counter declared
-    without it (Envoy's ``envoy_cluster_upstream_rq_retry``); Prometheus stores the name as
-    written, so that is undone here. Counters declared as ``x_total`` (prometheus_client's
-    own output: the gateway, vLLM) are untouched.
+    Read line by line rather than with prometheus_client's parser, which names a counter's
+    samples after its family with ``_total`` appended: Envoy declares both
+    ``envoy_cluster_upstream_rq`` (a counter) and ``envoy_cluster_upstream_rq_total``, and
+    once the first has samples the parser files the second's under the first.
     """
-    bare_counters = {n for n in _COUNTER_TYPE.findall(text) if not n.endswith("_total")}
-    for family in text_string_to_metric_families(text):
-        munged = family.type == "counter" and family.name in bare_counters
-        for s in family.samples:
-            name = s.name
-            if munged and name == family.name + "_total":
-                name = family.name
-            yield name, s.labels
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is not None:
+            yield match[1], dict(_LABEL.findall(match[2] or ""))
 
 
 def sample_names(text: str) -> set[str]:
@@ -144,9 +140,15 @@ def envoy_exposition() -> str:
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             deadline = time.monotonic() + 30
+            # Ready, not merely answering: until its initialisation is done (the runtime
+            # layer from the service, which waits up to its initial fetch timeout here)
+            # Envoy has not created the clusters' stats yet.
+            ready = f"http://127.0.0.1:{admin}/ready"
             url = f"http://127.0.0.1:{admin}/stats/prometheus"
             while True:
                 try:
+                    with urllib.request.urlopen(ready, timeout=2):
+                        pass
                     with urllib.request.urlopen(url, timeout=2) as response:
                         return str(response.read().decode())
                 except OSError:

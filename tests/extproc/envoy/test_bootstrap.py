@@ -21,7 +21,12 @@ import yaml
 
 from extproc.envoy.binary import envoy_argv, envoy_binary, validate
 from extproc.envoy.bootstrap import render_bootstrap, render_yaml
-from extproc.envoy.params import MAX_MESSAGE_TIMEOUT_S, EnvoyConfigError, EnvoyParams
+from extproc.envoy.params import (
+    CATCH_ALL_ROUTE,
+    MAX_MESSAGE_TIMEOUT_S,
+    EnvoyConfigError,
+    EnvoyParams,
+)
 from extproc.envoy.snippet import render_mesh_snippet, render_mesh_snippet_yaml, wrap_snippet
 from extproc.fleet.backend import BackendSpec
 from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
@@ -87,7 +92,9 @@ def _ext_proc(bootstrap: dict[str, Any]) -> dict[str, Any]:
 
 
 def _route(bootstrap: dict[str, Any]) -> dict[str, Any]:
-    route: dict[str, Any] = _hcm(bootstrap)["route_config"]["virtual_hosts"][0]["routes"][0]
+    """The catch-all route (its overload twin before it is tested in test_overload.py)."""
+    route: dict[str, Any] = _hcm(bootstrap)["route_config"]["virtual_hosts"][0]["routes"][-1]
+    assert route["name"] == CATCH_ALL_ROUTE
     return route
 
 

@@ -19,6 +19,7 @@ from extproc.envoy.binary import envoy_argv, validate
 from extproc.envoy.bootstrap import render_bootstrap, render_yaml
 from extproc.envoy.deployment import DeploymentError, parse_deployment
 from extproc.envoy.filter import EXT_PROC_PER_ROUTE_TYPE, ext_proc_filter
+from extproc.envoy.overload import OVERLOAD_SUFFIX
 from extproc.envoy.params import CATCH_ALL_ROUTE, EnvoyConfigError, EnvoyParams, RouteSpec
 from extproc.envoy.render import render, typed_check
 from extproc.envoy.snippet import render_mesh_snippet
@@ -35,9 +36,10 @@ OPEN_ROUTES = (
 
 
 def _routes(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
+    """The routes through the service; their overload twins are tested in test_overload.py."""
     hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     routes: list[dict[str, Any]] = hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
-    return routes
+    return [r for r in routes if not r["name"].endswith(OVERLOAD_SUFFIX)]
 
 
 def _allows(route: dict[str, Any]) -> bool:

@@ -208,7 +208,7 @@ def test_weights_priorities_health_and_breakers(tmp_path: Path) -> None:
     for threshold in extproc["circuit_breakers"]["thresholds"]:
         assert threshold["max_requests"] >= sum(t.queue_limit for t in policy.tiers)
 
-    route = _hcm(bootstrap)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    route = _hcm(bootstrap)["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
     retry = route["retry_policy"]
     # hedging needs num_retries and at least one retry_on condition
     assert retry["num_retries"] >= 1
@@ -326,7 +326,7 @@ def test_envoy_rejection_fails_the_command_and_writes_nothing(
 
     def broken(params: Any) -> dict[str, Any]:
         bootstrap = render_bootstrap(params)
-        _hcm(bootstrap)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["cluster"] = (
+        _hcm(bootstrap)["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]["cluster"] = (
             "no_such_cluster"
         )
         return bootstrap
@@ -349,7 +349,7 @@ def test_envoy_rejection_fails_the_command_and_writes_nothing(
 def test_envoy_validate_raises_with_envoys_message() -> None:
     rendered = render(load_deployment(SHIPPED))
     bad = yaml.safe_load(rendered.text)
-    _hcm(bad)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["cluster"] = "nowhere"
+    _hcm(bad)["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]["cluster"] = "nowhere"
     broken = render_envoy.Rendered(rendered.text, bad, yaml.safe_dump(bad), 0)
     with pytest.raises(EnvoyConfigError, match="nowhere"):
         envoy_validate(broken)

@@ -1,0 +1,74 @@
+"""How much traffic to turn away when the service itself is the bottleneck.
+
+The engines' capacity is admission's business; this is about the service's own CPU. Every
+request costs the service a gRPC stream and a decision, so past its capacity requests queue
+inside grpc and the event loop, every decision gets slower, and Envoy's message timeouts
+end them with errors after seconds. Turning requests away inside the service does not fix
+that: a refusal still costs a stream, about half of a full decision. So the service asks
+Envoy to turn away a fraction of new requests before they reach it (a runtime value Envoy
+reads on every request, see ``extproc.transport.runtime``), and itself refuses the least
+urgent tier while it is overloaded.
+
+The signal is the event loop's lag: how late a timer fires. It is near zero while the
+service keeps up and grows with the work queued in the loop, whatever its cause (more
+requests, a burst, a noisy neighbour). How many requests are queued inside grpc, before the
+loop sees them, cannot be counted from Python; the lag is where that backlog shows. Once
+per control period, on the worst lag seen in it:
+
+* above ``high_lag_s``: overloaded; turn away ``increase`` of what still gets through
+  (at least ``min_step`` more), so the fraction rises fast while the backlog grows;
+* below ``low_lag_s``: recovering; turn away ``recover_step`` less;
+* in between: unchanged, so the fraction settles where the service just keeps up instead
+  of oscillating around it.
+
+Plain arithmetic with no clock or I/O: the transport measures and calls ``period``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadSettings:
+    period_s: float = 0.1
+    """How often the fraction is recomputed (and the lag's worst value taken over)."""
+    high_lag_s: float = 0.020
+    """Worst lag in a period above this: overloaded. Well under the 50 ms a refused request
+    may wait for its answer, and above what a busy but keeping-up loop shows."""
+    low_lag_s: float = 0.005
+    """Worst lag in a period below this: recovered enough to let more requests in."""
+    increase: float = 0.2
+    """While overloaded, turn away this share more of what still reaches the service."""
+    min_step: float = 0.05
+    max_shed: float = 0.95
+    """Never turn away everything: some requests must reach the service so that it can
+    see the load fall."""
+    recover_step: float = 0.05
+    """Per period: from the largest fraction to none in two seconds."""
+
+
+class OverloadControl:
+    """The fraction of new requests Envoy turns away, recomputed once a period."""
+
+    def __init__(self, settings: OverloadSettings = OverloadSettings()) -> None:
+        self.settings = settings
+        self.shed_fraction = 0.0
+        self.last_lag_s = 0.0
+
+    @property
+    def overloaded(self) -> bool:
+        """While anything is turned away, the service refuses its least urgent tier too."""
+        return self.shed_fraction > 0.0
+
+    def period(self, lag_s: float) -> float:
+        """One control period, given the worst loop lag seen in it: the new fraction."""
+        s = self.settings
+        self.last_lag_s = lag_s
+        shed = self.shed_fraction
+        if lag_s > s.high_lag_s:
+            shed = min(s.max_shed, shed + max(s.min_step, s.increase * (1.0 - shed)))
+        elif lag_s < s.low_lag_s:
+            shed = max(0.0, shed - s.recover_step)
+        self.shed_fraction = shed
+        return shed

@@ -1,0 +1,86 @@
+"""The overload control's measurements: how far behind the service is.
+
+Two delays say it, and the control (``extproc.core.overload``) takes the larger of the two
+once a period:
+
+* **how old a request is when the service decides it**: Envoy stamps each request's
+  arrival (the filter's ``request.time`` attribute), the servicer compares it with its own
+  clock when it decides. Past capacity, new streams wait inside grpc's C core before the
+  service reads their first message: measured in the lab, requests were hundreds of
+  milliseconds old at decision while the event loop stayed on time and a stream, once
+  read, went on at once. Python cannot count that backlog; it can see its age. (Across
+  hosts this includes the clocks' skew, a millisecond or two with NTP.)
+* **the event loop's lag**: how late a timer fires. It catches a stall of the loop itself,
+  which delays every stream at once, even when no request is deciding to notice it.
+
+The fraction the control returns is published in the runtime layer Envoy reads
+(``transport.runtime``), so Envoy starts or stops turning requests away within
+milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from extproc.core.overload import OverloadControl
+from extproc.transport.runtime import RuntimeLayer
+from extproc.wire import SHED_RUNTIME_KEY
+
+log = logging.getLogger("fairlane.overload")
+
+PROBE_S = 0.005
+
+
+class Ages:
+    """How old requests were at decision, over one control period: their mean."""
+
+    __slots__ = ("_count", "_total_s")
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._total_s = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self._count += 1
+        self._total_s += seconds
+
+    def take_mean(self) -> float:
+        """The mean since the last call (0 when there was none), and reset."""
+        mean = self._total_s / self._count if self._count else 0.0
+        self._count, self._total_s = 0, 0.0
+        return mean
+
+
+async def watch_overload(
+    control: OverloadControl,
+    layer: RuntimeLayer,
+    ages: Ages,
+    probe_s: float = PROBE_S,
+) -> None:
+    """Forever (cancel to stop): sample the loop's lag, run the control once a period on
+    the larger of its worst lag and the requests' mean age at decision, publish the
+    fraction."""
+    loop = asyncio.get_running_loop()
+    layer.publish(SHED_RUNTIME_KEY, 0)
+    ages.take_mean()
+    period_start = loop.time()
+    worst = 0.0
+    while True:
+        due = loop.time() + probe_s
+        await asyncio.sleep(probe_s)
+        now = loop.time()
+        worst = max(worst, now - due)
+        if now - period_start >= control.settings.period_s:
+            before = control.shed_fraction
+            behind = max(worst, ages.take_mean())
+            shed = control.period(behind)
+            if shed != before:
+                log.log(
+                    logging.WARNING if before == 0 else logging.DEBUG,
+                    "overloaded (%.0f ms behind): Envoy turns away %.0f %% of new requests",
+                    behind * 1000,
+                    shed * 100,
+                )
+            layer.publish(SHED_RUNTIME_KEY, round(shed * 100))
+            period_start, worst = now, 0.0

@@ -15,8 +15,9 @@ requests, a burst, a noisy neighbour). How many requests are queued inside grpc,
 loop sees them, cannot be counted from Python; the lag is where that backlog shows. Once
 per control period, on the worst lag seen in it:
 
-* above ``high_lag_s``: overloaded; turn away ``increase`` of what still gets through
-  (at least ``min_step`` more), so the fraction rises fast while the backlog grows;
+* above ``high_lag_s``: overloaded; let through less, in proportion to how far behind
+  (twice the bound: half as much, at most ``max_cut`` less and at least ``min_step``
+  more turned away), so a sudden flood is cut in a period or two and its backlog drains;
 * below ``low_lag_s``: recovering; turn away ``recover_step`` less;
 * in between: unchanged, so the fraction settles where the service just keeps up instead
   of oscillating around it.
@@ -31,21 +32,21 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class OverloadSettings:
-    period_s: float = 0.1
+    period_s: float = 0.05
     """How often the fraction is recomputed (and the lag's worst value taken over)."""
     high_lag_s: float = 0.020
     """Worst lag in a period above this: overloaded. Well under the 50 ms a refused request
     may wait for its answer, and above what a busy but keeping-up loop shows."""
     low_lag_s: float = 0.005
     """Worst lag in a period below this: recovered enough to let more requests in."""
-    increase: float = 0.2
-    """While overloaded, turn away this share more of what still reaches the service."""
+    max_cut: float = 0.25
+    """While overloaded, let through at most this share less per period."""
     min_step: float = 0.05
     max_shed: float = 0.95
     """Never turn away everything: some requests must reach the service so that it can
     see the load fall."""
     recover_step: float = 0.05
-    """Per period: from the largest fraction to none in two seconds."""
+    """Per period: from the largest fraction to none in a second."""
 
 
 class OverloadControl:
@@ -67,7 +68,8 @@ class OverloadControl:
         self.last_lag_s = lag_s
         shed = self.shed_fraction
         if lag_s > s.high_lag_s:
-            shed = min(s.max_shed, shed + max(s.min_step, s.increase * (1.0 - shed)))
+            let_through = (1.0 - shed) * max(1.0 - s.max_cut, s.high_lag_s / lag_s)
+            shed = min(s.max_shed, max(shed + s.min_step, 1.0 - let_through))
         elif lag_s < s.low_lag_s:
             shed = max(0.0, shed - s.recover_step)
         self.shed_fraction = shed

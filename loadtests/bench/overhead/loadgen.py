@@ -119,6 +119,8 @@ class _ClientProtocol(asyncio.Protocol):
         body = self.buffer[len(head) + 4 : len(self.buffer) - len(rest)]
         self.buffer = rest
         status = int(head[9:12])
+        if b"\r\nconnection: close" in head.lower():
+            self.closed = True  # answered, but not reusable: the next request opens another
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result((status, body))
 

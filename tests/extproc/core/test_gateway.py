@@ -1,6 +1,7 @@
 """The per-request pipeline without sockets: real policy, real admission, plain objects."""
 
 import json
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -8,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from extproc.core.admission import Grant
 from extproc.core.decisions import Forward, Hold, Respond
 from extproc.core.events import Completion, RequestInfo
-from extproc.core.gateway import Gateway
+from extproc.core.gateway import OVERLOAD_RETRY_AFTER_S, Gateway
 from extproc.transport.prometheus import GatewayCollector
 from tests.extproc.factories import CHAT, make_gateway, request
 
@@ -197,3 +198,64 @@ def test_a_bug_after_submission_still_hands_over_the_grants_made_for_others(
     decision = gateway.handle(request())
     assert isinstance(decision.answer, Respond) and decision.answer.status == 500
     assert decision.grants == (other,)
+
+
+# --------------------------------------------------------------------------- overload
+
+ONE_TIER_POLICY = """\
+tiers:
+  - name: only
+    priority: 0
+    queue_limit: 10
+    queue_deadline_s: 5
+tenants:
+  - name: chat-app
+    api_keys: [sk-chat-demo]
+    tiers: [only]
+"""
+
+
+def overloaded(gateway: Gateway) -> Gateway:
+    gateway.overload.period(1.0)  # a second of lag: far past the bound
+    assert gateway.overload.overloaded
+    return gateway
+
+
+def test_overloaded_refuses_the_lowest_tier_with_429_and_counts_its_shed() -> None:
+    gateway = overloaded(make_gateway())
+    assert gateway.policies.current.lowest_tier.name == "batch"
+    refused = gateway.handle(request(key="sk-batch-demo", request_id="b")).answer
+    assert isinstance(refused, Respond)
+    assert refused.status == 429
+    assert refused.headers == {"retry-after": str(OVERLOAD_RETRY_AFTER_S)}
+    assert json.loads(refused.body)["error"]["code"] == "gateway_overloaded"
+    assert gateway.stats.shed == {("batch", "gateway_overloaded"): 1}
+    assert gateway.admission.in_flight == 0  # refused before it took a seat or a queue entry
+    # The more urgent tiers are still admitted.
+    for key, tier in (("sk-chat-demo", "interactive"), ("sk-api-demo", "api")):
+        decision = gateway.handle(request(key=key, request_id=tier)).answer
+        assert isinstance(decision, Forward), tier
+        assert decision.set_headers["x-fairlane-tier"] == tier
+    assert gateway.admission.in_flight == 2
+    assert sum(gateway.stats.shed.values()) == 1
+
+
+def test_a_one_tier_policy_is_never_refused_for_overload(tmp_path: Path) -> None:
+    path = tmp_path / "one.yaml"
+    path.write_text(ONE_TIER_POLICY)
+    gateway = overloaded(make_gateway(policy_path=path))
+    (only,) = gateway.policies.current.tiers
+    assert gateway.policies.current.lowest_tier is only
+    decision = gateway.handle(request(request_id="o")).answer
+    assert isinstance(decision, Forward)
+    assert not gateway.stats.shed
+
+
+def test_not_overloaded_refuses_nothing() -> None:
+    gateway = make_gateway()
+    gateway.overload.period(1.0)
+    while gateway.overload.overloaded:  # overloaded once, recovered since
+        gateway.overload.period(0.0)
+    for key in ("sk-batch-demo", "sk-api-demo", "sk-chat-demo"):
+        assert isinstance(gateway.handle(request(key=key, request_id=key)).answer, Forward)
+    assert not gateway.stats.shed and not gateway.stats.rejected

@@ -1,9 +1,16 @@
+from datetime import UTC, datetime
+
+import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.runtime.v3 import rtds_pb2
+from google.protobuf import struct_pb2
 
 from extproc.core.decisions import Forward, Respond
 from extproc.transport import codec
+from extproc.wire import RUNTIME_LAYER, SHED_RUNTIME_KEY
 
 
 def headers_message(
@@ -110,3 +117,70 @@ def test_completions_from_access_log_entries() -> None:
     assert completion.response_bytes == 1234
     (no_upstream,) = codec.completions([accesslog_pb2.HTTPAccessLogEntry()])
     assert no_upstream.upstream == "" and no_upstream.status == 0
+
+
+# --------------------------------------------------------------------------- overload
+
+
+def with_request_time(message: pb.ProcessingRequest, value: str) -> pb.ProcessingRequest:
+    """``message`` with the ``request.time`` attribute as the ext_proc filter sends it."""
+    attributes = message.attributes[codec.ATTRIBUTES_KEY]
+    attributes.fields[codec.RECEIVED_ATTRIBUTE].string_value = value
+    return message
+
+
+REQUEST_HEADERS = [(":method", b"POST"), (":path", b"/v1/chat/completions")]
+
+
+def test_received_at_is_envoys_request_time_as_unix_time() -> None:
+    expected = datetime(2026, 11, 24, 2, 13, 32, 123456, tzinfo=UTC).timestamp()
+    for text in (
+        "2026-11-24T02:13:32.123456+00:00",  # what Envoy 1.40 sends (seen in a real run)
+        "2026-11-24T02:13:32.123456789Z",  # RFC 3339 in UTC, nanoseconds
+        "2026-11-24T02:13:32.123456Z",
+        "2026-11-24T03:13:32.123456+01:00",
+    ):
+        message = with_request_time(headers_message(REQUEST_HEADERS), text)
+        # through the wire format, as the servicer receives it
+        wire = pb.ProcessingRequest.FromString(message.SerializeToString())
+        part = codec.decode_headers(wire)
+        assert part.received_at == pytest.approx(expected, abs=1e-6), text
+        assert part.headers[":path"] == "/v1/chat/completions"
+
+
+def test_received_at_is_none_without_the_attribute() -> None:
+    assert codec.decode_headers(headers_message(REQUEST_HEADERS)).received_at is None
+    # the filter's namespace present, without request.time in it
+    message = headers_message(REQUEST_HEADERS)
+    message.attributes[codec.ATTRIBUTES_KEY].fields["request.id"].string_value = "x"
+    assert codec.decode_headers(message).received_at is None
+
+
+@pytest.mark.parametrize("garbage", ["", "yesterday", "2026-13-45T99:00:00Z", "1795486412"])
+def test_received_at_is_none_for_garbage(garbage: str) -> None:
+    message = with_request_time(headers_message(REQUEST_HEADERS), garbage)
+    part = codec.decode_headers(message)
+    assert part.received_at is None
+    assert part.headers[":method"] == "POST"  # the request itself still decodes
+
+
+def test_runtime_response_packs_the_whole_layer() -> None:
+    values = {SHED_RUNTIME_KEY: 35, "fairlane.other": 0.5}
+    response = codec.runtime_response(RUNTIME_LAYER, 7, values)
+    assert response.version_info == "7"
+    assert response.nonce == "7"
+    assert response.type_url == "type.googleapis.com/envoy.service.runtime.v3.Runtime"
+    (resource,) = response.resources
+    assert resource.type_url == response.type_url
+    runtime = rtds_pb2.Runtime()
+    assert resource.Unpack(runtime)
+    assert runtime.name == RUNTIME_LAYER
+    assert dict(runtime.layer.fields.items()) == {
+        SHED_RUNTIME_KEY: struct_pb2.Value(number_value=35),
+        "fairlane.other": struct_pb2.Value(number_value=0.5),
+    }
+    # the same bytes Envoy reads
+    decoded = discovery_pb2.DiscoveryResponse.FromString(response.SerializeToString())
+    assert decoded == response
+    empty = codec.runtime_response(RUNTIME_LAYER, 0, {})
+    assert empty.version_info == "0" and len(empty.resources) == 1

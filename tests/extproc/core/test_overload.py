@@ -1,0 +1,110 @@
+"""The overload control law: plain arithmetic, one call per control period."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from extproc.core.overload import OverloadControl, OverloadSettings
+
+SETTINGS = OverloadSettings(
+    high_lag_s=0.020, low_lag_s=0.005, min_step=0.05, max_shed=0.95, recover_step=0.05
+)
+HIGH = 0.050  # well above high_lag_s
+BAND = 0.010  # between low_lag_s and high_lag_s
+LOW = 0.001  # below low_lag_s
+
+
+def control() -> OverloadControl:
+    return OverloadControl(SETTINGS)
+
+
+def test_starts_idle_and_stays_idle_while_keeping_up() -> None:
+    c = control()
+    assert c.shed_fraction == 0.0 and not c.overloaded
+    for _ in range(5):
+        assert c.period(LOW) == 0.0
+        assert c.period(BAND) == 0.0
+    assert not c.overloaded
+
+
+def test_rises_while_lagging() -> None:
+    c = control()
+    values = [c.period(HIGH) for _ in range(4)]
+    assert values[0] > 0 and c.overloaded
+    assert all(b > a for a, b in itertools.pairwise(values))
+    assert c.last_lag_s == HIGH
+
+
+def test_rises_by_the_increase_of_what_still_gets_through() -> None:
+    c = OverloadControl(OverloadSettings(increase=0.2, min_step=0.05))
+    assert c.period(HIGH) == pytest.approx(0.2)  # 0.2 * (1 - 0)
+    assert c.period(HIGH) == pytest.approx(0.2 + 0.2 * 0.8)
+    # With a small increase the proportional step is below min_step: min_step is taken.
+    c = OverloadControl(OverloadSettings(increase=0.01, min_step=0.05))
+    assert [c.period(HIGH) for _ in range(3)] == pytest.approx([0.05, 0.10, 0.15])
+
+
+def test_rises_by_at_least_min_step() -> None:
+    # Near the top, just past the bound, what a proportional step adds is small (below
+    # min_step); min_step still applies.
+    c = control()
+    c.shed_fraction = 0.85
+    assert c.period(SETTINGS.high_lag_s * 1.05) == pytest.approx(0.85 + SETTINGS.min_step)
+    for start in (0.0, 0.3, 0.6):
+        c.shed_fraction = start
+        assert c.period(HIGH) >= start + SETTINGS.min_step - 1e-12
+
+
+def test_never_past_max_shed() -> None:
+    c = control()
+    values = [c.period(1.0) for _ in range(50)]
+    assert max(values) == pytest.approx(SETTINGS.max_shed)
+    assert all(v <= SETTINGS.max_shed for v in values)
+    assert values[-1] == pytest.approx(SETTINGS.max_shed)
+    assert values == sorted(values)  # monotone while lagging
+
+
+def test_falls_by_recover_step_below_low_and_never_below_zero() -> None:
+    c = control()
+    c.period(HIGH)
+    c.period(HIGH)
+    start = c.shed_fraction
+    assert c.period(LOW) == pytest.approx(start - SETTINGS.recover_step)
+    assert c.period(LOW) == pytest.approx(start - 2 * SETTINGS.recover_step)
+    for _ in range(100):
+        c.period(LOW)
+    assert c.shed_fraction == 0.0
+    assert not c.overloaded
+
+
+def test_holds_in_the_band() -> None:
+    c = control()
+    c.period(HIGH)
+    held = c.shed_fraction
+    for lag in (BAND, SETTINGS.low_lag_s, SETTINGS.high_lag_s, 0.015):
+        assert c.period(lag) == held  # the thresholds themselves are inside the band
+    assert c.overloaded
+
+
+def test_overloaded_means_anything_is_shed() -> None:
+    c = control()
+    c.period(HIGH)
+    assert c.overloaded
+    while c.shed_fraction > 0:
+        c.period(LOW)
+        assert c.overloaded == (c.shed_fraction > 0)
+    assert not c.overloaded
+
+
+def test_from_max_to_nothing_in_two_seconds_of_default_periods() -> None:
+    c = OverloadControl()
+    for _ in range(100):
+        c.period(1.0)
+    assert c.shed_fraction == pytest.approx(c.settings.max_shed)
+    periods = 0
+    while c.overloaded:
+        c.period(0.0)
+        periods += 1
+    assert periods * c.settings.period_s <= 2.0

@@ -348,6 +348,7 @@ def _is_null(node: Node) -> bool:
 
 def _read_tenants(reader: LocatedReader, node: Node, tier_ranks: dict[str, int]) -> list[Tenant]:
     tenants: list[Tenant] = []
+    names: set[str] = set()  # a set, not a scan of ``tenants``: policies may list 100,000
     key_owner: dict[str, str] = {}
     items = reader.sequence(node, "tenants")
     if isinstance(node, SequenceNode) and not items:
@@ -357,9 +358,10 @@ def _read_tenants(reader: LocatedReader, node: Node, tier_ranks: dict[str, int])
         tenant = _read_tenant(reader, tenant_node, path, tier_ranks, key_owner)
         if tenant is None:
             continue
-        if any(t.name == tenant.name for t in tenants):
+        if tenant.name in names:
             reader.error(tenant_node, f"{path}.name", f"tenant {tenant.name!r} is defined twice")
             continue
+        names.add(tenant.name)
         tenants.append(tenant)
     return tenants
 

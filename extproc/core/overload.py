@@ -34,10 +34,11 @@ from dataclasses import dataclass
 class OverloadSettings:
     period_s: float = 0.05
     """How often the fraction is recomputed (and the lag's worst value taken over)."""
-    high_lag_s: float = 0.020
-    """Worst lag in a period above this: overloaded. Well under the 50 ms a refused request
-    may wait for its answer, and above what a busy but keeping-up loop shows."""
-    low_lag_s: float = 0.005
+    high_lag_s: float = 0.040
+    """Above this: overloaded. Under the 50 ms a refused request may wait for its answer,
+    and above the queueing of a service busy at its capacity with a few dozen concurrent
+    requests (32 at ~1,200 a second wait ~25 ms), which is load, not overload."""
+    low_lag_s: float = 0.010
     """Worst lag in a period below this: recovered enough to let more requests in."""
     max_cut: float = 0.25
     """While overloaded, let through at most this share less per period."""

@@ -44,41 +44,50 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
     ) -> AsyncIterator[codec.ProcessingResponse]:
         headers: codec.HeadersPart | None = None
         busy_s = 0.0  # this request's own work here, without the time it is held
-        async for message in request_iterator:
-            started = perf_counter()
-            phase = codec.kind(message)
-            if phase == "request_headers":
-                headers = codec.decode_headers(message)
-                if not headers.end_of_stream:
-                    busy_s += perf_counter() - started
-                    yield codec.continue_headers()
-                    continue
-                info = headers.request_info()
-            elif phase == "request_body" and headers is not None:
-                body, _ = codec.body_of(message)
-                info = headers.request_info(body)
-            else:
-                log.warning(
-                    "unexpected ext_proc message %r; check the filter's processing_mode", phase
-                )
-                continue
-            if headers is not None and headers.received_at is not None:
-                self._ages.observe(time() - headers.received_at)
-            outcome = self.held.handle(info)
-            if isinstance(outcome, Hold):
-                busy_s += perf_counter() - started
-                yield codec.hold(outcome.hold_s)
-                # A client that disconnects now cancels this task (CancelledError), which
-                # takes the request out of its queue.
-                outcome = await self.held.outcome(outcome)
+        messages = aiter(request_iterator)
+        try:
+            async for message in messages:
                 started = perf_counter()
-            if isinstance(outcome, Forward):
-                response = codec.forward(outcome, phase)
-            else:
-                response = codec.respond(outcome)
-            self._service_time.observe(busy_s + perf_counter() - started)
-            yield response
-            return
+                phase = codec.kind(message)
+                if phase == "request_headers":
+                    headers = codec.decode_headers(message)
+                    if not headers.end_of_stream:
+                        busy_s += perf_counter() - started
+                        yield codec.continue_headers()
+                        continue
+                    info = headers.request_info()
+                elif phase == "request_body" and headers is not None:
+                    body, _ = codec.body_of(message)
+                    info = headers.request_info(body)
+                else:
+                    log.warning(
+                        "unexpected ext_proc message %r; check the filter's processing_mode", phase
+                    )
+                    continue
+                if headers is not None and headers.received_at is not None:
+                    self._ages.observe(time() - headers.received_at)
+                outcome = self.held.handle(info)
+                if isinstance(outcome, Hold):
+                    busy_s += perf_counter() - started
+                    yield codec.hold(outcome.hold_s)
+                    # A client that disconnects now cancels this task (CancelledError), which
+                    # takes the request out of its queue.
+                    outcome = await self.held.outcome(outcome)
+                    started = perf_counter()
+                if isinstance(outcome, Forward):
+                    response = codec.forward(outcome, phase)
+                else:
+                    response = codec.respond(outcome)
+                self._service_time.observe(busy_s + perf_counter() - started)
+                yield response
+                return
+        finally:
+            # grpc's request iterator is an async generator, left suspended once the answer
+            # is sent. Closed here it costs a throw; left to the garbage collector, asyncio
+            # finalises it with a new task and a cross-thread wake-up of the loop, per request.
+            aclose = getattr(messages, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 class AccessLog(als_pb2_grpc.AccessLogServiceServicer):

@@ -9,7 +9,7 @@ import pytest
 from extproc.core.overload import OverloadControl, OverloadSettings
 
 SETTINGS = OverloadSettings(
-    high_lag_s=0.020, low_lag_s=0.005, min_step=0.05, max_shed=0.95, recover_step=0.05
+    high_lag_s=0.020, low_lag_s=0.005, max_cut=0.25, min_step=0.05, max_shed=0.95, recover_step=0.05
 )
 HIGH = 0.050  # well above high_lag_s
 BAND = 0.010  # between low_lag_s and high_lag_s
@@ -37,13 +37,18 @@ def test_rises_while_lagging() -> None:
     assert c.last_lag_s == HIGH
 
 
-def test_rises_by_the_increase_of_what_still_gets_through() -> None:
-    c = OverloadControl(OverloadSettings(increase=0.2, min_step=0.05))
-    assert c.period(HIGH) == pytest.approx(0.2)  # 0.2 * (1 - 0)
-    assert c.period(HIGH) == pytest.approx(0.2 + 0.2 * 0.8)
-    # With a small increase the proportional step is below min_step: min_step is taken.
-    c = OverloadControl(OverloadSettings(increase=0.01, min_step=0.05))
-    assert [c.period(HIGH) for _ in range(3)] == pytest.approx([0.05, 0.10, 0.15])
+def test_cuts_what_gets_through_in_proportion_to_how_far_behind() -> None:
+    c = control()  # high_lag_s 20 ms, max_cut 0.25
+    # 25 ms behind: let through 20/25 of what got through.
+    assert c.period(0.025) == pytest.approx(0.2)
+    assert c.period(0.025) == pytest.approx(1 - 0.8 * 0.8)
+    # Far behind: the cut per period is capped at max_cut.
+    c = control()
+    assert c.period(1.0) == pytest.approx(0.25)
+    assert c.period(1.0) == pytest.approx(1 - 0.75 * 0.75)
+    # Just past the bound the proportional cut is below min_step: min_step is taken.
+    c = control()
+    assert [c.period(0.0201) for _ in range(3)] == pytest.approx([0.05, 0.10, 0.15])
 
 
 def test_rises_by_at_least_min_step() -> None:
@@ -98,7 +103,7 @@ def test_overloaded_means_anything_is_shed() -> None:
     assert not c.overloaded
 
 
-def test_from_max_to_nothing_in_two_seconds_of_default_periods() -> None:
+def test_from_max_to_nothing_in_a_second_of_default_periods() -> None:
     c = OverloadControl()
     for _ in range(100):
         c.period(1.0)
@@ -107,4 +112,4 @@ def test_from_max_to_nothing_in_two_seconds_of_default_periods() -> None:
     while c.overloaded:
         c.period(0.0)
         periods += 1
-    assert periods * c.settings.period_s <= 2.0
+    assert periods * c.settings.period_s <= 1.0

@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 
 from extproc.core.admission import Admission
 from extproc.core.counters import GatewayStats, Histogram
+from extproc.core.overload import OverloadControl
 
 if TYPE_CHECKING:
     from extproc.policy import PolicyStore
@@ -57,11 +58,16 @@ def _histogram(
 
 class GatewayCollector(Collector):
     def __init__(
-        self, admission: Admission, stats: GatewayStats, policies: PolicyStore | None = None
+        self,
+        admission: Admission,
+        stats: GatewayStats,
+        policies: PolicyStore | None = None,
+        overload: OverloadControl | None = None,
     ) -> None:
         self.admission = admission
         self.stats = stats
         self.policies = policies
+        self.overload = overload
 
     def collect(self) -> Iterator[Metric]:
         yield from self._queues()
@@ -70,6 +76,7 @@ class GatewayCollector(Collector):
         yield from self._backends()
         yield from self._outcomes()
         yield from self._latencies()
+        yield from self._overload()
 
     def _queues(self) -> Iterable[Metric]:
         scheduler = self.admission.scheduler
@@ -280,6 +287,22 @@ class GatewayCollector(Collector):
             "without time held in a queue or spent in grpc.",
             [],
             {(): stats.service_time},
+        )
+
+    def _overload(self) -> Iterable[Metric]:
+        if self.overload is None:
+            return
+        yield GaugeMetricFamily(
+            "fairlane_overload_shed_ratio",
+            "Share of new requests Envoy is told to turn away (503) before they reach the "
+            "service, because the service is behind (0 while it keeps up).",
+            value=self.overload.shed_fraction,
+        )
+        yield GaugeMetricFamily(
+            "fairlane_overload_behind_seconds",
+            "How far behind the service was in the last control period: the larger of its "
+            "event loop's lag and how old requests were when it decided them.",
+            value=self.overload.last_lag_s,
         )
 
 

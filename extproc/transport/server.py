@@ -98,7 +98,9 @@ class Service:
     async def start(self) -> None:
         await self.server.start()
         if self.config.metrics_port is not None:
-            collector = GatewayCollector(self.admission, self.gateway.stats, self.policies)
+            collector = GatewayCollector(
+                self.admission, self.gateway.stats, self.policies, self.overload
+            )
             self._metrics, self.metrics_port = await start_metrics_server(
                 collector, self.config.host, self.config.metrics_port
             )

@@ -87,7 +87,9 @@ def _drive() -> str:
         assert not store.reload()
 
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(GatewayCollector(gateway.admission, gateway.stats, store))
+        registry.register(
+            GatewayCollector(gateway.admission, gateway.stats, store, gateway.overload)
+        )
         return generate_latest(registry).decode()
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import textwrap
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -503,6 +505,61 @@ def test_missing_file_keeps_the_policy(policy_file: Path, caplog: pytest.LogCapt
     assert len(caplog.records) == 1  # reported once, not on every poll
     policy_file.write_text(MINIMAL.replace("queue_limit: 10", "queue_limit: 13"))
     assert store.reload() is True
+
+
+def many_tenants(count: int) -> str:
+    """MINIMAL with ``count`` more tenants: a policy whose parse takes a while."""
+    return MINIMAL + "".join(
+        f"  - name: t{i}\n    api_keys: [sk-t{i}-key]\n    tiers: [slow]\n" for i in range(count)
+    )
+
+
+def test_load_and_commit_are_the_two_halves_of_a_reload(
+    policy_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``load_if_changed`` reads, parses and validates, and nothing else: no listener runs
+    and ``current`` stays, so the service can run it in a thread; ``commit`` swaps."""
+    store = PolicyStore(policy_file)
+    old = store.current
+    seen: list[Policy] = []
+    store.on_change(seen.append)
+    assert store.load_if_changed() is None  # unchanged: a stat only
+    rewrite(policy_file, many_tenants(2))
+    loaded = store.load_if_changed()
+    assert isinstance(loaded, Policy)
+    assert [t.name for t in loaded.tenants] == ["alice", "t0", "t1"]
+    assert store.current is old and seen == []  # loaded, not yet in force
+    assert store.load_if_changed() is None  # loaded once: not again until the file changes
+    assert store.commit(loaded) is True
+    assert store.current is loaded and seen == [loaded]
+    assert store.reloads == {"ok": 1}
+    assert store.commit(None) is False
+
+    rewrite(policy_file, many_tenants(2).replace("tiers: [slow]", "tiers: [slower]", 1))
+    refused = store.load_if_changed()
+    assert isinstance(refused, PolicyError)
+    assert refused.errors == [
+        f"{policy_file}:17: tenants[1].tiers[0]: unknown tier 'slower' (tiers are: fast, slow)"
+    ]
+    assert store.current is loaded and seen == [loaded]
+    with caplog.at_level(logging.ERROR, logger="fairlane.policy"):
+        assert store.commit(refused) is False
+    assert f"{policy_file}:17: tenants[1].tiers[0]" in caplog.text
+    assert store.current is loaded and seen == [loaded]
+    assert store.reloads == {"ok": 1, "error": 1}
+
+
+def test_a_load_in_another_thread_leaves_the_listeners_to_the_commit(policy_file: Path) -> None:
+    store = PolicyStore(policy_file)
+    threads: list[str] = []
+    store.on_change(lambda _: threads.append(threading.current_thread().name))
+    rewrite(policy_file, many_tenants(1))
+    with ThreadPoolExecutor(1, thread_name_prefix="loader") as pool:
+        loaded = pool.submit(store.load_if_changed).result(timeout=30)
+    assert threads == []
+    assert store.commit(loaded) is True
+    assert threads == [threading.current_thread().name]
+    assert len(store.current.tenants) == 2
 
 
 # --------------------------------------------------------------------------- scheduling knobs

@@ -100,6 +100,16 @@ class HeldRequests:
             self._waiting.pop(hold.request_id, None)
         return self.gateway.resume(hold, grant)
 
+    def abandon(self, hold: Hold) -> None:
+        """The stream of a held request ended before it waited for its outcome (grpc could
+        not send the hold message: the client or Envoy went away): take it out of its
+        queue, or give back a grant made meanwhile, as a cancelled wait would."""
+        future = self._waiting.pop(hold.request_id, None)
+        if future is None:
+            return  # its wait already ended, and cleaned up after itself
+        future.cancel()
+        self._wake(self.gateway.give_up(hold, cancelled=True).grants)
+
     # ----------------------------------------------------------------- grants out
 
     def _wake(self, grants: Iterable[Grant]) -> None:

@@ -45,6 +45,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
         headers: codec.HeadersPart | None = None
         busy_s = 0.0  # this request's own work here, without the time it is held
         messages = aiter(request_iterator)
+        unwaited: Hold | None = None  # held, but not yet waiting for its outcome
         try:
             async for message in messages:
                 started = perf_counter()
@@ -69,7 +70,9 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
                 outcome = self.held.handle(info)
                 if isinstance(outcome, Hold):
                     busy_s += perf_counter() - started
+                    unwaited = outcome
                     yield codec.hold(outcome.hold_s)
+                    unwaited = None
                     # A client that disconnects now cancels this task (CancelledError), which
                     # takes the request out of its queue.
                     outcome = await self.held.outcome(outcome)
@@ -82,6 +85,10 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
                 yield response
                 return
         finally:
+            if unwaited is not None:
+                # grpc closes this generator at the yield when it cannot send the hold:
+                # nobody will wait for that request's outcome, so it must leave its queue.
+                self.held.abandon(unwaited)
             # grpc's request iterator is an async generator, left suspended once the answer
             # is sent. Closed here it costs a throw; left to the garbage collector, asyncio
             # finalises it with a new task and a cross-thread wake-up of the loop, per request.

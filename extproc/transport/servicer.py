@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from time import perf_counter, time
 
 import grpc
@@ -41,7 +41,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
         self,
         request_iterator: AsyncIterator[codec.ProcessingRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[codec.ProcessingResponse]:
+    ) -> AsyncGenerator[codec.ProcessingResponse, None]:
         headers: codec.HeadersPart | None = None
         busy_s = 0.0  # this request's own work here, without the time it is held
         messages = aiter(request_iterator)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from extproc.core.errors import error_body
 from extproc.envoy.params import EnvoyParams
 from extproc.envoy.protojson import duration
 from extproc.wire import (
@@ -35,6 +36,56 @@ def hcm_settings(params: EnvoyParams) -> dict[str, Any]:
         # x-request-id ties the service's logs, the access log and the client together.
         "generate_request_id": True,
         "access_log": access_logs(params),
+        "local_reply_config": local_reply_config(),
+    }
+
+
+UNAVAILABLE_MESSAGE = (
+    "the gateway's scheduler did not answer (down, overloaded or too slow); retry later"
+)
+UNAVAILABLE_CODE = "gateway_unavailable"
+
+
+def local_reply_config() -> dict[str, Any]:
+    """Envoy's own answer when its call to the service fails, in OpenAI's error shape.
+
+    The ext_proc filter answers ``status_on_error`` (503), or 504 on a message timeout,
+    with an empty body when the service is down, too slow, or when the service cluster's
+    circuit breaker turns a stream away (a burst far past the service's capacity, before its
+    overload control reacts). Clients read OpenAI's JSON and ``retry-after``, so those
+    answers get both. Matched on the response code details Envoy gives them
+    (``ext_proc_error...``), so the service's own answers, which already carry them, and
+    the backends' answers pass unchanged.
+    """
+    return {
+        "mappers": [
+            {
+                "filter": {
+                    "extension_filter": {
+                        "name": "envoy.access_loggers.extension_filters.cel",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.access_loggers."
+                            "filters.cel.v3.ExpressionFilter",
+                            "expression": "response.code_details.startsWith('ext_proc_error')",
+                        },
+                    }
+                },
+                "headers_to_add": [
+                    {
+                        "header": {"key": "retry-after", "value": "1"},
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                    }
+                ],
+                "body_format_override": {
+                    "text_format_source": {
+                        "inline_string": error_body(
+                            503, UNAVAILABLE_MESSAGE, UNAVAILABLE_CODE
+                        ).decode()
+                    },
+                    "content_type": "application/json",
+                },
+            }
+        ]
     }
 
 

@@ -345,6 +345,9 @@ async def test_slow_backend_is_hedged_for_interactive_only(tmp_path: Path) -> No
         first, second = record_of(stack, slow, "hedged"), record_of(stack, fast, "hedged")
         assert second["time"] - first["time"] >= HEDGE_AFTER_MS / 1000 - 0.05
 
+        # Both attempts must be seen finished (completions come in batches up to 10 ms
+        # apart), or the one-seat slow backend still looks taken and is not tried first.
+        assert await wait_gateway_idle(stack) == 0
         headers = {**auth("sk-chat-demo"), "x-test-id": "hedged-stream"}
         started = time.monotonic()
         async with session.post(stack.url + CHAT, json=chat(4, stream=True), headers=headers) as r:

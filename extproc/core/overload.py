@@ -22,6 +22,11 @@ per control period, on the worst lag seen in it:
 * in between: unchanged, so the fraction settles where the service just keeps up instead
   of oscillating around it.
 
+Only a service that is busy can be overloaded by requests. One that falls behind while it
+uses little CPU (``min_busy``) is starved by something else on its machine (an engine on
+the same cores, a CPU limit): turning requests away would not give it time back, only lose
+them, so then the fraction falls as if it had caught up.
+
 Plain arithmetic with no clock or I/O: the transport measures and calls ``period``.
 """
 
@@ -46,6 +51,9 @@ class OverloadSettings:
     max_shed: float = 0.95
     """Never turn away everything: some requests must reach the service so that it can
     see the load fall."""
+    min_busy: float = 0.5
+    """The least share of a core the service must have used in the period to count as
+    overloaded (its decisions run on one thread: at capacity it uses about one core)."""
     recover_step: float = 0.05
     """Per period: from the largest fraction to none in a second."""
 
@@ -63,15 +71,16 @@ class OverloadControl:
         """While anything is turned away, the service refuses its least urgent tier too."""
         return self.shed_fraction > 0.0
 
-    def period(self, lag_s: float) -> float:
-        """One control period, given the worst loop lag seen in it: the new fraction."""
+    def period(self, lag_s: float, busy: float = 1.0) -> float:
+        """One control period, given how far behind the service was in it and the share of
+        a core it used: the new fraction."""
         s = self.settings
         self.last_lag_s = lag_s
         shed = self.shed_fraction
-        if lag_s > s.high_lag_s:
+        if lag_s > s.high_lag_s and busy >= s.min_busy:
             let_through = (1.0 - shed) * max(1.0 - s.max_cut, s.high_lag_s / lag_s)
             shed = min(s.max_shed, max(shed + s.min_step, 1.0 - let_through))
-        elif lag_s < s.low_lag_s:
+        elif lag_s < s.low_lag_s or busy < s.min_busy:
             shed = max(0.0, shed - s.recover_step)
         self.shed_fraction = shed
         return shed

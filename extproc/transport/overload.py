@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from time import process_time
 
 from extproc.core.overload import OverloadControl
 from extproc.transport.runtime import RuntimeLayer
@@ -59,12 +60,13 @@ async def watch_overload(
     probe_s: float = PROBE_S,
 ) -> None:
     """Forever (cancel to stop): sample the loop's lag, run the control once a period on
-    the larger of its worst lag and the requests' mean age at decision, publish the
-    fraction."""
+    the larger of its worst lag and the requests' mean age at decision (and the share of a
+    core the process used), publish the fraction."""
     loop = asyncio.get_running_loop()
     layer.publish(SHED_RUNTIME_KEY, 0)
     ages.take_mean()
     period_start = loop.time()
+    cpu_start = process_time()
     worst = 0.0
     while True:
         due = loop.time() + probe_s
@@ -74,7 +76,9 @@ async def watch_overload(
         if now - period_start >= control.settings.period_s:
             before = control.shed_fraction
             behind = max(worst, ages.take_mean())
-            shed = control.period(behind)
+            cpu = process_time()
+            busy = (cpu - cpu_start) / (now - period_start)
+            shed = control.period(behind, busy)
             if shed != before:
                 log.log(
                     logging.WARNING if before == 0 else logging.DEBUG,
@@ -83,4 +87,4 @@ async def watch_overload(
                     shed * 100,
                 )
             layer.publish(SHED_RUNTIME_KEY, round(shed * 100))
-            period_start, worst = now, 0.0
+            period_start, cpu_start, worst = now, cpu, 0.0

@@ -113,3 +113,14 @@ def test_from_max_to_nothing_in_a_second_of_default_periods() -> None:
         c.period(0.0)
         periods += 1
     assert periods * c.settings.period_s <= 1.0
+
+
+def test_behind_while_using_little_cpu_is_not_overload() -> None:
+    """Starved by something else on the machine: shedding would only lose requests."""
+    c = control()
+    idle_cpu = c.settings.min_busy / 2
+    assert c.period(HIGH, busy=idle_cpu) == 0.0
+    c.period(HIGH, busy=1.0)
+    shed = c.shed_fraction
+    assert shed > 0
+    assert c.period(HIGH, busy=idle_cpu) == pytest.approx(shed - c.settings.recover_step)

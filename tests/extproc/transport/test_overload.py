@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -14,8 +15,11 @@ from extproc.transport.overload import Ages, watch_overload
 from extproc.transport.runtime import RuntimeLayer
 from extproc.wire import SHED_RUNTIME_KEY
 
-# Short periods, and bounds far above what a busy test machine's loop lags on its own.
-SETTINGS = OverloadSettings(period_s=0.02, high_lag_s=0.1, low_lag_s=0.05, recover_step=0.05)
+# Short periods, and bounds far above what a busy test machine's loop lags on its own. No
+# CPU floor: these tests are about the lag and age signals; the floor has its own test.
+SETTINGS = OverloadSettings(
+    period_s=0.02, high_lag_s=0.1, low_lag_s=0.05, recover_step=0.05, min_busy=0.0
+)
 PROBE_S = 0.002
 STALL_S = 0.3
 WAIT_S = 10.0
@@ -48,20 +52,22 @@ class RecordingLayer(RuntimeLayer):
 class RecordingControl(OverloadControl):
     """Remembers how far behind each control period was told the service is."""
 
-    def __init__(self) -> None:
-        super().__init__(SETTINGS)
+    def __init__(self, settings: OverloadSettings = SETTINGS) -> None:
+        super().__init__(settings)
         self.lags: list[float] = []
+        self.busy: list[float] = []
         self.fractions: list[float] = []
 
-    def period(self, lag_s: float) -> float:
+    def period(self, lag_s: float, busy: float = 1.0) -> float:
         self.lags.append(lag_s)
-        self.fractions.append(super().period(lag_s))
+        self.busy.append(busy)
+        self.fractions.append(super().period(lag_s, busy))
         return self.fractions[-1]
 
 
 class Watch:
-    def __init__(self) -> None:
-        self.control = RecordingControl()
+    def __init__(self, settings: OverloadSettings = SETTINGS) -> None:
+        self.control = RecordingControl(settings)
         self.layer = RecordingLayer()
         self.ages = Ages()
 
@@ -81,8 +87,8 @@ async def until(condition: Callable[[], bool], what: str, timeout_s: float = WAI
 
 
 @pytest.fixture
-async def watch() -> AsyncIterator[Watch]:
-    w = Watch()
+async def watch(request: pytest.FixtureRequest) -> AsyncIterator[Watch]:
+    w = Watch(getattr(request, "param", SETTINGS))
     w.ages.observe(60.0)  # observed before the watch started: not this period's
     task = asyncio.create_task(watch_overload(w.control, w.layer, w.ages, probe_s=PROBE_S))
     try:
@@ -106,7 +112,7 @@ async def test_a_stalled_loop_sheds_then_recovers(
     caplog.set_level(logging.DEBUG, logger="fairlane.overload")
     await until(lambda: watch.shed_percent() == 0, "idle at start")
     before = len(watch.layer.published)
-    time.sleep(STALL_S)  # blocks the event loop itself: its timers fire late
+    spin(STALL_S)  # the loop busy with its own work: its timers fire late
     await until(lambda: any(v > 0 for v in watch.layer.published[before:]), "shedding")
     assert max(watch.control.lags) >= STALL_S * 0.9  # the lag was measured, not guessed
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -114,6 +120,35 @@ async def test_a_stalled_loop_sheds_then_recovers(
     # Idle again: the fraction falls back to nothing, and Envoy is told so.
     await until(lambda: watch.shed_percent() == 0 and not watch.control.overloaded, "recovery")
     assert watch.layer.published[-1] == 0
+
+
+def spin(seconds: float) -> None:
+    """Keep this thread, the event loop's, busy on the CPU (an overloaded service)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@pytest.mark.parametrize("watch", [dataclasses.replace(SETTINGS, min_busy=0.5)], indirect=True)
+async def test_a_loop_starved_of_cpu_by_others_does_not_shed(watch: Watch) -> None:
+    """Stalled without using the CPU itself (time.sleep stands for an engine on the same
+    cores, or a CPU limit): refusing requests would not give the time back."""
+    await until(lambda: watch.shed_percent() == 0, "idle at start")
+    before = watch.periods()
+    time.sleep(STALL_S)
+    await until(lambda: watch.periods() > before + 2, "periods after the stall")
+    stalled = [i for i, lag in enumerate(watch.control.lags) if lag >= STALL_S * 0.9]
+    assert stalled, watch.control.lags  # it did fall behind...
+    assert all(watch.control.busy[i] < 0.5 for i in stalled)  # ...using little CPU
+    assert all(v == 0 for v in watch.layer.published)
+
+
+@pytest.mark.parametrize("watch", [dataclasses.replace(SETTINGS, min_busy=0.5)], indirect=True)
+async def test_a_loop_busy_with_its_own_work_sheds(watch: Watch) -> None:
+    await until(lambda: watch.shed_percent() == 0, "idle at start")
+    spin(STALL_S)
+    await until(lambda: watch.control.overloaded, "shedding")
+    assert max(watch.control.busy) >= 0.5
 
 
 async def test_old_requests_shed_while_the_loop_is_on_time(watch: Watch) -> None:

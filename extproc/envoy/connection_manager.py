@@ -92,7 +92,8 @@ def local_reply_config() -> dict[str, Any]:
 def access_logs(params: EnvoyParams) -> list[dict[str, Any]]:
     """The completion feed first, then the optional file log.
 
-    Entries are batched for at most 10 ms (``buffer_flush_interval``; Envoy's default of
+    Entries are batched for at most ``completion_flush_s``, 10 ms by default
+    (``buffer_flush_interval``; Envoy's default of
     1 s would leave a freed engine seat idle for up to a second), and up to 16 KiB, about
     30 entries, per message. One gRPC message per finished request cost the service about
     5 % of its throughput at saturation (A/B in loadtests/bench/README.md); 10 ms is under
@@ -109,7 +110,7 @@ def access_logs(params: EnvoyParams) -> list[dict[str, Any]]:
                     "transport_api_version": "V3",
                     "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
                     "buffer_size_bytes": 16384,
-                    "buffer_flush_interval": "0.01s",
+                    "buffer_flush_interval": duration(params.completion_flush_s),
                 },
             },
         }

@@ -110,6 +110,9 @@ class EnvoyParams:
     max_held_requests: int = 10_000
     message_timeout_s: float = 2.0
     access_log_path: str | None = None
+    # Envoy sends finished requests to the service in batches at most this far apart
+    # (extproc.envoy.connection_manager.access_logs); the bench divides it by its speedup.
+    completion_flush_s: float = 0.01
     # Extra routes before the catch-all, each fail-open or fail-closed (RouteSpec).
     routes: tuple[RouteSpec, ...] = ()
     # The catch-all route's failure mode when the service is down: False = fail-closed
@@ -131,6 +134,10 @@ class EnvoyParams:
             raise EnvoyConfigError("max_held_requests must be positive")
         if not 0 < self.message_timeout_s <= MAX_MESSAGE_TIMEOUT_S:
             raise EnvoyConfigError(f"message_timeout_s must be in (0, {MAX_MESSAGE_TIMEOUT_S:.0f}]")
+        if not 0 < self.completion_flush_s <= 1:
+            raise EnvoyConfigError(
+                f"completion_flush_s must be in (0, 1], got {self.completion_flush_s}"
+            )
         names = [spec.name for spec in self.routes]
         for name in names:
             if names.count(name) > 1:

@@ -101,6 +101,12 @@ def start_simulators(
     return tuple(spec for spec, _ in started)
 
 
+def completion_flush_s(speedup: float) -> float:
+    """How far apart Envoy may batch completions in an arm at ``speedup``: completions 10 ms
+    apart would be 10 x speedup simulated ms late (Envoy takes whole milliseconds)."""
+    return max(0.001, EnvoyParams.completion_flush_s / max(1.0, speedup))
+
+
 def start_arm(
     scenario: Scenario,
     arm: Arm,
@@ -118,7 +124,12 @@ def start_arm(
         url = _start_envoy_only(backends, group, arm.kind)
     else:
         policy_path = policy or scenario.policy_file(group.log_dir)
-        config = StackConfig(port=free_port(), policy_path=policy_path, backends=backends)
+        config = StackConfig(
+            port=free_port(),
+            policy_path=policy_path,
+            backends=backends,
+            completion_flush_s=completion_flush_s(scenario.speedup),
+        )
         url = Stack(config, group).start().url
     pids = {child.name: child.popen.pid for child in group.children}
     return RunningArm(arm.name, url, pids, tuple(b.url for b in backends))

@@ -9,11 +9,9 @@ Envoy to turn away a fraction of new requests before they reach it (a runtime va
 reads on every request, see ``extproc.transport.runtime``), and itself refuses the least
 urgent tier while it is overloaded.
 
-The signal is the event loop's lag: how late a timer fires. It is near zero while the
-service keeps up and grows with the work queued in the loop, whatever its cause (more
-requests, a burst, a noisy neighbour). How many requests are queued inside grpc, before the
-loop sees them, cannot be counted from Python; the lag is where that backlog shows. Once
-per control period, on the worst lag seen in it:
+The signal is how far behind the service is (``extproc.transport.overload`` measures it:
+how old requests are when it decides them, and how late its event loop's timers fire), and
+how busy it was. Once per control period, on how far behind it was in it:
 
 * above ``high_lag_s``: overloaded; let through less, in proportion to how far behind
   (twice the bound: half as much, at most ``max_cut`` less and at least ``min_step``
@@ -38,13 +36,14 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class OverloadSettings:
     period_s: float = 0.05
-    """How often the fraction is recomputed (and the lag's worst value taken over)."""
+    """How often the fraction is recomputed, from what was measured since the last time."""
     high_lag_s: float = 0.040
-    """Above this: overloaded. Under the 50 ms a refused request may wait for its answer,
-    and above the queueing of a service busy at its capacity with a few dozen concurrent
-    requests (32 at ~1,200 a second wait ~25 ms), which is load, not overload."""
+    """Behind by more than this (and busy): overloaded. Under the 50 ms a refused request
+    may wait for its answer, and above the queueing of a service busy at its capacity with
+    a few dozen concurrent requests (32 at ~1,200 a second wait ~25 ms), which is load, not
+    overload."""
     low_lag_s: float = 0.010
-    """Worst lag in a period below this: recovered enough to let more requests in."""
+    """Behind by less than this: recovered enough to let more requests in."""
     max_cut: float = 0.25
     """While overloaded, let through at most this share less per period."""
     min_step: float = 0.05

@@ -158,6 +158,8 @@ def envoy_workers(stack: Stack) -> int:
         return int(json.load(response)["command_line_options"]["concurrency"])
 
 
+RUNTIME_LOADS = "runtime.load_success"
+"""Runtime layers Envoy applied: one per value the service published over RTDS."""
 EXTPROC_ACTIVE = "cluster.fairlane_extproc.upstream_rq_active"
 EXTPROC_OVERFLOW = "cluster.fairlane_extproc.upstream_rq_active_overflow"
 """ext_proc streams Envoy's circuit breaker refused: more than ``max_held_requests`` (the
@@ -172,6 +174,7 @@ async def test_a_burst_drains_to_nothing(stack: Stack) -> None:
     long_lived = 1 + envoy_workers(stack)
     before = envoy_stats(stack, "fairlane_extproc")
     assert before[EXTPROC_ACTIVE] in range(1, long_lived + 1), before
+    layers_before = envoy_stats(stack, f"^{RUNTIME_LOADS}$")[RUNTIME_LOADS]
     statuses, sent_s, answered_s, unsent = await burst(stack.config.port)
     answered_at = time.monotonic()
 
@@ -215,4 +218,8 @@ async def test_a_burst_drains_to_nothing(stack: Stack) -> None:
     assert statuses[f"200 {OK}"] > 0 and statuses[f"429 {GATEWAY}"] > 0, report
     assert sent_s < 3 * BURST_S, report
     assert held == dict.fromkeys(HELD, 0.0), report
+    # The service fell behind and told Envoy so, over its runtime layer, and back again:
+    # each new value it publishes is one more runtime load in Envoy.
+    layers = envoy_stats(stack, f"^{RUNTIME_LOADS}$")[RUNTIME_LOADS] - layers_before
+    assert layers >= 2, f"{layers} runtime layer updates reached Envoy; {report}"
     assert active == long_lived, report

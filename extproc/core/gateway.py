@@ -148,7 +148,9 @@ class Gateway:
         body = parse_body(policy, info)
         request = classify(policy, info, body)
         tier = request.tier
-        if self.overload.overloaded and len(policy.tiers) > 1 and tier is policy.lowest_tier:
+        least_urgent = len(policy.tiers) > 1 and tier is policy.lowest_tier
+        self.overload.decided(least_urgent)
+        if least_urgent and self.overload.overloaded:
             raise Rejection(
                 429,
                 "the gateway is overloaded; retry later",

@@ -9,6 +9,14 @@ Envoy to turn away a fraction of new requests before they reach it (a runtime va
 reads on every request, see ``extproc.transport.runtime``), and itself refuses the least
 urgent tier while it is overloaded.
 
+Turning requests away in Envoy is blind to tiers (Envoy does not know a request's tier
+before the service classifies it), and the commonest overload is exactly what fairlane is
+for: a flood of batch requests. So the least urgent tier goes first, refused by the service
+while it is behind, and Envoy turns requests away only when that tier is a small share of
+what reaches the service (``max_least_urgent_share``): then refusing it cannot relieve the
+service, and everyone's requests, chat's included, would otherwise wait in the backlog. A
+batch flood never makes Envoy turn chat away.
+
 The signal is how far behind the service is (``extproc.transport.overload`` measures it:
 how old requests are when it decides them, and how late its event loop's timers fire), and
 how busy it was. Once per control period, on how far behind it was in it:
@@ -55,6 +63,9 @@ class OverloadSettings:
     overloaded (its decisions run on one thread: at capacity it uses about one core)."""
     recover_step: float = 0.05
     """Per period: from the largest fraction to none in a second."""
+    max_least_urgent_share: float = 0.5
+    """Envoy turns requests away only while the least urgent tier was less than this share
+    of the requests the service decided in the period."""
 
 
 class OverloadControl:
@@ -64,22 +75,39 @@ class OverloadControl:
         self.settings = settings
         self.shed_fraction = 0.0
         self.last_lag_s = 0.0
+        self.behind = False
+        """Behind and busy since the last time it caught up: the least urgent tier is
+        refused."""
+        self._decided = 0
+        self._least_urgent = 0
 
     @property
     def overloaded(self) -> bool:
-        """While anything is turned away, the service refuses its least urgent tier too."""
-        return self.shed_fraction > 0.0
+        """The service refuses its least urgent tier (and Envoy may turn requests away)."""
+        return self.behind or self.shed_fraction > 0.0
+
+    def decided(self, least_urgent: bool) -> None:
+        """The service decided a request (of its policy's least urgent tier, of several)."""
+        self._decided += 1
+        self._least_urgent += least_urgent
 
     def period(self, lag_s: float, busy: float = 1.0) -> float:
         """One control period, given how far behind the service was in it and the share of
-        a core it used: the new fraction."""
+        a core it used: the new fraction Envoy turns away."""
         s = self.settings
         self.last_lag_s = lag_s
+        share = self._least_urgent / self._decided if self._decided else 0.0
+        self._decided = self._least_urgent = 0
         shed = self.shed_fraction
         if lag_s > s.high_lag_s and busy >= s.min_busy:
-            let_through = (1.0 - shed) * max(1.0 - s.max_cut, s.high_lag_s / lag_s)
-            shed = min(s.max_shed, max(shed + s.min_step, 1.0 - let_through))
+            self.behind = True
+            if share < s.max_least_urgent_share:
+                let_through = (1.0 - shed) * max(1.0 - s.max_cut, s.high_lag_s / lag_s)
+                shed = min(s.max_shed, max(shed + s.min_step, 1.0 - let_through))
+            else:  # refusing the least urgent tier is the relief
+                shed = max(0.0, shed - s.recover_step)
         elif lag_s < s.low_lag_s or busy < s.min_busy:
             shed = max(0.0, shed - s.recover_step)
+            self.behind = shed > 0.0
         self.shed_fraction = shed
         return shed

@@ -74,17 +74,22 @@ async def watch_overload(
         now = loop.time()
         worst = max(worst, now - due)
         if now - period_start >= control.settings.period_s:
-            before = control.shed_fraction
+            was_overloaded, before = control.overloaded, control.shed_fraction
             behind = max(worst, ages.take_mean())
             cpu = process_time()
             busy = (cpu - cpu_start) / (now - period_start)
             shed = control.period(behind, busy)
-            if shed != before:
-                log.log(
-                    logging.WARNING if before == 0 else logging.DEBUG,
-                    "overloaded (%.0f ms behind): Envoy turns away %.0f %% of new requests",
+            if control.overloaded and not was_overloaded:
+                log.warning(
+                    "overloaded (%.0f ms behind, %.0f %% of a core busy): refusing the least "
+                    "urgent tier; Envoy turns away %.0f %% of new requests",
                     behind * 1000,
+                    busy * 100,
                     shed * 100,
                 )
+            elif was_overloaded and not control.overloaded:
+                log.info("caught up: nothing is turned away for overload any more")
+            elif shed != before:
+                log.debug("%.0f ms behind: Envoy turns away %.0f %%", behind * 1000, shed * 100)
             layer.publish(SHED_RUNTIME_KEY, round(shed * 100))
             period_start, cpu_start, worst = now, cpu, 0.0

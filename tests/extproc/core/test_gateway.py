@@ -251,6 +251,18 @@ def test_a_one_tier_policy_is_never_refused_for_overload(tmp_path: Path) -> None
     assert not gateway.stats.shed
 
 
+def test_every_decision_is_counted_for_the_overload_control() -> None:
+    gateway = make_gateway()
+    for key in ("sk-batch-demo", "sk-batch-demo", "sk-chat-demo", "sk-api-demo"):
+        gateway.handle(request(key=key, request_id=f"{key}-{gateway.admission.in_flight}"))
+    # Half of them batch, the least urgent tier: refusing it would relieve the service, so
+    # a lagging period makes the service refuse batch and Envoy turn nothing away.
+    assert gateway.overload.period(1.0) == 0.0
+    assert gateway.overload.overloaded
+    refused = gateway.handle(request(key="sk-batch-demo", request_id="late")).answer
+    assert isinstance(refused, Respond) and refused.status == 429
+
+
 def test_not_overloaded_refuses_nothing() -> None:
     gateway = make_gateway()
     gateway.overload.period(1.0)

@@ -124,3 +124,38 @@ def test_behind_while_using_little_cpu_is_not_overload() -> None:
     shed = c.shed_fraction
     assert shed > 0
     assert c.period(HIGH, busy=idle_cpu) == pytest.approx(shed - c.settings.recover_step)
+
+
+def test_a_flood_of_the_least_urgent_tier_is_refused_by_the_service_not_by_envoy() -> None:
+    """Envoy cannot tell tiers apart: while the least urgent tier is most of what arrives,
+    the service refuses that tier and Envoy turns nothing away (chat is never shed for a
+    batch flood)."""
+    c = control()
+    for _ in range(10):
+        for least_urgent in (True, True, True, False):  # three batch requests to one chat
+            c.decided(least_urgent)
+        assert c.period(HIGH) == 0.0
+        assert c.behind and c.overloaded
+    while c.overloaded:  # caught up: the tier is let in again
+        c.period(LOW)
+    assert not c.behind
+
+
+def test_envoy_sheds_when_the_least_urgent_tier_is_a_small_share() -> None:
+    c = control()
+    for least_urgent in (True, False, False, False):
+        c.decided(least_urgent)
+    assert c.period(HIGH) > 0.0 and c.behind
+    # the counts are per period: with none decided, the share is nothing, Envoy sheds more
+    before = c.shed_fraction
+    assert c.period(HIGH) > before
+
+
+def test_a_batch_flood_after_envoy_shedding_lets_the_envoy_share_fall() -> None:
+    c = control()
+    c.period(HIGH)  # nothing decided: Envoy sheds
+    shed = c.shed_fraction
+    for _ in range(4):
+        c.decided(True)
+    assert c.period(HIGH) == pytest.approx(shed - SETTINGS.recover_step)
+    assert c.behind

@@ -15,7 +15,10 @@ arms the overload at twice their capacity and the recovery after it. One concept
 - ``verdicts``   the targets PASS/FAIL, suspect when the harness was the bottleneck
 - ``plots``      the PNG plots
 - ``report``     ``report.md``
-- ``runner``     starting, driving and stopping the arms; ``results.json``
+- ``rates``      which open-loop rates each arm runs (``half_capacity`` resolved)
+- ``driver``     one arm's phases in order, and the CPU taken over each
+- ``runner``     starting and stopping the arms; ``results.json``
+- ``floor``      the grpc.aio floor: a servicer that decides nothing, behind the same Envoy
 
 ``python -m loadtests.bench.overhead`` is the same run with the older command-line flags.
 Nothing else in ``loadtests.bench`` imports this package, except the command's dispatch.

@@ -20,6 +20,7 @@ import pytest
 from extproc.ops.cli import main
 from extproc.ops.processes import ProcessGroup
 from loadtests.bench.overhead import runner as overhead_runner
+from loadtests.bench.overhead.driver import Started
 from loadtests.bench.overhead.scenario import OverheadScenario
 from loadtests.bench.scenario import SCENARIO_DIR
 from tests.pids import alive
@@ -149,9 +150,7 @@ def kill_service_after(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     timers: list[threading.Timer] = []
     real = overhead_runner.start_arm
 
-    def start_arm(
-        arm: str, scenario: OverheadScenario, group: ProcessGroup
-    ) -> overhead_runner.Started:
+    def start_arm(arm: str, scenario: OverheadScenario, group: ProcessGroup) -> Started:
         started = real(arm, scenario, group)
         if "service" in started.pids:
             killed.append(started.pids["service"])

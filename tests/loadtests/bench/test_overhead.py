@@ -10,7 +10,7 @@ import math
 from extproc.core.errors import error_body
 from extproc.fleet.vllm_metrics import parse_metrics
 from extproc.ops.processes import free_port
-from loadtests.bench.overhead import backend, loadgen, phase, runner
+from loadtests.bench.overhead import backend, loadgen, phase, rates
 from loadtests.bench.overhead.loadgen import (
     CONNECTION_ERROR,
     ENVOY_ERROR,
@@ -187,17 +187,17 @@ def test_summarize_overload_outcomes() -> None:
 
 
 def test_half_capacity_and_the_direct_arm_rates() -> None:
-    assert runner.half_capacity(1357.0) == 678.0 and runner.half_capacity(None) is None
-    assert runner.resolve_rates((100.0, "half_capacity"), 1357.0) == [
+    assert rates.half_capacity(1357.0) == 678.0 and rates.half_capacity(None) is None
+    assert rates.resolve_rates((100.0, "half_capacity"), 1357.0) == [
         (100.0, None),
         (678.0, "half_capacity"),
     ]
-    assert runner.resolve_rates((100.0, "half_capacity"), None) == [(100.0, None)]
-    assert runner.direct_rates((100.0, "half_capacity"), {"fairlane": 678.0, "b": 100.0}) == [
+    assert rates.resolve_rates((100.0, "half_capacity"), None) == [(100.0, None)]
+    assert rates.direct_rates((100.0, "half_capacity"), {"fairlane": 678.0, "b": 100.0}) == [
         (100.0, None),
         (678.0, "half_capacity of fairlane"),
     ]
-    assert runner.direct_rates((100.0,), {"fairlane": 678.0}) == [(100.0, None)]
+    assert rates.direct_rates((100.0,), {"fairlane": 678.0}) == [(100.0, None)]
 
 
 async def _silent_server(port: int, accepted: list[int]) -> asyncio.Server:

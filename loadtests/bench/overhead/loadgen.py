@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from loadtests.bench.overhead.wire import take_message
 
@@ -216,7 +217,6 @@ class LoadGenerator:
         about 1 ms on uvloop, or a busy generator)."""
         latencies: list[float] = []
         errors = 0
-        loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task[None]] = set()
 
         self.late_ms = []
@@ -231,16 +231,7 @@ class LoadGenerator:
             else:
                 errors += 1
 
-        count = int(rate * duration)
-        t0 = time.perf_counter() + 0.05
-        for i in range(count):
-            due = t0 + i / rate
-            delay = due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            task = loop.create_task(send(due))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+        await paced(rate, duration, time.perf_counter() + 0.05, send, tasks)
         if tasks:
             await asyncio.wait(tasks, timeout=30)
         return latencies, errors
@@ -253,7 +244,6 @@ class LoadGenerator:
         with the tasks still answering (await them, :func:`settle`): the recovery starts
         while the overload's last requests drain."""
         result = Classified()
-        loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task[None]] = set()
         t0 = time.perf_counter() + 0.02
 
@@ -272,15 +262,7 @@ class LoadGenerator:
             latency = (time.perf_counter() - start) * 1000
             result.samples.append(Sample(start - t0, outcome, status, latency))
 
-        count = int(rate * duration)
-        for i in range(count):
-            due = t0 + i / rate
-            delay = due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            task = loop.create_task(send(due))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+        await paced(rate, duration, t0, send, tasks)
         result.elapsed_s = max(time.perf_counter() - t0, duration)
         return result, tasks
 
@@ -316,6 +298,26 @@ class LoadGenerator:
         start = time.perf_counter()
         status = await self.one()
         return (time.perf_counter() - start) * 1000 if 200 <= status < 300 else None
+
+
+async def paced(
+    rate: float,
+    duration: float,
+    t0: float,
+    send: Callable[[float], Coroutine[Any, Any, None]],
+    tasks: set[asyncio.Task[None]],
+) -> None:
+    """Open loop: start ``send(due)`` at ``t0 + i / rate`` for ``duration`` s, whatever is
+    still outstanding (no coordinated omission); the running sends are kept in ``tasks``."""
+    loop = asyncio.get_running_loop()
+    for i in range(int(rate * duration)):
+        due = t0 + i / rate
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = loop.create_task(send(due))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
 
 async def settle(tasks: set[asyncio.Task[None]], timeout: float) -> None:

@@ -2,6 +2,7 @@
 
 ``codec`` is the only module that touches ext_proc protobuf. ``servicer`` turns Envoy's
 streams into core events and back, ``held`` owns the futures of requests Envoy holds while
-they wait in a queue, ``server`` wires the process together, and ``prometheus`` exposes the
-core's counters.
+they wait in a queue, ``overload`` measures how far behind the service is and ``runtime``
+holds the layer Envoy reads over RTDS (the share it turns away), ``server`` wires the
+process together, and ``prometheus`` exposes the core's counters.
 """

@@ -109,6 +109,21 @@ async def _timed(
     return first, held
 
 
+async def _batch(session: aiohttp.ClientSession, url: str, body: object) -> bool:
+    """One batch request, read out; False when the gateway refused it for now (a 429 or
+    503 with ``retry-after``, e.g. while the service, sharing its cores with the engine,
+    falls behind), after waiting as a client would. Anything else is a failure."""
+    headers = {"authorization": "Bearer sk-batch-demo"}
+    async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+        if r.status in (429, 503) and "retry-after" in r.headers:
+            await asyncio.sleep(min(1.0, float(r.headers["retry-after"])))
+            return False
+        assert r.status == 200, await r.text()
+        async for _ in r.content:
+            pass
+        return True
+
+
 def _gauge(url: str, name: str, label: str = "") -> float:
     """One sample of a Prometheus page: ``name{...label...} value`` (summed over matches)."""
     text = urllib.request.urlopen(url, timeout=5).read().decode()
@@ -135,25 +150,30 @@ async def _flood_then_chat(url: str, metrics_url: str, vllm_url: str) -> dict[st
             await _ttft(session, url, "sk-chat-demo", _body(8, 30)) for _ in range(CHATS // 2)
         ]
         stop = asyncio.Event()
-        finished = [0]
+        finished, refused = [0], [0]
 
         async def batch_client() -> None:
             while not stop.is_set():
-                await _ttft(session, url, "sk-batch-demo", _body(BATCH_TOKENS, 30))
-                finished[0] += 1
+                if await _batch(session, url, _body(BATCH_TOKENS, 30)):
+                    finished[0] += 1
+                else:
+                    refused[0] += 1
 
         flood = [asyncio.create_task(batch_client()) for _ in range(BATCH_CLIENTS)]
         try:
             # The condition the measurement needs: the engine busy with batch and more batch
             # held in the gateway, so every chat request below arrives into a full flood.
-            await _until(
-                lambda: (
-                    _gauge(f"{vllm_url}/metrics", "vllm:num_requests_running") >= 1
-                    and _gauge(metrics_url, "fairlane_queue_depth", 'tier="batch"') >= 1
-                ),
-                60,
-                "the flood to fill the engine and queue in the gateway",
-            )
+            try:
+                await _until(
+                    lambda: (
+                        _gauge(f"{vllm_url}/metrics", "vllm:num_requests_running") >= 1
+                        and _gauge(metrics_url, "fairlane_queue_depth", 'tier="batch"') >= 1
+                    ),
+                    60,
+                    "the flood to fill the engine and queue in the gateway",
+                )
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; batch requests refused: {refused[0]}") from None
             flooded, held = [], []
             for _ in range(CHATS):
                 ttft, queued_s = await _timed(session, url, "sk-chat-demo", _body(8, 30))
@@ -174,6 +194,7 @@ async def _flood_then_chat(url: str, metrics_url: str, vllm_url: str) -> dict[st
             "flood_ttft_s": [round(t, 3) for t in flooded],
             "flood_held_in_gateway_s": [round(t, 3) for t in held],
             "batch_finished": finished[0],
+            "batch_refused": refused[0],
             "batch_still_queued": queued,
             "seats": seats,
         }

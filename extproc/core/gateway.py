@@ -77,6 +77,16 @@ def client_headers_to_strip(
     )
 
 
+def _overloaded(tier: str) -> Rejection:
+    return Rejection(
+        429,
+        "the gateway is overloaded; retry later",
+        code="gateway_overloaded",
+        headers={"retry-after": str(OVERLOAD_RETRY_AFTER_S)},
+        tier=tier,
+    )
+
+
 def _new_request_id() -> str:
     return uuid.uuid4().hex
 
@@ -113,6 +123,24 @@ class Gateway:
             log.exception("unexpected error handling %s %s", info.method, info.path)
             self.stats.reject(500, "internal_error")
             return Decision(Respond(500, error_body(500, "internal gateway error")))
+
+    def refuse_early(self, info: RequestInfo) -> Respond | None:
+        """While overloaded, the answer for a request known from its headers alone to be of
+        the least urgent tier: its key's tenant may use no other. Answered before its body
+        is read, that refusal costs the service a fraction of one made on the body. None:
+        decide it on the body as usual (a bad key, too, is answered there)."""
+        policy = self.policies.current
+        if not self.overload.overloaded or len(policy.tiers) < 2:
+            return None
+        try:
+            tenant = authenticate(policy, info)
+        except Rejection:
+            return None
+        lowest = policy.lowest_tier
+        if policy.top_tier(tenant) is not lowest:
+            return None
+        self.overload.decided(least_urgent=True)
+        return self.respond_to(_overloaded(lowest.name))
 
     def resume(self, hold: Hold, grant: Grant) -> Forward:
         """A held request's grant arrived: send it upstream."""
@@ -151,13 +179,7 @@ class Gateway:
         least_urgent = len(policy.tiers) > 1 and tier is policy.lowest_tier
         self.overload.decided(least_urgent)
         if least_urgent and self.overload.overloaded:
-            raise Rejection(
-                429,
-                "the gateway is overloaded; retry later",
-                code="gateway_overloaded",
-                headers={"retry-after": str(OVERLOAD_RETRY_AFTER_S)},
-                tier=tier.name,
-            )
+            raise _overloaded(tier.name)
         request_id = info.request_id
         if not request_id or self.admission.knows(request_id):
             request_id = self._new_request_id()  # a client reused an id: keep ours unique

@@ -48,6 +48,15 @@ class HeldRequests:
         assert answer is not None  # handle always answers the request in hand
         return answer
 
+    @property
+    def overloaded(self) -> bool:
+        """The service is behind: some requests may be refused on their headers alone."""
+        return self.gateway.overload.overloaded
+
+    def refuse_early(self, info: RequestInfo) -> Respond | None:
+        """While overloaded, the answer for a request refused on its headers alone."""
+        return self.gateway.refuse_early(info)
+
     def completed(self, completion: Completion) -> None:
         """Envoy's access log reported a finished request."""
         self._wake(self.gateway.completed(completion))

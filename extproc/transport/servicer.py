@@ -53,7 +53,14 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
                 if phase == "request_headers":
                     headers = codec.decode_headers(message)
                     if not headers.end_of_stream:
+                        refused = None
+                        if self.held.overloaded:
+                            refused = self.held.refuse_early(headers.request_info())
                         busy_s += perf_counter() - started
+                        if refused is not None:  # overloaded: not worth reading the body
+                            self._service_time.observe(busy_s)
+                            yield codec.respond(refused)
+                            return
                         yield codec.continue_headers()
                         continue
                     info = headers.request_info()

@@ -1,5 +1,6 @@
 """The per-request pipeline without sockets: real policy, real admission, plain objects."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -261,6 +262,25 @@ def test_every_decision_is_counted_for_the_overload_control() -> None:
     assert gateway.overload.overloaded
     refused = gateway.handle(request(key="sk-batch-demo", request_id="late")).answer
     assert isinstance(refused, Respond) and refused.status == 429
+
+
+def test_overloaded_refuses_a_key_of_the_least_urgent_tier_on_its_headers() -> None:
+    """A tenant allowed only batch sends batch whatever its body says: refused unread."""
+    gateway = make_gateway()
+    headers_only = dataclasses.replace(request(key="sk-batch-demo"), body=b"")
+    assert gateway.refuse_early(headers_only) is None  # not overloaded
+    overloaded(gateway)
+    refused = gateway.refuse_early(headers_only)
+    assert isinstance(refused, Respond) and refused.status == 429
+    assert refused.headers == {"retry-after": str(OVERLOAD_RETRY_AFTER_S)}
+    assert json.loads(refused.body)["error"]["code"] == "gateway_overloaded"
+    assert gateway.stats.shed == {("batch", "gateway_overloaded"): 1}
+    # A key allowed a more urgent tier may be promoted by its body: decided on the body.
+    for key in ("sk-chat-demo", "sk-api-demo"):
+        assert gateway.refuse_early(dataclasses.replace(request(key=key), body=b"")) is None
+    # A bad key is answered on the body as usual (401 there, not a 429 here).
+    assert gateway.refuse_early(dataclasses.replace(request(key="sk-nope"), body=b"")) is None
+    assert gateway.admission.in_flight == 0
 
 
 def test_not_overloaded_refuses_nothing() -> None:

@@ -21,12 +21,12 @@ from tests.extproc.factories import make_gateway, request
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
 
 
-def messages(request_id: str) -> list[pb.ProcessingRequest]:
+def messages(request_id: str, key: str = "sk-chat-demo") -> list[pb.ProcessingRequest]:
     """Envoy's two messages for a chat completion in BUFFERED mode: headers, then body."""
     pairs = [
         (":method", b"POST"),
         (":path", b"/v1/chat/completions"),
-        ("authorization", b"Bearer sk-chat-demo"),
+        ("authorization", f"Bearer {key}".encode()),
         ("x-request-id", request_id.encode()),
     ]
     headers = pb.ProcessingRequest(
@@ -45,11 +45,13 @@ class Stream:
 
     def __init__(self, items: list[pb.ProcessingRequest]) -> None:
         self.closed = False
+        self.read = 0
         self._items = items
 
     async def generate(self) -> AsyncIterator[pb.ProcessingRequest]:
         try:
             for item in self._items:
+                self.read += 1
                 yield item
         finally:
             self.closed = True
@@ -87,3 +89,20 @@ async def test_an_answered_stream_closes_grpcs_request_iterator() -> None:
     assert [a.WhichOneof("response") for a in answers] == ["request_headers", "request_body"]
     # closed by the servicer itself, not left for asyncio's finaliser (a task per request)
     assert stream.closed
+
+
+async def test_overloaded_a_least_urgent_key_is_refused_before_its_body_is_read() -> None:
+    held = HeldRequests(make_gateway())
+    held.gateway.overload.period(1.0)  # far behind
+    assert held.overloaded
+    batch = Stream(messages("batch", key="sk-batch-demo"))
+    process = ExternalProcessor(held).Process(batch.generate(), None)  # type: ignore[arg-type]
+    answers = [answer async for answer in process]
+    assert [a.WhichOneof("response") for a in answers] == ["immediate_response"]
+    assert answers[0].immediate_response.status.code == 429
+    assert batch.read == 1 and batch.closed  # the body message was never read
+    # chat's key is not limited to the least urgent tier: decided on its body, and admitted
+    chat = Stream(messages("chat"))
+    process = ExternalProcessor(held).Process(chat.generate(), None)  # type: ignore[arg-type]
+    answers = [answer async for answer in process]
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers", "request_body"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -21,21 +20,12 @@ import pytest
 from extproc.core.gateway import OVERLOAD_RETRY_AFTER_S
 from extproc.ops.up import Stack
 from extproc.wire import RUNTIME_LAYER, SHED_RUNTIME_KEY
-from tests.integration.conftest import auth, backend_requests, chat, start_stack
+from tests.integration.conftest import auth, backend_requests, chat
 
 pytestmark = pytest.mark.integration
 
 CHAT = "/v1/chat/completions"
 WAIT_S = 20.0
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    group, running = start_stack(tmp_path_factory.mktemp("overload"))
-    try:
-        yield running
-    finally:
-        group.stop()
 
 
 async def runtime(stack: Stack) -> dict[str, Any]:

@@ -35,11 +35,13 @@ import logging
 import math
 import random
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from extproc.core.errors import Rejection
 from extproc.core.gates import passes
+from extproc.core.peers import PeerBand, PeerView, ReplicaReport
 from extproc.core.picker import PickReason, choose
 from extproc.core.prefix import PromptBlocks
 from extproc.core.priority import vllm_priority
@@ -117,17 +119,20 @@ class Admission:
         self._last_arrival: dict[str, float] = {}
         self.picks: Counter[tuple[str, PickReason]] = Counter()
         """Grants per (backend address, reason it was chosen): ``fairlane_picks_total``."""
+        self.peers = PeerView()
+        """The other replicas' state (``extproc.core.peers``); empty when alone."""
         self.configure(policy)
 
     def configure(self, policy: Policy) -> list[Grant]:
         """Apply a (re)loaded policy; queued and in-flight requests are kept. Returns the
         grants the new limits allowed at once."""
         self.policy = policy
+        self._bands = {
+            t.name: BandConfig(t.name, t.rank, t.queue_limit, t.aging_rate, t.aging_cap)
+            for t in policy.tiers
+        }
         self.scheduler.configure(
-            (
-                BandConfig(t.name, t.rank, t.queue_limit, t.aging_rate, t.aging_cap)
-                for t in policy.tiers
-            ),
+            self._bands.values(),
             FairnessConfig(policy.fairness.input_weight, policy.fairness.output_weight),
         )
         self._tiers = {t.name: t for t in policy.tiers}
@@ -145,14 +150,32 @@ class Admission:
     @property
     def capacity(self) -> int:
         """The fleet's seats (each healthy backend's learned or declared count, at most
-        ``max_in_flight_per_backend``): what reservations are kept out of."""
+        ``max_in_flight_per_backend``): what reservations are kept out of. A replica cut
+        off from the others counts only its share of them."""
         limit = self.policy.max_in_flight_per_backend
-        return sum(min(b.seats.count, limit) for b in self.pool.backends if b.healthy)
+        seats = sum(min(b.seats.count, limit) for b in self.pool.backends if b.healthy)
+        share = self.peers.share
+        return seats if share >= 1.0 else max(1, math.floor(seats * share))
+
+    @property
+    def backend_limit(self) -> int:
+        """The per-backend cap, ``max_in_flight_per_backend``: over all replicas while they
+        share state, this replica's share of it while cut off."""
+        limit = self.policy.max_in_flight_per_backend
+        share = self.peers.share
+        return limit if share >= 1.0 else max(1, math.floor(limit * share))
+
+    def fleet_in_flight_by_rank(self) -> Counter[int]:
+        """Requests in flight per rank, this replica's and the other replicas' leases."""
+        if not self.peers.in_flight_by_rank:
+            return self._in_flight_by_rank
+        return self._in_flight_by_rank + self.peers.in_flight_by_rank
 
     def reserved(self) -> dict[int, int]:
         """Seats each reserving tier (by rank) holds now, sized to its recent demand."""
+        in_flight, peers = self.fleet_in_flight_by_rank(), self.peers
         present = {
-            t.rank: self._in_flight_by_rank[t.rank] + self.scheduler.depth(t.name)
+            t.rank: in_flight[t.rank] + self.scheduler.depth(t.name) + peers.waiting_in(t.name)
             for t in self._tiers.values()
             if t.reserved_share
         }
@@ -246,14 +269,20 @@ class Admission:
         """
         placements: dict[str, Placement | None] = {}
         grants: list[Grant] = []
+        ahead = self._most_urgent_elsewhere()
 
         def placement(band: str) -> Placement | None:
             if band not in placements:
                 placements[band] = self._place(band)
             return placements[band]
 
+        def eligible(band: str) -> bool:
+            if ahead is not None and self._band_key(band) > ahead:
+                return False  # another replica holds a more urgent request: it goes first
+            return placement(band) is not None
+
         while len(self.scheduler):
-            entry = self.scheduler.pop(eligible=lambda band: placement(band) is not None)
+            entry = self.scheduler.pop(eligible=eligible)
             if entry is None:
                 break
             where = placement(entry.band)
@@ -261,6 +290,29 @@ class Admission:
             grants.append(self._grant(entry, where))
             placements.clear()  # the grant changed loads and gates
         return grants
+
+    def _band_key(self, band: str) -> tuple[float, int]:
+        """A local band's urgency (effective rank after aging, then base rank)."""
+        config = self._bands.get(band)
+        rank = config.rank if config is not None else len(self._bands)
+        return (self.scheduler.effective_rank(band), rank)
+
+    def _most_urgent_elsewhere(self) -> tuple[float, int] | None:
+        """The urgency of the most urgent band waiting on another replica (None if none):
+        bands here that rank strictly worse wait for it, as they would behind it here."""
+        waiting = self.peers.waiting
+        if not waiting:
+            return None
+        now = self._clock()
+        best: tuple[float, int] | None = None
+        for band, peer in waiting.items():
+            config = self._bands.get(band)
+            if config is None or not peer.waiting:
+                continue
+            key = (config.effective_rank(self.peers.oldest_wait_s(band, now)), config.rank)
+            if best is None or key < best:
+                best = key
+        return best
 
     def _acting_tier(self, band: str) -> Tier | None:
         """The tier a band's requests are treated as now: their own, or the more urgent one
@@ -278,11 +330,12 @@ class Admission:
 
     def _active_ranks(self) -> set[int]:
         """Tiers that hold their reservation: requests queued or in flight, or one lately."""
-        now = self._clock()
-        active = {r for r, n in self._in_flight_by_rank.items() if n}
+        now, peers = self._clock(), self.peers
+        active = {r for r, n in self.fleet_in_flight_by_rank().items() if n}
         for tier in self._tiers.values():
             recent = now - self._last_arrival.get(tier.name, -math.inf) <= tier.reserved_idle_s
-            if recent or self.scheduler.depth(tier.name):
+            recent = recent or peers.idle_for_s(tier.name, now) <= tier.reserved_idle_s
+            if recent or self.scheduler.depth(tier.name) or peers.waiting_in(tier.name):
                 active.add(tier.rank)
         return active
 
@@ -299,20 +352,20 @@ class Admission:
         # take the seats that free up before the urgent tier's next request arrives.
         queue = tier.gate.max_waiting if tier is not None else 0
         reserved, active = self.reserved(), self._active_ranks()
-        limit = self.policy.max_in_flight_per_backend
+        limit = self.backend_limit
         # Whether seats bound this tier here: it needs a free one (batch), or a more urgent
         # active tier holds a reserve it must leave. Otherwise its gates (the engine's own
         # queue) and the policy's cap bound it, as they would without seats.
         seat_bound = queue == 0 or any(r < rank and r in active for r in reserved)
         capacity = self.capacity if seat_bound else len(self.pool.backends) * limit
-        if not may_admit(rank, self._in_flight_by_rank, capacity, reserved, active):
+        if not may_admit(rank, self.fleet_in_flight_by_rank(), capacity, reserved, active):
             return None
         stale = self.policy.backpressure.stale_after_s
         now = self._clock()
         candidates = [
             b
             for b in self.pool.backends
-            if b.in_flight < limit
+            if b.fleet_in_flight < limit
             and b.healthy
             and (not seat_bound or queue is None or b.free_seats() > -queue)
             and (tier is None or passes(tier.gate, b, now, stale, rank))
@@ -339,7 +392,7 @@ class Admission:
             self.pool.backends,
             prompt,
             self.policy.routing,
-            self.policy.max_in_flight_per_backend,
+            self.backend_limit,
         )
         assert pick is not None  # _place lists healthy candidates only
         backend = pick.chosen
@@ -359,6 +412,43 @@ class Admission:
         )
         self._in_flight[entry.request_id] = InFlight(backend, user, entry, where.rank, now, grant)
         return grant
+
+    # ----------------------------------------------------------------- replicas
+
+    def apply_peers(self, view: PeerView) -> list[Grant]:
+        """Decide from now on over the other replicas' state too (``extproc.core.peers``);
+        returns the grants it allowed (a more urgent band elsewhere went, a lease expired)."""
+        now = self._clock()
+        before = self.peers.in_flight_by_rank
+        for rank in set(before) | set(view.in_flight_by_rank):
+            delta = view.in_flight_by_rank[rank] - before[rank]
+            if delta:
+                self._demand.change(rank, delta, now, self._windows.get(rank, 0.0))
+        for backend in self.pool.backends:
+            backend.note_peers(view.in_flight_by_backend.get(backend.address, Counter()))
+        self.peers = view
+        return self.dispatch()
+
+    def report(self, replica: str) -> ReplicaReport:
+        """This replica's state for the others: leases, waiting bands, tiers' last arrivals."""
+        now = self._clock()
+        in_flight = {
+            b.address: {r: n for r, n in b.in_flight_by_rank.items() if n}
+            for b in self.pool.backends
+            if b.in_flight
+        }
+        waiting = {
+            band: PeerBand(depth, self.scheduler.oldest_wait_s(band))
+            for band, depth in self.scheduler.depths().items()
+            if depth
+        }
+        idle = {tier: now - at for tier, at in self._last_arrival.items()}
+        return ReplicaReport(replica, in_flight, waiting, idle)
+
+    def charge_elsewhere(self, charges: Iterable[tuple[str, str, float]]) -> None:
+        """Service that flows received on other replicas: ``(band, flow, cost)`` each."""
+        for band, flow, cost in charges:
+            self.scheduler.charge_elsewhere(flow, band, cost)
 
     # ----------------------------------------------------------------- the end of a request
 

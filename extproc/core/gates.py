@@ -18,7 +18,8 @@ Semantics, precisely:
 - ``max_itl_s``: admits while the mean inter-token latency of the last scrape interval is
   ``<=`` the bound; an unknown ITL (idle engine, first scrape) does not block.
 - ``max_in_flight``: the gateway's own count of requests it sent to the backend and has
-  not seen finish, ``<`` the bound (a per-backend cap for the tier).
+  not seen finish (all replicas' when they share state), ``<`` the bound (a per-backend cap
+  for the tier).
 - ``None`` switches a bound off.
 
 A backend that is unhealthy (``/health`` fails or its scrapes fail), has never been
@@ -61,4 +62,4 @@ def passes(
         return False
     if gate.max_itl_s is not None and backend.itl_s is not None and backend.itl_s > gate.max_itl_s:
         return False
-    return gate.max_in_flight is None or backend.in_flight < gate.max_in_flight
+    return gate.max_in_flight is None or backend.fleet_in_flight < gate.max_in_flight

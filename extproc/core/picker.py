@@ -60,7 +60,7 @@ def load_score(backend: Backend, routing: Routing, slot_limit: int, local_region
     metrics = backend.metrics
     kv = metrics.kv_cache_usage if metrics is not None else 1.0
     seats = max(min(backend.seats.count, slot_limit), 1)
-    queue = (backend.effective_waiting() + backend.in_flight) / seats
+    queue = (backend.effective_waiting() + backend.fleet_in_flight) / seats
     remote = backend.region != local_region
     return (
         routing.queue_weight * queue + routing.kv_cache_weight * kv + routing.region_weight * remote

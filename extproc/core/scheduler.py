@@ -36,6 +36,11 @@ operation may push a backlogged counter below it.
 - The result: per-flow state is bounded by the flows active during the current busy
   period. ``tracked_flows()`` reports it.
 
+**Replicas.** With replicas sharing state, each replica's scheduler also learns the
+service its flows received elsewhere (``take_ledger`` hands out what this one charged,
+``charge_elsewhere`` adds what the others did), so a tenant spread over three replicas is
+compared by its fleet-wide service.
+
 **Corrections.** ``correct`` may lower a counter (the request produced less output than
 estimated), but never below ``vtime``. Without that floor, a late refund would put a
 backlogged flow below its peers and give it the burst the lift rule exists to prevent. With
@@ -280,6 +285,8 @@ class FairScheduler:
         self._clock = clock
         self._bands: dict[str, _Band] = {}
         self._seq = 0
+        self._ledger: dict[tuple[str, str], float] | None = None
+        """Charges since ``take_ledger`` (None until a replica first asks: alone, no cost)."""
 
     # ----------------------------------------------------------------- configuration
 
@@ -370,9 +377,10 @@ class FairScheduler:
         heapq.heappop(best.ready)
         request_id, _ = flow.queue.popitem(last=False)
         entry = best.entries.pop(request_id)
-        flow.counter += self._fairness.cost(
-            entry.input_tokens, entry.output_tokens_estimate, entry.weight
-        )
+        cost = self._fairness.cost(entry.input_tokens, entry.output_tokens_estimate, entry.weight)
+        flow.counter += cost
+        if self._ledger is not None:
+            self._record(entry.band, name, cost)
         if flow.queue:
             best.mark_ready(name, flow)
         else:
@@ -408,16 +416,45 @@ class FairScheduler:
         counter below the band's ``vtime`` (see the module docstring). A flow that is no
         longer tracked counts as sitting at ``vtime``. Ignored while the band is empty.
         """
-        state = self._bands.get(band)
-        if state is None or not state.entries or not (math.isfinite(weight) and weight > 0):
+        if not (math.isfinite(weight) and weight > 0):
             return
         delta = self._fairness.output_weight * (actual_output - estimated_output) / weight
-        if delta == 0:
-            return
+        self._adjust(flow, band, delta)
+        if delta:
+            self._record(band, flow, delta)  # the other replicas may hold the flow's band
+
+    def charge_elsewhere(self, flow: str, band: str, cost: float) -> None:
+        """Add service the flow received from another replica (its counter units, already
+        divided by the flow's weight), so VTC compares flows over the whole fleet's service.
+
+        The same rules as ``correct``: ignored while the band is empty here (no one here
+        waits to be treated unfairly), never below ``vtime``; an untracked flow is tracked
+        at ``vtime`` plus the charge, so a tenant served on other replicas meets its debt
+        when it arrives here too.
+        """
+        self._adjust(flow, band, cost)
+
+    def take_ledger(self) -> dict[tuple[str, str], float]:
+        """What this scheduler charged each (band, flow) since the last call, for the other
+        replicas' ``charge_elsewhere``; starts recording on the first call."""
+        ledger, self._ledger = self._ledger or {}, {}
+        return ledger
+
+    def _record(self, band: str, flow: str, cost: float) -> None:
+        ledger = self._ledger
+        if ledger is not None:
+            key = (band, flow)
+            ledger[key] = ledger.get(key, 0.0) + cost
+
+    def _adjust(self, flow: str, band: str, delta: float) -> bool:
+        """Move ``flow``'s counter by ``delta`` (floored at ``vtime``); False when ignored."""
+        state = self._bands.get(band)
+        if state is None or not state.entries or delta == 0 or not math.isfinite(delta):
+            return False
         tracked = state.flows.get(flow)
         if tracked is None:
             if delta < 0:
-                return
+                return False
             tracked = state.flows[flow] = _Flow(state.vtime)
         tracked.counter = max(tracked.counter + delta, state.vtime)
         if tracked.queue:
@@ -427,6 +464,7 @@ class FairScheduler:
         else:
             state.mark_idle(flow, tracked)
         state.advance()
+        return True
 
     # ----------------------------------------------------------------- reading
 

@@ -181,6 +181,8 @@ class Backend:
         "itl_s",
         "kv_tokens_since_scrape",
         "metrics",
+        "peer_in_flight",
+        "peer_in_flight_by_rank",
         "prefix_cache",
         "scrape_ok",
         "seats",
@@ -194,6 +196,8 @@ class Backend:
         self.scrape_ok = True
         self.in_flight = 0
         self.in_flight_by_rank: Counter[int] = Counter()
+        self.peer_in_flight = 0
+        self.peer_in_flight_by_rank: Counter[int] = Counter()
         self.metrics: EngineMetrics | None = None
         self.itl_s: float | None = None
         self.granted_since_scrape = 0
@@ -235,6 +239,17 @@ class Backend:
     def region(self) -> str:
         return self.spec.region
 
+    @property
+    def fleet_in_flight(self) -> int:
+        """Requests in flight here from this replica and, when replicas share state, from
+        the others as of their last report (``peer_in_flight``, 0 when alone)."""
+        return self.in_flight + self.peer_in_flight
+
+    def note_peers(self, by_rank: Counter[int]) -> None:
+        """The other replicas' requests in flight here, by rank, as their reports say."""
+        self.peer_in_flight_by_rank = by_rank
+        self.peer_in_flight = sum(by_rank.values())
+
     def note_grant(self, kv_tokens: int = 0, rank: int = 0) -> None:
         """Admission sent one request here: count it in flight and as not yet scraped, with
         the ``kv_tokens`` (prompt plus expected output) it will hold in the KV cache and the
@@ -255,6 +270,7 @@ class Backend:
         them would hold chat in the gateway while vLLM would have seated it first.
         """
         behind = sum(n for r, n in self.in_flight_by_rank.items() if r > rank)
+        behind += sum(n for r, n in self.peer_in_flight_by_rank.items() if r > rank)
         return max(0.0, self.effective_waiting() - behind)
 
     def projected_kv_usage(self) -> float:
@@ -341,11 +357,12 @@ class Backend:
         engine last showed running and waiting (plus grants and minus completions since),
         whichever is more, so traffic that bypasses the gateway counts too."""
         metrics = self.metrics
+        ours = float(self.fleet_in_flight)
         if metrics is None:
-            return float(self.in_flight)
+            return ours
         engine = metrics.running + metrics.waiting
         engine += self.granted_since_scrape - self.completed_since_scrape
-        return max(float(self.in_flight), engine)
+        return max(ours, engine)
 
     def free_seats(self) -> float:
         """Seats no request holds or waits for (may be negative: requests queued in vLLM)."""

@@ -22,6 +22,7 @@ from extproc.core.decisions import Forward, Hold, Respond
 from extproc.core.errors import Rejection
 from extproc.core.events import Completion, RequestInfo
 from extproc.core.gateway import Gateway
+from extproc.core.peers import PeerView
 from extproc.policy import Policy
 
 
@@ -64,6 +65,13 @@ class HeldRequests:
     def dispatch(self) -> None:
         """A backend may have gained room (a scrape round, a backend back up)."""
         self._wake(self.gateway.admission.dispatch())
+
+    def apply_peers(self, view: PeerView, charges: Iterable[tuple[str, str, float]]) -> None:
+        """An exchange with the other replicas (``extproc.state``): their service counts in
+        fairness, and their leases and waiting bands may let held requests go, or hold."""
+        admission = self.gateway.admission
+        admission.charge_elsewhere(charges)
+        self._wake(admission.apply_peers(view))
 
     def configure(self, policy: Policy) -> None:
         """A policy reload: new limits may let held requests go."""

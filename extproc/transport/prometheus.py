@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 from extproc.core.admission import Admission
 from extproc.core.counters import GatewayStats, Histogram
 from extproc.core.overload import OverloadControl
+from extproc.state.replica import SharedState
 
 if TYPE_CHECKING:
     from extproc.policy import PolicyStore
@@ -63,11 +64,13 @@ class GatewayCollector(Collector):
         stats: GatewayStats,
         policies: PolicyStore | None = None,
         overload: OverloadControl | None = None,
+        state: SharedState | None = None,
     ) -> None:
         self.admission = admission
         self.stats = stats
         self.policies = policies
         self.overload = overload
+        self.state = state
 
     def collect(self) -> Iterator[Metric]:
         yield from self._queues()
@@ -77,6 +80,7 @@ class GatewayCollector(Collector):
         yield from self._outcomes()
         yield from self._latencies()
         yield from self._overload()
+        yield from self._replicas()
 
     def _queues(self) -> Iterable[Metric]:
         scheduler = self.admission.scheduler
@@ -304,6 +308,53 @@ class GatewayCollector(Collector):
             "event loop's lag and how old requests were when it decided them.",
             value=self.overload.last_lag_s,
         )
+
+    def _replicas(self) -> Iterable[Metric]:
+        """Shared state (``--state``); nothing when the service runs alone."""
+        state = self.state
+        if state is None:
+            return
+        stats = state.stats
+        yield GaugeMetricFamily(
+            "fairlane_state_shared",
+            "1 while this replica shares state through Redis, 0 while it is cut off and "
+            "schedules alone on its share of each backend.",
+            value=1.0 if state.shared else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "fairlane_state_replicas",
+            "Replicas alive at the last exchange, this one included.",
+            value=state.replicas_seen,
+        )
+        yield CounterMetricFamily(
+            "fairlane_state_exchanges_total",
+            "Exchanges with Redis that succeeded (one round trip each).",
+            value=stats.exchanges,
+        )
+        yield CounterMetricFamily(
+            "fairlane_state_exchange_failures_total",
+            "Exchanges with Redis that failed or timed out.",
+            value=stats.failures,
+        )
+        yield CounterMetricFamily(
+            "fairlane_state_cut_offs_total",
+            "Times this replica lost Redis and began scheduling alone.",
+            value=stats.cut_offs,
+        )
+        yield CounterMetricFamily(
+            "fairlane_state_exchange_seconds_total",
+            "Wall time spent in exchanges with Redis (over exchanges: the mean round trip).",
+            value=stats.exchange_seconds,
+        )
+        peers = GaugeMetricFamily(
+            "fairlane_backend_peer_in_flight",
+            "Requests the other replicas have in flight on a backend (their leases), as of "
+            "the last exchange.",
+            labels=BACKEND_LABELS,
+        )
+        for backend in self.admission.pool.backends:
+            peers.add_metric([backend.address, backend.region], backend.peer_in_flight)
+        yield peers
 
 
 async def start_metrics_server(

@@ -30,6 +30,8 @@ from extproc.core.overload import OverloadControl
 from extproc.fleet.backend import BACKEND_SYNTAX, BackendPool, BackendSpec, parse_backend
 from extproc.fleet.poller import Poller
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyStore
+from extproc.state.exchange import RedisExchange
+from extproc.state.replica import SharedState
 from extproc.transport.held import HeldRequests
 from extproc.transport.overload import Ages, watch_overload
 from extproc.transport.prometheus import GatewayCollector, start_metrics_server
@@ -64,6 +66,10 @@ class ServiceConfig:
     """Serve the gateway's Prometheus metrics on this port (0: any free port)."""
     drain_s: float = 10.0
     """On SIGTERM, how long held requests may still be granted before the rest get a 503."""
+    state_url: str | None = None
+    """``redis://HOST:PORT[/DB]``: be one of N replicas sharing state there (None: alone)."""
+    replica_id: str | None = None
+    """This replica's name among the others (default: ``HOST:PORT`` of its gRPC port)."""
 
 
 class Service:
@@ -95,12 +101,17 @@ class Service:
         self._scrape_interval_s = 0.0
         self._metrics: web.AppRunner | None = None
         self.metrics_port: int | None = None
+        self.state: SharedState | None = None
+        if config.state_url is not None:
+            replica = config.replica_id or f"{config.host}:{self.port}"
+            store = RedisExchange(config.state_url, replica)
+            self.state = SharedState(self.admission, store, self.held.apply_peers)
 
     async def start(self) -> None:
         await self.server.start()
         if self.config.metrics_port is not None:
             collector = GatewayCollector(
-                self.admission, self.gateway.stats, self.policies, self.overload
+                self.admission, self.gateway.stats, self.policies, self.overload, self.state
             )
             self._metrics, self.metrics_port = await start_metrics_server(
                 collector, self.config.host, self.config.metrics_port
@@ -115,6 +126,8 @@ class Service:
                 watch_overload(self.overload, self.runtime, self.ages), name="overload"
             ),
         ]
+        if self.state is not None:
+            self._tasks.append(asyncio.create_task(self.state.run(), name="shared-state"))
         self._scrape = self._start_scraping()
         log.info("fairlane ext_proc service on %s:%d", self.config.host, self.port)
 
@@ -262,6 +275,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, keep granting held requests this long, then answer the rest 503 "
         "(default %(default)s)",
     )
+    parser.add_argument(
+        "--state",
+        metavar="redis://HOST:PORT[/DB]",
+        default=None,
+        help="run as one of N active-active replicas sharing state in this Redis (default: "
+        "alone, state in this process)",
+    )
+    parser.add_argument(
+        "--replica-id",
+        default=None,
+        help="this replica's name among the others (default: HOST:PORT of its gRPC port)",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -270,6 +295,15 @@ def backends_from_args(values: Sequence[str]) -> tuple[BackendSpec, ...]:
         return tuple(parse_backend(v) for v in values)
     except ValueError as exc:
         raise SystemExit(f"fairlane: {exc}") from None
+
+
+def state_url(value: str | None) -> str | None:
+    """``--state``, checked: only Redis (``redis://``, or ``rediss://`` for TLS) is known."""
+    if value is None:
+        return None
+    if not value.startswith(("redis://", "rediss://")):
+        raise SystemExit(f"fairlane: --state must be redis://HOST:PORT[/DB], not {value!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -283,6 +317,8 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         metrics_port=args.metrics_port,
         drain_s=args.drain_seconds,
+        state_url=state_url(args.state),
+        replica_id=args.replica_id,
     )
     try:
         import uvloop

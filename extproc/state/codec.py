@@ -1,0 +1,84 @@
+"""Reports and charges as bytes in Redis: compact JSON, read back without trusting it.
+
+A report is ``{"i": {backend: {rank: n}}, "w": {band: [n, oldest_wait_s]}, "a": {tier:
+idle_s}}``; charges are ``[[band, flow, cost], ...]``. JSON because every replica of any
+version can read it and ``redis-cli`` shows it; the reports are a few hundred bytes.
+Anything malformed (another version, a hand-edited key) is skipped, never raised into the
+exchange loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from extproc.core.peers import PeerBand, ReplicaReport
+
+log = logging.getLogger("fairlane.state")
+
+Charge = tuple[str, str, float]
+"""(band, flow, cost in counter units) charged on one replica."""
+
+
+def encode_report(report: ReplicaReport) -> str:
+    body = {
+        "i": {
+            addr: {str(r): n for r, n in ranks.items()} for addr, ranks in report.in_flight.items()
+        },
+        "w": {band: [p.waiting, round(p.oldest_wait_s, 4)] for band, p in report.waiting.items()},
+        "a": {tier: round(s, 3) for tier, s in report.idle_s.items() if math.isfinite(s)},
+    }
+    return json.dumps(body, separators=(",", ":"))
+
+
+def decode_report(replica: str, text: str, age_s: float) -> ReplicaReport | None:
+    """The report ``replica`` wrote ``age_s`` ago, or None if it cannot be read."""
+    try:
+        body = _mapping(json.loads(text))
+        in_flight = {
+            str(addr): {int(r): int(n) for r, n in _mapping(ranks).items()}
+            for addr, ranks in _mapping(body.get("i")).items()
+        }
+        waiting = {
+            str(band): PeerBand(int(pair[0]), float(pair[1]))
+            for band, pair in _mapping(body.get("w")).items()
+        }
+        idle = {str(tier): float(s) for tier, s in _mapping(body.get("a")).items()}
+    except (ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+        log.warning("skipping an unreadable report from replica %s: %s", replica, exc)
+        return None
+    return ReplicaReport(replica, in_flight, waiting, idle, max(0.0, age_s))
+
+
+def encode_charges(ledger: Mapping[tuple[str, str], float]) -> str:
+    """This replica's charges since the last exchange ('' when there are none)."""
+    if not ledger:
+        return ""
+    return json.dumps([[band, flow, cost] for (band, flow), cost in ledger.items()])
+
+
+def decode_charges(text: str) -> list[Charge]:
+    try:
+        rows = json.loads(text)
+        return [(str(band), str(flow), float(cost)) for band, flow, cost in rows]
+    except (ValueError, TypeError) as exc:
+        log.warning("skipping unreadable charges: %s", exc)
+        return []
+
+
+def merge_charges(into: dict[tuple[str, str], float], charges: Iterable[Charge]) -> None:
+    """Add ``charges`` to a ledger (charges an exchange could not send are kept for the next)."""
+    for band, flow, cost in charges:
+        into[(band, flow)] = into.get((band, flow), 0.0) + cost
+
+
+def _mapping(value: object) -> Mapping[str, Any]:
+    """A JSON object (``{}`` for a missing one); TypeError for anything else."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"expected an object, got {type(value).__name__}")
+    return value

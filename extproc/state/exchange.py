@@ -1,0 +1,139 @@
+"""One round trip to Redis per period: write this replica's report, read the others'.
+
+Everything a replica shares goes through ``EXCHANGE``, one Lua script, so a replica never
+sees half of another's update and the number of round trips does not grow with traffic:
+one per ``period_s`` per replica, whatever the request rate.
+
+Keys (``PREFIX`` is ``fairlane:`` by default; one Redis DB may hold several fleets with
+different prefixes):
+
+- ``{PREFIX}report:{replica}``: the replica's report (``extproc.state.codec``), a string
+  that expires after ``ttl_ms``: the **lease** on its in-flight requests. A replica that
+  dies stops renewing it; its seats come back within the TTL.
+- ``{PREFIX}replicas``: a sorted set, replica -> Redis time (ms) of its last exchange;
+  members older than the TTL are pruned by the next exchange of any replica.
+- ``{PREFIX}charges``: a stream of VTC charges, one entry per exchange that had any
+  (``r`` = replica, ``c`` = charges), capped at about ``STREAM_MAX`` entries. Each replica
+  reads the entries after the last one it saw and skips its own.
+
+Time is Redis's (``TIME`` inside the script), so the replicas' clocks need not agree.
+The set and the stream expire ``IDLE_EXPIRY_MS`` after the last exchange of any replica,
+so a fleet that is gone leaves nothing behind. A Redis that restarts empty is refilled by
+the next exchange of every replica: reports are whole states, never deltas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from extproc.core.peers import ReplicaReport
+from extproc.state.codec import Charge, decode_charges, decode_report
+
+PREFIX = "fairlane:"
+STREAM_MAX = 10_000
+IDLE_EXPIRY_MS = 600_000
+
+EXCHANGE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local prefix, me, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local replicas, charges = prefix .. 'replicas', prefix .. 'charges'
+redis.call('SET', prefix .. 'report:' .. me, now .. ' ' .. ARGV[4], 'PX', ttl)
+redis.call('ZADD', replicas, now, me)
+redis.call('ZREMRANGEBYSCORE', replicas, '-inf', now - ttl)
+redis.call('PEXPIRE', replicas, ARGV[7])
+local out = {now, '', 0}
+for _, member in ipairs(redis.call('ZRANGE', replicas, 0, -1)) do
+  if member ~= me then
+    local value = redis.call('GET', prefix .. 'report:' .. member)
+    if value then
+      table.insert(out, member)
+      table.insert(out, value)
+      out[3] = out[3] + 1
+    end
+  end
+end
+if ARGV[5] ~= '' then
+  redis.call('XADD', charges, 'MAXLEN', '~', ARGV[8], '*', 'r', me, 'c', ARGV[5])
+  redis.call('PEXPIRE', charges, ARGV[7])
+end
+local last = ARGV[6]
+if last == '' then
+  local newest = redis.call('XREVRANGE', charges, '+', '-', 'COUNT', 1)
+  out[2] = newest[1] and newest[1][1] or '0-0'
+  return out
+end
+out[2] = last
+for _, entry in ipairs(redis.call('XRANGE', charges, '(' .. last, '+', 'COUNT', 1000)) do
+  out[2] = entry[1]
+  local fields = entry[2]
+  if fields[2] ~= me then table.insert(out, fields[4]) end
+end
+return out
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Exchanged:
+    """What one exchange read: the other live replicas' reports and their new charges."""
+
+    reports: tuple[ReplicaReport, ...]
+    charges: tuple[Charge, ...]
+    last_charge_id: str
+    """The id of the last charges entry read: where the next exchange goes on from."""
+
+
+class RedisExchange:
+    """The replicas' shared state in one Redis: the only module that talks to it."""
+
+    def __init__(
+        self,
+        url: str,
+        replica: str,
+        ttl_s: float = 2.0,
+        timeout_s: float = 0.25,
+        prefix: str = PREFIX,
+    ) -> None:
+        self.url = url
+        self.replica = replica
+        self.ttl_ms = max(1, round(ttl_s * 1000))
+        self.prefix = prefix
+        self._client = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            decode_responses=True,
+        )
+        self._script = self._client.register_script(EXCHANGE)
+
+    async def exchange(self, report: str, charges: str, last_charge_id: str) -> Exchanged:
+        """Write ``report`` (and ``charges``), read the others'. ``last_charge_id`` '' on
+        the first call: charges from before this replica joined are not replayed."""
+        args: list[str | int] = [
+            self.prefix,
+            self.replica,
+            self.ttl_ms,
+            report,
+            charges,
+            last_charge_id,
+            IDLE_EXPIRY_MS,
+            STREAM_MAX,
+        ]
+        reply = await self._script(keys=[], args=args)
+        now_ms, last, count = int(reply[0]), str(reply[1]), int(reply[2])
+        reports: list[ReplicaReport] = []
+        for i in range(count):
+            member, value = str(reply[3 + 2 * i]), str(reply[4 + 2 * i])
+            written, _, body = value.partition(" ")
+            decoded = decode_report(member, body, (now_ms - int(written)) / 1000)
+            if decoded is not None:
+                reports.append(decoded)
+        charges_read: list[Charge] = []
+        for text in reply[3 + 2 * count :]:
+            charges_read.extend(decode_charges(str(text)))
+        return Exchanged(tuple(reports), tuple(charges_read), last)
+
+    async def close(self) -> None:
+        await self._client.aclose()

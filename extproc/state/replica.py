@@ -1,0 +1,157 @@
+"""The replica's side of the shared state: exchange every period, apply what was read.
+
+Two modes, and the switch between them is the whole failure story:
+
+- **shared**: the last exchange succeeded within ``ttl_s``. Admission decides over the
+  other replicas' leases, waiting bands and charges (``extproc.core.peers``).
+- **cut off** (local-only): Redis is unreachable, slow past ``timeout_s``, or failing.
+  Admission schedules alone on ``1 / replicas`` of each backend (replicas = how many it
+  last saw alive), the charges it makes meanwhile are kept and sent when Redis is back,
+  and the exchange keeps being retried every period, so the replica rejoins by itself. A
+  Redis that restarted empty is refilled by the first exchanges: every report is a whole
+  state.
+
+Requests keep flowing in both modes: nothing on the request path waits for Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from redis.exceptions import RedisError
+
+from extproc.core.admission import Admission
+from extproc.core.peers import PeerView
+from extproc.state.codec import encode_charges, encode_report, merge_charges
+from extproc.state.exchange import Exchanged, RedisExchange
+
+log = logging.getLogger("fairlane.state")
+
+PERIOD_S = 0.02
+"""How often a replica exchanges: the staleness of what it knows of the others. 20 ms is
+a fraction of one engine step on a loaded GPU and costs about 50 round trips a second."""
+TTL_S = 2.0
+"""A report's lifetime: a dead replica's leases are freed this long after its last
+exchange, at most. Many periods long, so a replica paused by a GC or a busy loop for a
+few hundred milliseconds does not lose its leases."""
+
+
+@dataclass(slots=True)
+class StateStats:
+    """Counters for ``/metrics``: what the exchange cost and how often it failed."""
+
+    exchanges: int = 0
+    failures: int = 0
+    cut_offs: int = 0
+    """Times the replica went from shared to cut off (``fairlane_state_cut_offs_total``)."""
+    exchange_seconds: float = 0.0
+    """Wall time spent in exchanges (sum), for the mean round trip."""
+    charges_sent: int = 0
+    charges_applied: int = 0
+
+
+@dataclass
+class SharedState:
+    """Exchange with the other replicas every ``period_s``; apply through ``apply``.
+
+    ``apply`` receives the grants a new view allowed (the transport wakes their waiting
+    streams); it is ``HeldRequests.apply_peers`` in the service.
+    """
+
+    admission: Admission
+    store: RedisExchange
+    apply: Callable[[PeerView, list[tuple[str, str, float]]], None]
+    period_s: float = PERIOD_S
+    ttl_s: float = TTL_S
+    clock: Callable[[], float] = time.monotonic
+    stats: StateStats = field(default_factory=StateStats)
+    shared: bool = False
+    """Whether the last exchange succeeded, or failed less than ``grace_s`` ago."""
+    cut_off: bool = False
+    """Scheduling alone on a share of each backend, because Redis stopped answering."""
+    replicas_seen: int = 1
+    _last_id: str = ""
+    _unsent: dict[tuple[str, str], float] = field(default_factory=dict)
+    _last_ok: float = float("-inf")
+
+    @property
+    def grace_s(self) -> float:
+        """Failed exchanges tolerated this long before cutting off: 10 periods, at most
+        the TTL (after which the others have dropped our leases anyway)."""
+        return min(self.ttl_s, 10 * self.period_s)
+
+    @property
+    def replica(self) -> str:
+        return self.store.replica
+
+    async def run(self) -> None:
+        """Exchange forever (cancel to stop)."""
+        self.admission.scheduler.take_ledger()  # start recording this replica's charges
+        try:
+            while True:
+                await self.exchange_once()
+                await asyncio.sleep(self.period_s)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.store.close()
+
+    async def exchange_once(self) -> bool:
+        """One exchange; False (and cut off, when it lasts) if Redis did not answer."""
+        report = encode_report(self.admission.report(self.replica))
+        merge_charges(
+            self._unsent,
+            ((b, f, c) for (b, f), c in self.admission.scheduler.take_ledger().items()),
+        )
+        charges = encode_charges(self._unsent)
+        started = time.perf_counter()
+        try:
+            read = await self.store.exchange(report, charges, self._last_id)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.stats.failures += 1
+            self._failed(exc)
+            return False
+        finally:
+            self.stats.exchange_seconds += time.perf_counter() - started
+        self.stats.exchanges += 1
+        self.stats.charges_sent += len(self._unsent)
+        self._unsent.clear()
+        self._succeeded(read)
+        return True
+
+    def _succeeded(self, read: Exchanged) -> None:
+        self._last_id = read.last_charge_id
+        self._last_ok = self.clock()
+        if not self.shared:
+            self.cut_off = False
+            log.warning(
+                "replica %s: sharing state with %d other replica(s) through %s",
+                self.replica,
+                len(read.reports),
+                self.store.url,
+            )
+        self.shared = True
+        self.replicas_seen = len(read.reports) + 1
+        self.stats.charges_applied += len(read.charges)
+        self.apply(PeerView.merge(read.reports, self.clock()), list(read.charges))
+
+    def _failed(self, exc: BaseException) -> None:
+        """Cut off once the last good exchange is ``grace_s`` old: until then the last view
+        is still the best guess (one lost round trip is not an outage)."""
+        if self.cut_off or self.clock() - self._last_ok < self.grace_s:
+            return
+        self.cut_off, self.shared = True, False
+        self.stats.cut_offs += 1
+        log.warning(
+            "replica %s: cannot reach %s (%s); scheduling alone on 1/%d of each backend "
+            "until it answers",
+            self.replica,
+            self.store.url,
+            exc,
+            self.replicas_seen,
+        )
+        self.apply(PeerView.cut_off(self.replicas_seen, self.clock()), [])

@@ -1,0 +1,117 @@
+"""Admission over the other replicas' state (``extproc.core.peers``), without Redis."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+from extproc.core.peers import PeerBand, PeerView, ReplicaReport
+from tests.extproc.core.test_admission import submit
+from tests.extproc.factories import API, BATCH, INTERACTIVE, TENANT, Request, make_admission
+
+BACKEND = "127.0.0.1:9000"
+
+
+def view(*reports: ReplicaReport) -> PeerView:
+    return PeerView.merge(reports, read_at=1000.0)
+
+
+def test_merge_sums_leases_and_waiting_and_ages_by_the_reports_age() -> None:
+    merged = view(
+        ReplicaReport("r2", {BACKEND: {0: 1, 2: 3}}, {"batch": PeerBand(2, 1.0)}, {"api": 5.0}),
+        ReplicaReport(
+            "r3", {BACKEND: {2: 1}}, {"batch": PeerBand(1, 4.0)}, {"api": 1.0}, age_s=0.5
+        ),
+    )
+    assert merged.in_flight_by_backend[BACKEND] == Counter({0: 1, 2: 4})
+    assert merged.in_flight_by_rank == Counter({0: 1, 2: 4})
+    assert merged.waiting["batch"] == PeerBand(3, 4.5)
+    assert merged.idle_for_s("api", now=1000.0) == 1.5
+    assert merged.idle_for_s("batch", now=1000.0) == float("inf")
+    assert merged.oldest_wait_s("batch", now=1002.0) == 6.5
+    assert merged.replicas == 3
+
+
+def test_other_replicas_leases_count_against_the_per_backend_cap() -> None:
+    admission, pool, _ = make_admission(limit=2)
+    admission.apply_peers(view(ReplicaReport("r2", {BACKEND: {1: 2}})))
+    assert pool.backends[0].fleet_in_flight == 2
+    ticket = submit(admission, "r1", Request(API))
+    assert not ticket.granted  # both seats are leased by r2
+    grants = admission.apply_peers(view())  # r2's lease expired (or its requests finished)
+    assert [g.request_id for g in grants] == ["r1"]
+    assert pool.backends[0].peer_in_flight == 0
+
+
+def test_a_band_waits_while_another_replica_holds_a_more_urgent_one() -> None:
+    admission, _, _ = make_admission(limit=4)
+    admission.apply_peers(view(ReplicaReport("r2", waiting={"interactive": PeerBand(1, 0.0)})))
+    batch = submit(admission, "b1", Request(BATCH))
+    assert not batch.granted  # the seat is free, but interactive elsewhere goes first
+    same = submit(admission, "i1", Request(INTERACTIVE))
+    assert same.granted  # an equally urgent band is not held back: ties do not block
+    grants = admission.apply_peers(view())
+    assert [g.request_id for g in grants] == ["b1"]
+
+
+def test_aging_counts_for_the_bands_waiting_elsewhere() -> None:
+    aging = dataclasses.replace(BATCH, aging_rate=1.0, aging_cap=2.0)
+    admission, _, _ = make_admission(limit=4, tiers=(INTERACTIVE, API, aging))
+    # batch has waited 5 s on r2: aged to rank 0 (capped at 2 ranks), ties with interactive
+    # on effective rank but not on base rank, so api here waits behind it.
+    admission.apply_peers(view(ReplicaReport("r2", waiting={"batch": PeerBand(1, 5.0)})))
+    assert not submit(admission, "a1", Request(API)).granted
+    assert submit(admission, "i1", Request(INTERACTIVE)).granted
+
+
+def test_a_tier_active_only_on_another_replica_keeps_its_reserve_here() -> None:
+    chat = dataclasses.replace(INTERACTIVE, reserved_share=0.5, reserved_idle_s=60.0)
+    admission, _, _ = make_admission(limit=4, tiers=(chat, API, BATCH))
+    for i in range(4):
+        submit(admission, f"b{i}", Request(BATCH))
+    assert admission.in_flight == 4  # chat idle everywhere: batch may use every seat
+    for i in range(4):
+        admission.release(f"b{i}")
+    admission.apply_peers(view(ReplicaReport("r2", idle_s={"interactive": 1.0})))
+    granted = [submit(admission, f"c{i}", Request(BATCH)).granted for i in range(4)]
+    assert granted.count(True) < 4  # chat arrived on r2 a second ago: its reserve holds here
+
+
+def test_cut_off_schedules_on_a_share_of_each_backend() -> None:
+    admission, _, clock = make_admission(limit=4, backends=2)
+    assert (admission.backend_limit, admission.capacity) == (4, 8)
+    admission.apply_peers(PeerView.cut_off(replicas=2, read_at=clock()))
+    assert (admission.backend_limit, admission.capacity) == (2, 4)
+    granted = [submit(admission, f"r{i}", Request(API)).granted for i in range(6)]
+    assert granted.count(True) == 4
+
+
+def test_service_a_flow_got_elsewhere_counts_in_fairness_here() -> None:
+    admission, _, _ = make_admission(limit=1)
+    submit(admission, "busy", Request(API))  # takes the only seat
+    light = dataclasses.replace(TENANT, name="light")
+    submit(admission, "heavy-1", Request(API))
+    submit(admission, "light-1", Request(API, tenant=light))
+    # Without news from elsewhere the two flows tie and the earliest head (heavy) goes.
+    # acme has been served a lot on other replicas: light goes first.
+    admission.charge_elsewhere([("api", "acme", 10_000.0)])
+    grants = admission.release("busy")
+    assert [g.request_id for g in grants] == ["light-1"]
+
+
+def test_report_carries_leases_waiting_bands_and_last_arrivals() -> None:
+    admission, _, clock = make_admission(limit=1)
+    submit(admission, "r1", Request(INTERACTIVE))
+    clock.now += 2.0
+    submit(admission, "r2", Request(BATCH))
+    clock.now += 1.0
+    report = admission.report("r1")
+    assert report.in_flight == {BACKEND: {INTERACTIVE.rank: 1}}
+    assert report.waiting == {"batch": PeerBand(1, 1.0)}
+    assert report.idle_s == {"interactive": 3.0, "batch": 1.0}
+
+
+def test_alone_the_view_changes_nothing() -> None:
+    admission, _, _ = make_admission(limit=1)
+    assert admission.peers == PeerView()
+    assert admission.fleet_in_flight_by_rank() is admission._in_flight_by_rank

@@ -1,4 +1,5 @@
-"""Shared fixtures: free ports and a process group that always stops what a test started."""
+"""Shared fixtures: free ports, a process group that always stops what a test started, and a
+real Redis."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc.ops.processes import ProcessGroup, free_port
+from extproc.ops.processes import Child, ProcessGroup, free_port
+from extproc.ops.redis_server import RedisMissing, redis_url, start_redis
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,3 +27,35 @@ def processes(tmp_path: Path) -> Iterator[ProcessGroup]:
         yield group
     finally:
         group.stop()
+
+
+class RedisServer:
+    """A real ``redis-server`` on a free loopback port, which a test may stop and restart
+    (empty: it keeps nothing on disk) on the same port."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+        self.port = free_port()
+        self.url = redis_url(self.port)
+        self.child: Child | None = None
+
+    def start(self) -> None:
+        try:
+            self.child = start_redis(self.group, self.port, name=f"redis-{self.port}")
+        except RedisMissing as missing:
+            pytest.fail(str(missing), pytrace=False)
+
+    def stop(self) -> None:
+        """SIGKILL: what a crashed or unreachable Redis looks like to the replicas."""
+        if self.child is not None:
+            self.child.popen.kill()
+            self.child.popen.wait()
+            self.child = None
+
+
+@pytest.fixture
+def redis_server(processes: ProcessGroup) -> RedisServer:
+    """A running Redis; stopped with ``processes`` at teardown."""
+    server = RedisServer(processes)
+    server.start()
+    return server

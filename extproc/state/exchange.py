@@ -27,6 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from extproc.core.peers import ReplicaReport
 from extproc.state.codec import Charge, decode_charges, decode_report
@@ -105,6 +108,11 @@ class RedisExchange:
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             decode_responses=True,
+            # After Redis restarts, the pooled connection is dead: one immediate retry on
+            # a fresh one makes the restart invisible. Timeouts are not retried: a slow
+            # Redis must cost at most ``timeout_s`` per exchange.
+            retry=Retry(NoBackoff(), 1),
+            retry_on_error=[RedisConnectionError],
         )
         self._script = self._client.register_script(EXCHANGE)
 

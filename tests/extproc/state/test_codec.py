@@ -1,0 +1,44 @@
+"""Reports and charges as Redis holds them: round trips, and bad bytes skipped."""
+
+from __future__ import annotations
+
+from extproc.core.peers import PeerBand, ReplicaReport
+from extproc.state.codec import (
+    decode_charges,
+    decode_report,
+    encode_charges,
+    encode_report,
+    merge_charges,
+)
+
+
+def test_a_report_round_trips() -> None:
+    report = ReplicaReport(
+        "r1", {"10.0.0.1:8000": {0: 2, 2: 5}}, {"batch": PeerBand(7, 1.25)}, {"api": 3.5}
+    )
+    decoded = decode_report("r1", encode_report(report), age_s=0.1)
+    assert decoded == ReplicaReport(
+        "r1", report.in_flight, report.waiting, report.idle_s, age_s=0.1
+    )
+
+
+def test_a_tier_never_seen_is_left_out_of_the_report() -> None:
+    report = ReplicaReport("r1", idle_s={"api": float("inf")})
+    assert '"a":{}' in encode_report(report)
+
+
+def test_unreadable_reports_and_charges_are_skipped() -> None:
+    for text in ("not json", "[1, 2]", '{"i": {"b": {"x": 1}}}', '{"w": {"batch": [1]}}'):
+        assert decode_report("r9", text, 0.0) is None
+    assert decode_charges("{}") == []
+    assert decode_charges('[["api", "acme"]]') == []
+
+
+def test_charges_round_trip_and_accumulate() -> None:
+    assert encode_charges({}) == ""
+    ledger = {("api", "acme"): 10.0}
+    merge_charges(ledger, [("api", "acme", 5.0), ("batch", "b", 1.0)])
+    assert sorted(decode_charges(encode_charges(ledger))) == [
+        ("api", "acme", 15.0),
+        ("batch", "b", 1.0),
+    ]

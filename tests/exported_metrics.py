@@ -19,7 +19,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.core.decisions import Forward, Respond
 from extproc.core.events import Completion
+from extproc.core.peers import PeerView, ReplicaReport
 from extproc.policy import DEFAULT_POLICY_PATH
+from extproc.state.exchange import RedisExchange
+from extproc.state.replica import SharedState
 from extproc.transport.prometheus import GatewayCollector
 from tests.extproc.factories import make_gateway, request
 
@@ -86,9 +89,18 @@ def _drive() -> str:
         _bump_mtime(policy_file)
         assert not store.reload()
 
+        # As one of two replicas (never connected: the exchange is not run, its view is
+        # applied by hand), so the shared-state families are exported too.
+        def apply(view: PeerView, charges: list[tuple[str, str, float]]) -> None:
+            gateway.admission.apply_peers(view)
+
+        state = SharedState(gateway.admission, RedisExchange("redis://127.0.0.1:1/0", "r1"), apply)
+        state.apply(PeerView.merge([ReplicaReport("r2", {local.address: {0: 1}})], 0.0), [])
+        state.shared, state.replicas_seen = True, 2
+
         registry = CollectorRegistry(auto_describe=False)
         registry.register(
-            GatewayCollector(gateway.admission, gateway.stats, store, gateway.overload)
+            GatewayCollector(gateway.admission, gateway.stats, store, gateway.overload, state)
         )
         return generate_latest(registry).decode()
 

@@ -12,6 +12,8 @@ modules of ``extproc.envoy`` build, each with the reasons for its settings next 
 * :mod:`~extproc.envoy.routes`: no route timeout, retries, the ``x-fairlane-*`` headers;
 * :mod:`~extproc.envoy.clusters`: the service (a stream per held request) and the backends
   (``override_host`` routing, regions as priority levels);
+* :mod:`~extproc.envoy.replicas`: with several service replicas, failover between them and
+  a completion feed to each;
 * :mod:`~extproc.envoy.overload`: the runtime layer the service serves and the routes that
   turn requests away for it while it is overloaded;
 * here: the listener, whose buffer must exceed the largest allowed body (else BUFFERED mode
@@ -39,7 +41,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from extproc.envoy.clusters import backend_cluster, extproc_cluster
+from extproc.envoy.clusters import backend_cluster, extproc_cluster, replica_clusters
 from extproc.envoy.connection_manager import hcm_settings
 from extproc.envoy.filter import ext_proc_filter
 from extproc.envoy.generated import comment, dump_yaml, generated_header
@@ -57,12 +59,16 @@ def render_bootstrap(params: EnvoyParams) -> dict[str, Any]:
         "admin": {"address": socket_address(params.admin_host, params.admin_port)},
         "static_resources": {
             "listeners": [_listener(params)],
-            "clusters": [extproc_cluster(params), backend_cluster(params)],
+            "clusters": [
+                extproc_cluster(params),
+                backend_cluster(params),
+                *replica_clusters(params),
+            ],
         },
         "overload_manager": overload_manager(params),
         # RTDS needs a node; the service serves the same layer to every Envoy.
         "node": {"id": "fairlane-envoy", "cluster": "fairlane"},
-        "layered_runtime": layered_runtime(),
+        "layered_runtime": layered_runtime(params),
     }
 
 

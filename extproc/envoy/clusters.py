@@ -1,16 +1,18 @@
-"""The two clusters: the ext_proc service (gRPC) and the vLLM backends.
+"""The clusters: the ext_proc service (gRPC), the vLLM backends, and each service replica's own.
 
 The service's cluster must carry one stream per held request, so its circuit breakers and
-HTTP/2 windows are sized from the queue limits and the body limit. The backends' cluster
-routes with the ``override_host`` LB policy: the service's ``x-gateway-destination-endpoint``
-(``ip:port[,ip:port...]``, also in ``envoy.lb`` metadata) picks the host; regions are
-priority levels for failover of the fallback LB, and Envoy's own limits are lifted because
-admission is fairlane's job.
+HTTP/2 windows are sized from the queue limits and the body limit. With several replicas it
+lists them all, with the failover settings of :mod:`extproc.envoy.replicas`, and each
+replica also gets a cluster of its own for its completion feed (:func:`replica_clusters`).
+
+The backends' cluster routes with the ``override_host`` LB policy: the service's
+``x-gateway-destination-endpoint`` (``ip:port[,ip:port...]``, also in ``envoy.lb`` metadata)
+picks the host; regions are priority levels for failover of the fallback LB, and Envoy's own
+limits are lifted because admission is fairlane's job.
 """
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Any
 
 from extproc.envoy.params import (
@@ -22,36 +24,68 @@ from extproc.envoy.params import (
     EnvoyParams,
 )
 from extproc.envoy.protojson import lb_endpoint
+from extproc.envoy.replicas import discovery_type, failover_settings, replica_cluster_name
 from extproc.wire import BACKEND_CLUSTER, DESTINATION_HEADER, EXTPROC_CLUSTER, LB_NAMESPACE
 
 
 def extproc_cluster(params: EnvoyParams) -> dict[str, Any]:
-    """The cluster of the fairlane ext_proc service (gRPC, so HTTP/2)."""
+    """The cluster of the fairlane ext_proc service (gRPC, so HTTP/2): every replica."""
+    replicas = params.service_replicas
+    # Each stream that cannot be opened on one replica is retried on another, and the
+    # retries count against this limit: with replicas, as many as there may be streams.
+    retries = params.extproc_stream_limit if params.replicated else 3
     return {
         "name": EXTPROC_CLUSTER,
-        "type": _discovery_type(params.extproc_host),
+        "type": discovery_type(replicas),
         "connect_timeout": "1s",
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
-                "HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": _extproc_http2(params)},
-            }
-        },
+        "typed_extension_protocol_options": _grpc_protocol_options(params),
         # Every held request keeps one stream open. The defaults (1024 requests) would cap the
         # queue depth of the whole gateway and fail the excess with status_on_error.
         "circuit_breakers": {
             "thresholds": [
-                _extproc_threshold("DEFAULT", params.extproc_stream_limit),
-                _extproc_threshold("HIGH", params.extproc_stream_limit),
+                _extproc_threshold("DEFAULT", params.extproc_stream_limit, retries),
+                _extproc_threshold("HIGH", params.extproc_stream_limit, retries),
             ]
         },
+        **failover_settings(params),
         "load_assignment": {
             "cluster_name": EXTPROC_CLUSTER,
-            "endpoints": [
-                {"lb_endpoints": [lb_endpoint(params.extproc_host, params.extproc_port)]}
-            ],
+            "endpoints": [{"lb_endpoints": [lb_endpoint(r.host, r.port) for r in replicas]}],
         },
+    }
+
+
+def replica_clusters(params: EnvoyParams) -> list[dict[str, Any]]:
+    """One cluster per replica, holding just that replica: its completion feed
+    (extproc.envoy.replicas says why each replica needs every completion). None with one
+    replica, whose feed goes to the ext_proc cluster. These carry one access-log stream per
+    Envoy worker, so Envoy's default limits are plenty."""
+    if not params.replicated:
+        return []
+    clusters = []
+    for position, replica in enumerate(params.service_replicas, start=1):
+        name = replica_cluster_name(position)
+        clusters.append(
+            {
+                "name": name,
+                "type": discovery_type((replica,)),
+                "connect_timeout": "1s",
+                "typed_extension_protocol_options": _grpc_protocol_options(params),
+                "load_assignment": {
+                    "cluster_name": name,
+                    "endpoints": [{"lb_endpoints": [lb_endpoint(replica.host, replica.port)]}],
+                },
+            }
+        )
+    return clusters
+
+
+def _grpc_protocol_options(params: EnvoyParams) -> dict[str, Any]:
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": _extproc_http2(params)},
+        }
     }
 
 
@@ -69,13 +103,13 @@ def _extproc_http2(params: EnvoyParams) -> dict[str, Any]:
     }
 
 
-def _extproc_threshold(priority: str, limit: int) -> dict[str, Any]:
+def _extproc_threshold(priority: str, limit: int, retries: int) -> dict[str, Any]:
     return {
         "priority": priority,
         "max_connections": limit,
         "max_pending_requests": limit,
         "max_requests": limit,
-        "max_retries": 3,
+        "max_retries": retries,
     }
 
 
@@ -190,14 +224,6 @@ def _region_endpoints(params: EnvoyParams) -> list[dict[str, Any]]:
         }
         for priority, region in enumerate(params.regions)
     ]
-
-
-def _discovery_type(host: str) -> str:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return "STRICT_DNS"
-    return "STATIC"
 
 
 def _window(needed: int, default: int) -> int:

@@ -14,9 +14,9 @@ from typing import Any
 from extproc.core.errors import error_body
 from extproc.envoy.params import EnvoyParams
 from extproc.envoy.protojson import duration
+from extproc.envoy.replicas import completion_clusters
 from extproc.wire import (
     COMPLETIONS_LOG,
-    EXTPROC_CLUSTER,
     FAIRLANE_NAMESPACE,
     QUEUE_MS_KEY,
     TIER_KEY,
@@ -90,7 +90,7 @@ def local_reply_config() -> dict[str, Any]:
 
 
 def access_logs(params: EnvoyParams) -> list[dict[str, Any]]:
-    """The completion feed first, then the optional file log.
+    """The completion feed first (one logger per service replica), then the optional file log.
 
     Entries are batched for at most ``completion_flush_s``, 10 ms by default
     (``buffer_flush_interval``; Envoy's default of
@@ -108,12 +108,15 @@ def access_logs(params: EnvoyParams) -> list[dict[str, Any]]:
                 "common_config": {
                     "log_name": COMPLETIONS_LOG,
                     "transport_api_version": "V3",
-                    "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+                    "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
                     "buffer_size_bytes": 16384,
                     "buffer_flush_interval": duration(params.completion_flush_s),
                 },
             },
         }
+        # With replicas, one logger per replica, each to that replica alone: every replica
+        # must see every completion (extproc.envoy.replicas).
+        for cluster in completion_clusters(params)
     ]
     if params.access_log_path is not None:
         logs.append(file_access_log(params.access_log_path))

@@ -13,6 +13,7 @@ from typing import Any
 
 from extproc.envoy.params import MAX_MESSAGE_TIMEOUT_S, EnvoyParams
 from extproc.envoy.protojson import duration
+from extproc.envoy.replicas import stream_retry_policy
 from extproc.wire import EXT_PROC_FILTER, EXTPROC_CLUSTER, FAIRLANE_NAMESPACE, LB_NAMESPACE
 
 EXT_PROC_PER_ROUTE_TYPE = (
@@ -27,16 +28,7 @@ def ext_proc_filter(params: EnvoyParams) -> dict[str, Any]:
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3."
             "ExternalProcessor",
-            "grpc_service": {
-                # envoy_grpc: Envoy's own HTTP/2 client, so the service is an ordinary cluster
-                # with circuit breakers and stats. GrpcService.timeout would not bound the
-                # stream anyway (the hold is governed by message timeouts).
-                "envoy_grpc": {
-                    "cluster_name": EXTPROC_CLUSTER,
-                    # the body response carries the rewritten body: allow it (and a bit more)
-                    "max_receive_message_length": params.buffer_limit_bytes,
-                },
-            },
+            "grpc_service": _grpc_service(params),
             # Headers stay held until the body response in BUFFERED mode, so the service can
             # classify on the JSON and still set headers/routing in the body response.
             # Responses never go through Python (SKIP/NONE): one round trip less per phase.
@@ -71,6 +63,23 @@ def ext_proc_filter(params: EnvoyParams) -> dict[str, Any]:
             "request_attributes": ["request.time"],
         },
     }
+
+
+def _grpc_service(params: EnvoyParams) -> dict[str, Any]:
+    service: dict[str, Any] = {
+        # envoy_grpc: Envoy's own HTTP/2 client, so the service is an ordinary cluster
+        # with circuit breakers and stats. GrpcService.timeout would not bound the
+        # stream anyway (the hold is governed by message timeouts).
+        "envoy_grpc": {
+            "cluster_name": EXTPROC_CLUSTER,
+            # the body response carries the rewritten body: allow it (and a bit more)
+            "max_receive_message_length": params.buffer_limit_bytes,
+        },
+    }
+    retry = stream_retry_policy(params)
+    if retry is not None:  # replicas: a stream a dead replica cannot take goes to another
+        service["retry_policy"] = retry
+    return service
 
 
 def failure_mode_override(allow: bool) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from extproc.core.errors import error_body
 from extproc.core.gateway import OVERLOAD_RETRY_AFTER_S
 from extproc.envoy.filter import EXT_PROC_PER_ROUTE_TYPE
 from extproc.envoy.params import CATCH_ALL_ROUTE, EnvoyParams, RouteSpec
+from extproc.envoy.replicas import xds_retry_policy
 from extproc.envoy.routes import route
 from extproc.wire import EXT_PROC_FILTER, EXTPROC_CLUSTER, RUNTIME_LAYER, SHED_RUNTIME_KEY
 
@@ -33,9 +34,20 @@ OVERLOAD_SUFFIX = "_overloaded"
 """A twin's name is its route's plus this."""
 
 
-def layered_runtime() -> dict[str, Any]:
+def layered_runtime(params: EnvoyParams) -> dict[str, Any]:
     """The bootstrap's runtime: the service's RTDS layer, then the admin layer (so that
-    ``/runtime_modify`` still works for an operator)."""
+    ``/runtime_modify`` still works for an operator).
+
+    With replicas the layer comes over one stream to one replica of the ext_proc cluster (the
+    load balancer's pick), so Envoy sheds on that replica's view of overload. Envoy spreads
+    requests evenly over the replicas, so one replica's lag stands for the others'; when that
+    replica dies, the stream is opened again on another within about a second
+    (:func:`~extproc.envoy.replicas.xds_retry_policy`) and its layer replaces the last one.
+    """
+    envoy_grpc: dict[str, Any] = {"cluster_name": EXTPROC_CLUSTER}
+    retry = xds_retry_policy(params)
+    if retry is not None:
+        envoy_grpc["retry_policy"] = retry
     return {
         "layers": [
             {
@@ -51,7 +63,7 @@ def layered_runtime() -> dict[str, Any]:
                         "api_config_source": {
                             "api_type": "GRPC",
                             "transport_api_version": "V3",
-                            "grpc_services": [{"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}}],
+                            "grpc_services": [{"envoy_grpc": envoy_grpc}],
                         },
                     },
                 },

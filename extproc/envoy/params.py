@@ -8,6 +8,7 @@ settings that matter are derived from these few parameters in one place (the pro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from extproc.fleet.backend import BackendSpec
 
@@ -86,6 +87,20 @@ class RouteSpec:
         return {"path": self.path or "/"}
 
 
+class ServiceReplica(NamedTuple):
+    """One replica of the ext_proc service: an IP (a STATIC endpoint) or a DNS name
+    (STRICT_DNS), and its gRPC port. A plain ``(host, port)`` tuple is accepted wherever one
+    is expected (:attr:`EnvoyParams.service_replicas` converts it)."""
+
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
 DEFAULT_BACKENDS: tuple[BackendSpec, ...] = (
     BackendSpec("127.0.0.1", 8101, "region-a"),
     BackendSpec("127.0.0.1", 8102, "region-b"),
@@ -102,6 +117,11 @@ class EnvoyParams:
     admin_port: int = 9901
     extproc_host: str = "127.0.0.1"  # an IP (STATIC cluster) or a DNS name (STRICT_DNS)
     extproc_port: int = 50051
+    # Active-active replicas of the service (extproc.envoy.replicas), each (host, port).
+    # Empty: the one service at extproc_host:extproc_port, today's config byte for byte.
+    # Given: these, and extproc_host/extproc_port only name the service as a whole (the
+    # mesh renderers read the Kubernetes Service from them).
+    extproc_replicas: tuple[tuple[str, int], ...] = ()
     backends: tuple[BackendSpec, ...] = field(default=DEFAULT_BACKENDS)
     max_body_bytes: int = 8 * MiB
     # The longest a request may be held in fairlane's queues (the largest queue deadline).
@@ -122,6 +142,7 @@ class EnvoyParams:
     def __post_init__(self) -> None:
         for name in ("listen_port", "admin_port", "extproc_port"):
             _check_port(name, getattr(self, name), allow_zero=name != "extproc_port")
+        self._check_replicas()
         self._check_backends()
         if self.max_body_bytes <= 0:
             raise EnvoyConfigError("max_body_bytes must be positive")
@@ -143,6 +164,16 @@ class EnvoyParams:
             if names.count(name) > 1:
                 raise EnvoyConfigError(f"route {name} is listed twice")
 
+    def _check_replicas(self) -> None:
+        seen: set[str] = set()
+        for replica in self.service_replicas:
+            if not replica.host:
+                raise EnvoyConfigError("a service replica needs a host")
+            _check_port(f"service replica {replica.host} port", replica.port, allow_zero=False)
+            if replica.address in seen:
+                raise EnvoyConfigError(f"service replica {replica.address} is listed twice")
+            seen.add(replica.address)
+
     def _check_backends(self) -> None:
         if not self.backends:
             raise EnvoyConfigError("at least one backend is needed")
@@ -151,6 +182,20 @@ class EnvoyParams:
             if backend.address in seen:
                 raise EnvoyConfigError(f"backend {backend.address} is listed twice")
             seen.add(backend.address)
+
+    @property
+    def service_replicas(self) -> tuple[ServiceReplica, ...]:
+        """Every replica of the service Envoy talks to: the listed replicas, or the one
+        service at ``extproc_host:extproc_port``."""
+        if not self.extproc_replicas:
+            return (ServiceReplica(self.extproc_host, self.extproc_port),)
+        return tuple(ServiceReplica(host, port) for host, port in self.extproc_replicas)
+
+    @property
+    def replicated(self) -> bool:
+        """More than one replica: Envoy must fail over between them and send every
+        replica every completion (extproc.envoy.replicas)."""
+        return len(self.service_replicas) > 1
 
     @property
     def regions(self) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from extproc.envoy.clusters import backend_cluster, extproc_cluster
+from extproc.envoy.clusters import backend_cluster, extproc_cluster, replica_clusters
 from extproc.envoy.connection_manager import hcm_settings
 from extproc.envoy.filter import ext_proc_filter, failure_mode_override
 from extproc.envoy.generated import comment, dump_yaml, generated_header
@@ -30,7 +30,7 @@ PASTE_INSTRUCTIONS = (
     "  fairlane.\n"
     "- routes: the routes for the LLM paths (narrow the catch-all's match to your API\n"
     "  prefix); each carries the per-route config that enables the filter.\n"
-    "- clusters: add both to static_resources.clusters (or serve them via CDS).\n"
+    "- clusters: add every one to static_resources.clusters (or serve them via CDS).\n"
 )
 
 
@@ -45,7 +45,7 @@ def render_mesh_snippet(params: EnvoyParams) -> dict[str, Any]:
             *(enabled_route(params, spec) for spec in params.routes),
             enabled_route(params),
         ],
-        "clusters": [extproc_cluster(params), backend_cluster(params)],
+        "clusters": [extproc_cluster(params), backend_cluster(params), *replica_clusters(params)],
     }
 
 

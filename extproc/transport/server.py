@@ -31,7 +31,7 @@ from extproc.fleet.backend import BACKEND_SYNTAX, BackendPool, BackendSpec, pars
 from extproc.fleet.poller import Poller
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyStore
 from extproc.state.exchange import RedisExchange
-from extproc.state.replica import SharedState
+from extproc.state.replica import PERIOD_S, SharedState
 from extproc.transport.held import HeldRequests
 from extproc.transport.overload import Ages, watch_overload
 from extproc.transport.prometheus import GatewayCollector, start_metrics_server
@@ -70,6 +70,8 @@ class ServiceConfig:
     """``redis://HOST:PORT[/DB]``: be one of N replicas sharing state there (None: alone)."""
     replica_id: str | None = None
     """This replica's name among the others (default: ``HOST:PORT`` of its gRPC port)."""
+    state_period_s: float = PERIOD_S
+    """How often a replica exchanges state (the bench shortens it by its speedup)."""
 
 
 class Service:
@@ -105,7 +107,9 @@ class Service:
         if config.state_url is not None:
             replica = config.replica_id or f"{config.host}:{self.port}"
             store = RedisExchange(config.state_url, replica)
-            self.state = SharedState(self.admission, store, self.held.apply_peers)
+            self.state = SharedState(
+                self.admission, store, self.held.apply_peers, period_s=config.state_period_s
+            )
 
     async def start(self) -> None:
         await self.server.start()
@@ -287,6 +291,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="this replica's name among the others (default: HOST:PORT of its gRPC port)",
     )
+    parser.add_argument(
+        "--state-period-ms",
+        type=float,
+        default=PERIOD_S * 1000,
+        help="how often a replica exchanges state with the others: how stale its view of "
+        "them may be (default %(default)g)",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -307,6 +318,8 @@ def state_url(value: str | None) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.state_period_ms > 0:
+        raise SystemExit(f"fairlane: --state-period-ms must be > 0, not {args.state_period_ms}")
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
@@ -319,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
         drain_s=args.drain_seconds,
         state_url=state_url(args.state),
         replica_id=args.replica_id,
+        state_period_s=args.state_period_ms / 1000,
     )
     try:
         import uvloop

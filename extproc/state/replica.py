@@ -127,10 +127,12 @@ class SharedState:
         self._last_id = read.last_charge_id
         self._last_ok = self.clock()
         if not self.shared:
-            self.cut_off = False
-            log.warning(
-                "replica %s: sharing state with %d other replica(s) through %s",
+            rejoined, self.cut_off = self.cut_off, False
+            log.log(
+                logging.WARNING if rejoined else logging.INFO,
+                "replica %s: %s state with %d other replica(s) through %s",
                 self.replica,
+                "sharing again" if rejoined else "sharing",
                 len(read.reports),
                 self.store.url,
             )

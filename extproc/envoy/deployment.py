@@ -10,7 +10,8 @@ Shape (``deploy/fairlane.yaml`` is the shipped example)::
 
     listen: {host: 127.0.0.1, port: 8080}      # clients
     admin: {host: 127.0.0.1, port: 9901}       # Envoy admin; keep it on loopback
-    service: {host: 127.0.0.1, port: 50051}    # the ext_proc service (fairlane serve)
+    service: {host: 127.0.0.1, port: 50051}    # the ext_proc service (fairlane serve); or
+    # its replicas, each at its own address: extproc.envoy.deployment_service shows how
     policy: ../policies/default.yaml           # relative to this file; default: the built-in
     backends:                                  # regions are priority levels, first named = 0
       - {url: http://10.0.0.11:8000, region: us-east-1, weight: 2, seats: 64}
@@ -51,6 +52,7 @@ from urllib.parse import urlsplit
 
 from yaml.nodes import MappingNode, Node, SequenceNode
 
+from extproc.envoy.deployment_service import read_service
 from extproc.envoy.params import (
     CATCH_ALL_ROUTE,
     MAX_MESSAGE_TIMEOUT_S,
@@ -187,7 +189,6 @@ def _read(reader: LocatedReader, root: Node, base_dir: Path) -> Deployment | Non
     for key, (host_field, port_field), allow_zero in (
         ("listen", ("listen_host", "listen_port"), True),
         ("admin", ("admin_host", "admin_port"), True),
-        ("service", ("extproc_host", "extproc_port"), False),
     ):
         if key in top:
             address = reader.mapping(top[key], key, _ADDRESS_KEYS)
@@ -197,6 +198,8 @@ def _read(reader: LocatedReader, root: Node, base_dir: Path) -> Deployment | Non
                 kwargs[port_field] = reader.value(
                     address["port"], f"{key}.port", int, _port(allow_zero)
                 )
+    if "service" in top:
+        kwargs.update(read_service(reader, top["service"]))
     if "failure_mode" in top:
         kwargs["failure_mode_allow"] = _read_failure_mode(reader, top["failure_mode"], "")
     if "routes" in top:

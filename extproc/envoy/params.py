@@ -122,6 +122,9 @@ class EnvoyParams:
     # Given: these, and extproc_host/extproc_port only name the service as a whole (the
     # mesh renderers read the Kubernetes Service from them).
     extproc_replicas: tuple[tuple[str, int], ...] = ()
+    # The Redis the replicas share (`fairlane serve --state`). Envoy never talks to it; only
+    # the workload the mesh renderers write passes it on the service's command line.
+    state_url: str | None = None
     backends: tuple[BackendSpec, ...] = field(default=DEFAULT_BACKENDS)
     max_body_bytes: int = 8 * MiB
     # The longest a request may be held in fairlane's queues (the largest queue deadline).

@@ -50,7 +50,9 @@ from extproc.envoy.params import (
     NUM_RETRIES,
     RETRY_ON,
     EnvoyConfigError,
+    EnvoyParams,
 )
+from extproc.envoy.replicas import HEALTH_CHECK_INTERVAL_S
 from extproc.envoy.snippet import render_mesh_snippet, render_mesh_snippet_yaml, wrap_snippet
 
 # Where the source checkout keeps its example deployment, if fairlane runs from one. A wheel
@@ -236,6 +238,21 @@ def _count_typed_configs(config: Any) -> int:
     return 0
 
 
+def _service_text(params: EnvoyParams) -> str:
+    """Where the service is: one address, or the replicas and how Envoy fails over."""
+    replicas = params.service_replicas
+    if not params.replicated:
+        return f"ext_proc service {replicas[0].address}"
+    outlier = extproc_cluster(params)["outlier_detection"]
+    return (
+        f"ext_proc service: {len(replicas)} replicas "
+        f"{', '.join(r.address for r in replicas)}\n"
+        f"    TCP health checks every {HEALTH_CHECK_INTERVAL_S:g}s, ejected after "
+        f"{outlier['consecutive_local_origin_failure']} connect failures or resets in a row, "
+        "a stream that cannot open is retried on another replica; one completion feed each"
+    )
+
+
 def envoy_validate(rendered: Rendered) -> None:
     """``envoy --mode validate`` on the exact text (a temporary file; nothing is bound), so
     a file appears at ``-o`` only once Envoy accepted it."""
@@ -255,8 +272,7 @@ def report(deployment: Deployment, rendered: Rendered, validated: bool) -> str:
     lines = [
         f"deployment {_shown(deployment.source)} (policy {_shown(deployment.policy_path)})",
         f"  listener {params.listen_host}:{params.listen_port}, admin "
-        f"{params.admin_host}:{params.admin_port}, ext_proc service "
-        f"{params.extproc_host}:{params.extproc_port}",
+        f"{params.admin_host}:{params.admin_port}, {_service_text(params)}",
         "  regions as priority levels (failover in this order; overprovisioning factor 140):",
     ]
     for priority, region in enumerate(params.regions):

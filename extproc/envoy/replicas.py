@@ -155,3 +155,25 @@ def xds_retry_policy(params: EnvoyParams) -> dict[str, Any] | None:
     if not params.replicated:
         return None
     return {"retry_back_off": {"base_interval": "0.25s", "max_interval": "2s"}}
+
+
+def is_kube_service_host(host: str) -> bool:
+    """``NAME.NAMESPACE.svc[.DOMAIN]``: a Kubernetes Service's DNS name."""
+    parts = host.split(".")
+    return len(parts) >= 3 and parts[2] == "svc" and all(parts[:2])
+
+
+def pod_service_host(service_host: str, ordinal: int) -> str:
+    """The Service of one StatefulSet pod: ``fairlane.llm.svc.cluster.local`` and 2 give
+    ``fairlane-2.llm.svc.cluster.local``, the Service that selects the pod ``fairlane-2`` by
+    the ``statefulset.kubernetes.io/pod-name`` label Kubernetes puts on it
+    (extproc.envoy.mesh.workload renders those Services)."""
+    name, rest = service_host.split(".", 1)
+    return f"{name}-{ordinal}.{rest}"
+
+
+def statefulset_replicas(service_host: str, port: int, count: int) -> tuple[ServiceReplica, ...]:
+    """The replicas of a StatefulSet of ``count`` pods behind ``service_host``, each at its
+    own pod's Service (a name that resolves to every pod would not do: see the module's
+    docstring on the completion feed)."""
+    return tuple(ServiceReplica(pod_service_host(service_host, i), port) for i in range(count))

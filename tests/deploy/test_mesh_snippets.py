@@ -27,19 +27,19 @@ import pytest
 import yaml
 
 from extproc.envoy.binary import envoy_argv, validate
-from extproc.envoy.clusters import backend_cluster, extproc_cluster
+from extproc.envoy.clusters import backend_cluster, extproc_cluster, replica_clusters
 from extproc.envoy.connection_manager import hcm_settings
 from extproc.envoy.deployment import Deployment, load_deployment
 from extproc.envoy.filter import ext_proc_filter
 from extproc.envoy.mesh import VLLM_SERVICE, route_merge
 from extproc.envoy.mesh.envoy_gateway import kube_name
 from extproc.envoy.mesh.istio import ISTIO_HEADER, backend_cluster_merge, istio_bootstrap
-from extproc.envoy.params import RETRY_ON
+from extproc.envoy.params import RETRY_ON, EnvoyParams
 from extproc.envoy.render import render, typed_check
 from extproc.envoy.routes import routes
 from extproc.envoy.snippet import render_mesh_snippet, wrap_snippet
 from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
-from extproc.wire import DESTINATION_HEADER, EXT_PROC_FILTER
+from extproc.wire import DESTINATION_HEADER, EXT_PROC_FILTER, EXTPROC_CLUSTER
 from tests.deploy.conftest import REPO
 from tests.http_backends import serve_every_path
 
@@ -133,9 +133,19 @@ def test_istio_patches_are_the_rendered_config(deployment: Deployment) -> None:
         "per_connection_buffer_limit_bytes": params.buffer_limit_bytes
     }
 
-    (added,) = by_target[("CLUSTER", "ADD")]
-    assert added["patch"]["value"] == extproc_cluster(params)
-    assert added["patch"]["value"]["type"] == "STRICT_DNS"
+    # the ext_proc cluster (every replica, with failover), then each replica's own cluster
+    # for its completion feed, each holding one per-pod Service of the StatefulSet
+    added = [patch["patch"]["value"] for patch in by_target[("CLUSTER", "ADD")]]
+    assert added == [extproc_cluster(params), *replica_clusters(params)]
+    assert added[0]["type"] == "STRICT_DNS"
+    assert "health_checks" in added[0] and "outlier_detection" in added[0]
+    pod_services = {d["metadata"]["name"] for d in by_kind(docs, "Service")}
+    for cluster, replica in zip(added[1:], params.service_replicas, strict=True):
+        (group,) = cluster["load_assignment"]["endpoints"]
+        (endpoint,) = group["lb_endpoints"]
+        host = endpoint["endpoint"]["address"]["socket_address"]["address"]
+        assert host == replica.host
+        assert host.split(".", 1)[0] in pod_services
 
     (merged,) = by_target[("CLUSTER", "MERGE")]
     assert merged["patch"]["value"] == backend_cluster_merge(params)
@@ -249,7 +259,19 @@ def test_envoy_gateway_objects_derive_from_the_rendered_config(deployment: Deplo
         timeout = ext_proc["messageTimeout"]
         assert GATEWAY_API_DURATION.match(timeout)
         assert float(timeout.rstrip("s")) >= params.longest_hold_s  # the hold must fit in it
-        _check_service_ref(docs, ext_proc["backendRefs"], params.extproc_port)
+        # every replica, each at its pod's own Service, with the replicas' health checks
+        assert _service_refs(docs, ext_proc["backendRefs"], params.extproc_port) == (
+            _pod_services(params)
+        )
+        checks = ext_proc["backendSettings"]["healthCheck"]
+        cluster = extproc_cluster(params)
+        assert checks["active"]["type"] == "TCP"
+        assert checks["active"]["interval"] == cluster["health_checks"][0]["interval"]
+        assert (
+            checks["passive"]["consecutiveLocalOriginFailures"]
+            == (cluster["outlier_detection"]["consecutive_local_origin_failure"])
+        )
+        assert checks["passive"]["splitExternalLocalOriginErrors"] is True
 
     traffic = one(docs, "BackendTrafficPolicy")["spec"]
     assert {ref["name"] for ref in traffic["targetRefs"]} == {
@@ -284,12 +306,17 @@ def test_envoy_gateway_completion_feed_and_references(deployment: Deployment) ->
     ref = gateway["spec"]["infrastructure"]["parametersRef"]
     proxy = one(docs, ref["kind"], ref["name"])
     (setting,) = proxy["spec"]["telemetry"]["accessLog"]["settings"]
-    (sink,) = setting["sinks"]
-    assert sink["type"] == "ALS"
-    assert sink["als"]["type"] == "HTTP"
+    # one sink per replica, each to that replica alone: every replica gets every completion
+    sinks = setting["sinks"]
     als = hcm_settings(params)["access_log"][0]["typed_config"]["common_config"]
-    assert sink["als"]["logName"] == als["log_name"]
-    _check_service_ref(docs, sink["als"]["backendRefs"], params.extproc_port)
+    targets = []
+    for sink in sinks:
+        assert sink["type"] == "ALS"
+        assert sink["als"]["type"] == "HTTP"
+        assert sink["als"]["logName"] == als["log_name"]
+        (target,) = _service_refs(docs, sink["als"]["backendRefs"], params.extproc_port)
+        targets.append(target)
+    assert targets == _pod_services(params)
     for route in by_kind(docs, "HTTPRoute"):
         assert route["spec"]["parentRefs"] == [{"name": gateway["metadata"]["name"]}]
     namespaces = {doc["metadata"]["namespace"] for doc in docs}
@@ -312,29 +339,54 @@ def test_envoy_gateway_header_states_what_it_needs() -> None:
 # --------------------------------------------------------------------------- shared
 
 
-def _check_service_ref(docs: list[dict[str, Any]], refs: list[dict[str, Any]], port: int) -> None:
-    (ref,) = refs
-    service = one(docs, "Service", ref["name"])
-    assert ref["port"] == port
-    assert port in [p["port"] for p in service["spec"]["ports"]]
+def _service_refs(docs: list[dict[str, Any]], refs: list[dict[str, Any]], port: int) -> list[str]:
+    """The Services ``refs`` name (each must exist and serve ``port``), in order."""
+    for ref in refs:
+        service = one(docs, "Service", ref["name"])
+        assert ref["port"] == port
+        assert port in [p["port"] for p in service["spec"]["ports"]]
+    return [ref["name"] for ref in refs]
+
+
+def _pod_services(params: EnvoyParams) -> list[str]:
+    """The per-pod Services the replicas are reached at (fairlane-0, ...)."""
+    return [replica.host.split(".", 1)[0] for replica in params.service_replicas]
 
 
 def _check_workload(docs: list[dict[str, Any]], deployment: Deployment) -> None:
-    """fairlane's Deployment serves on the Service's port and lists the deployment's
-    backends (the ip:port override_host matches)."""
+    """fairlane's StatefulSet serves on the Service's port, lists the deployment's backends
+    (the ip:port override_host matches), runs one replica per pod sharing the deployment's
+    Redis, and each pod has a Service of its own, selecting just that pod."""
     params = deployment.params
     service = one(docs, "Service", "fairlane")
-    workload = one(docs, "Deployment", "fairlane")
+    workload = one(docs, "StatefulSet", "fairlane")
+    assert not by_kind(docs, "Deployment")
     assert service["spec"]["selector"] == workload["spec"]["selector"]["matchLabels"]
     grpc = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
     assert grpc["appProtocol"] == "kubernetes.io/h2c"
     assert params.extproc_host.startswith(f"{service['metadata']['name']}.")
-    (container,) = workload["spec"]["template"]["spec"]["containers"]
+    spec = workload["spec"]
+    assert spec["replicas"] == len(params.service_replicas) == 3
+    assert spec["serviceName"] == "fairlane"
+    (container,) = spec["template"]["spec"]["containers"]
     args = container["args"]
     assert f"--port={grpc['targetPort']}" in args
     assert [a.split("=", 1)[1] for a in args if a.startswith("--backend=")] == [
         f"{b.region}={b.url}" for b in params.backends
     ]
+    assert f"--state={params.state_url}" in args
+    assert "--replica-id=$(POD_NAME)" in args
+    assert container["env"] == [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    ]
+    for ordinal, name in enumerate(_pod_services(params)):
+        assert name == f"fairlane-{ordinal}"  # the StatefulSet's pod of that ordinal
+        pod_service = one(docs, "Service", name)
+        assert pod_service["spec"]["selector"] == {
+            **spec["selector"]["matchLabels"],
+            "statefulset.kubernetes.io/pod-name": name,
+        }
+        assert pod_service["spec"]["ports"] == service["spec"]["ports"]
 
 
 async def fairlane_and_another_app(
@@ -367,7 +419,7 @@ async def fairlane_and_another_app(
 
     for cluster in bootstrap["static_resources"]["clusters"]:
         endpoints = cluster["load_assignment"]["endpoints"]
-        if cluster["name"] == "fairlane_extproc":  # the service is down: nothing listens
+        if cluster["name"].startswith(EXTPROC_CLUSTER):  # the service (every replica) is down
             cluster["type"] = "STATIC"
             endpoints[0]["lb_endpoints"] = on_loopback(dead)
         else:  # the vLLM cluster: every locality on the local backend

@@ -10,8 +10,10 @@ derived from them), so the meshes cannot drift from the bootstrap;
 ``tests/deploy/test_mesh_snippets.py`` checks both.
 
 This module holds what both meshes share: where fairlane runs in Kubernetes (names read from
-the deployment's ``service.host``), fairlane's own Deployment and Service, the rendered routes
-with their failure modes, and :func:`render_mesh_yaml`, which writes either mesh's objects.
+the deployment's ``service.host``), the rendered routes with their failure modes, and
+:func:`render_mesh_yaml`, which writes either mesh's objects; fairlane's own workload (one
+Deployment, or a StatefulSet of replicas with a Service per pod) is
+:mod:`extproc.envoy.mesh.workload`.
 The typed check and ``envoy --mode validate`` stay with the command
 (``extproc/envoy/render.py``), which imports this package; nothing here imports it.
 """
@@ -25,6 +27,7 @@ import yaml
 
 from extproc.envoy.generated import comment
 from extproc.envoy.params import EnvoyConfigError, EnvoyParams, RouteSpec
+from extproc.envoy.replicas import is_kube_service_host, statefulset_replicas
 from extproc.envoy.routes import route
 
 MESHES = ("istio", "envoy-gateway")
@@ -32,7 +35,7 @@ VLLM_SERVICE = "vllm"
 """The Kubernetes Service in front of the vLLM pods (rename it in the rendered file)."""
 GATEWAY = "llm-gateway"
 FAIRLANE_IMAGE = "fairlane:dev"
-_METRICS_PORT = 9090
+METRICS_PORT = 9090
 
 
 @dataclass(frozen=True)
@@ -50,13 +53,27 @@ class KubeNames:
 
 def kube_names(params: EnvoyParams) -> KubeNames:
     """``service.host`` must be ``NAME.NAMESPACE.svc.cluster.local``: the Kubernetes Service
-    of fairlane, which the mesh renders name and namespace from."""
-    parts = params.extproc_host.split(".")
-    if len(parts) < 3 or parts[2] != "svc":
+    of fairlane, which the mesh renders name and namespace from. Replicas must be the pods of
+    its StatefulSet (``service.replicas: N``): the workload the mesh renders is that."""
+    if not is_kube_service_host(params.extproc_host):
         raise EnvoyConfigError(
             "a mesh config needs service.host = NAME.NAMESPACE.svc.cluster.local (fairlane's "
             f"Kubernetes Service), got {params.extproc_host!r}"
         )
+    parts = params.extproc_host.split(".")
+    if params.replicated:
+        count = len(params.service_replicas)
+        pods = statefulset_replicas(params.extproc_host, params.extproc_port, count)
+        if params.service_replicas != pods:
+            raise EnvoyConfigError(
+                "a mesh config runs replicas as a StatefulSet: give service.replicas as a "
+                f"count ({count}), not a list of addresses"
+            )
+        if not params.state_url:
+            raise EnvoyConfigError(
+                "replicas share their state in Redis: set service.state to its "
+                "redis://HOST:PORT URL (a Redis the cluster runs)"
+            )
     ports = {backend.port for backend in params.backends}
     if len(ports) != 1:
         raise EnvoyConfigError(
@@ -71,65 +88,6 @@ def route_merge(rendered_route: dict[str, Any]) -> dict[str, Any]:
     merged = {k: v for k, v in rendered_route.items() if k not in ("name", "match")}
     merged["route"] = {k: v for k, v in rendered_route["route"].items() if k != "cluster"}
     return merged
-
-
-def workload(params: EnvoyParams, names: KubeNames) -> list[dict[str, Any]]:
-    """fairlane's Deployment and Service. The backends are the deployment's, by IP."""
-    labels = {"app": names.service}
-    args = [
-        "serve",
-        "--host=0.0.0.0",
-        f"--port={params.extproc_port}",
-        f"--metrics-port={_METRICS_PORT}",
-        *(f"--backend={b.region}={b.url}" for b in params.backends),
-    ]
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": names.service, "namespace": names.namespace},
-        "spec": {
-            "replicas": 1,  # queues and fairness counters are per process
-            "selector": {"matchLabels": labels},
-            "template": {
-                "metadata": {
-                    "labels": labels,
-                    # plain h2c from the gateway, plain HTTP to the vLLM pods' /metrics
-                    "annotations": {"sidecar.istio.io/inject": "false"},
-                },
-                "spec": {
-                    "containers": [
-                        {
-                            "name": "fairlane",
-                            "image": FAIRLANE_IMAGE,
-                            "args": args,
-                            "ports": [
-                                {"name": "grpc", "containerPort": params.extproc_port},
-                                {"name": "metrics", "containerPort": _METRICS_PORT},
-                            ],
-                        }
-                    ]
-                },
-            },
-        },
-    }
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": names.service, "namespace": names.namespace},
-        "spec": {
-            "selector": labels,
-            "ports": [
-                {
-                    "name": "grpc",
-                    "port": params.extproc_port,
-                    "targetPort": params.extproc_port,
-                    "appProtocol": "kubernetes.io/h2c",
-                },
-                {"name": "http-metrics", "port": _METRICS_PORT, "targetPort": _METRICS_PORT},
-            ],
-        },
-    }
-    return [deployment, service]
 
 
 def route_specs(params: EnvoyParams) -> list[tuple[dict[str, Any], bool]]:

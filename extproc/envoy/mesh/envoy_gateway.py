@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from extproc.envoy.clusters import backend_cluster
+from extproc.envoy.clusters import backend_cluster, extproc_cluster
 from extproc.envoy.connection_manager import hcm_settings
 from extproc.envoy.filter import ext_proc_filter
 from extproc.envoy.mesh import (
@@ -19,8 +19,8 @@ from extproc.envoy.mesh import (
     kube_names,
     route_merge,
     route_specs,
-    workload,
 )
+from extproc.envoy.mesh.workload import pod_service_names, workload
 from extproc.envoy.params import (
     BACKEND_MAX_REQUESTS,
     BACKEND_MAX_RETRIES,
@@ -56,8 +56,12 @@ What differs from the plain Envoy bootstrap (Envoy Gateway exposes no such field
     x-envoy-max-retries) are rejected (rejected_header_mutations), so there is no hedging and
     retries follow the BackendTrafficPolicy;
   - no status_on_error: a failed ext_proc stream answers 500 (Envoy's default), not 503.
+  - with replicas: no GrpcService.retry_policy, so a request whose stream opens on a replica
+    the moment it died gets 503 (retry-after) until the health checks (1 s) or the passive
+    check take that replica out; the plain bootstrap retries such a stream on another one.
 What the mesh must provide: the vLLM pods behind the Service `vllm` (rename below); their pod
-IP:port is what the service lists (`--backend REGION=http://POD_IP:PORT`, a static list).
+IP:port is what the service lists (`--backend REGION=http://POD_IP:PORT`, a static list);
+with replicas, the Redis they share at the URL in their --state.
 Per-route fail-open: one HTTPRoute and one EnvoyExtensionPolicy per route of the deployment.
 """
 
@@ -80,10 +84,14 @@ def render_envoy_gateway(params: EnvoyParams) -> list[dict[str, Any]]:
     rendered route (failOpen per route), a BackendTrafficPolicy (override_host routing,
     retries, circuit breakers, health checks) and a ClientTrafficPolicy (buffer, idle)."""
     names = kube_names(params)
-    fairlane_ref = {"name": names.service, "port": params.extproc_port}
+    # with replicas, each pod's own Service (extproc.envoy.mesh.workload says why)
+    fairlane_refs = [
+        {"name": name, "port": params.extproc_port}
+        for name in pod_service_names(params, names) or [names.service]
+    ]
     objects: list[dict[str, Any]] = [
         *workload(params, names),
-        _envoy_proxy(params, names, fairlane_ref),
+        _envoy_proxy(params, names, fairlane_refs),
         _gateway(names),
         _client_policy(params, names),
     ]
@@ -92,39 +100,28 @@ def render_envoy_gateway(params: EnvoyParams) -> list[dict[str, Any]]:
         name = kube_name(rendered["name"])
         route_refs.append({"group": GATEWAY_API, "kind": "HTTPRoute", "name": name})
         objects.append(_http_route(rendered, name, names))
-        objects.append(_extension_policy(params, name, names, fairlane_ref, allow))
+        objects.append(_extension_policy(params, name, names, fairlane_refs, allow))
     objects.append(_backend_policy(params, names, route_refs))
     return objects
 
 
 def _envoy_proxy(
-    params: EnvoyParams, names: KubeNames, fairlane_ref: dict[str, Any]
+    params: EnvoyParams, names: KubeNames, fairlane_refs: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """The EnvoyProxy: Envoy Gateway's proxy settings, here the completion feed (ALS)."""
+    """The EnvoyProxy: Envoy Gateway's proxy settings, here the completion feed (ALS): one
+    sink per replica, each to that replica alone (every replica needs every completion)."""
+    sinks = [
+        {
+            "type": "ALS",
+            "als": {"backendRefs": [ref], "type": "HTTP", "logName": _als_log_name(params)},
+        }
+        for ref in fairlane_refs
+    ]
     return {
         "apiVersion": ENVOY_GATEWAY_API,
         "kind": "EnvoyProxy",
         "metadata": {"name": "fairlane-proxy", "namespace": names.namespace},
-        "spec": {
-            "telemetry": {
-                "accessLog": {
-                    "settings": [
-                        {
-                            "sinks": [
-                                {
-                                    "type": "ALS",
-                                    "als": {
-                                        "backendRefs": [fairlane_ref],
-                                        "type": "HTTP",
-                                        "logName": _als_log_name(params),
-                                    },
-                                }
-                            ]
-                        }
-                    ]
-                }
-            }
-        },
+        "spec": {"telemetry": {"accessLog": {"settings": [{"sinks": sinks}]}}},
     }
 
 
@@ -193,35 +190,37 @@ def _extension_policy(
     params: EnvoyParams,
     name: str,
     names: KubeNames,
-    fairlane_ref: dict[str, Any],
+    fairlane_refs: list[dict[str, Any]],
     failure_mode_allow: bool,
 ) -> dict[str, Any]:
-    """The ext_proc filter on one HTTPRoute, with that route's failure mode."""
+    """The ext_proc filter on one HTTPRoute, with that route's failure mode; with replicas,
+    the health checks that move new requests off a dead one."""
     filter_config = ext_proc_filter(params)["typed_config"]
     mode = filter_config["processing_mode"]
     namespaces = filter_config["metadata_options"]["receiving_namespaces"]["untyped"]
+    ext_proc: dict[str, Any] = {
+        "backendRefs": fairlane_refs,
+        "processingMode": {
+            # request present = request headers SEND; no `response`:
+            # response headers and body are skipped
+            "request": {"body": _EG_BODY_MODES[mode["request_body_mode"]]}
+        },
+        # no max_message_timeout in Envoy Gateway: the hold must fit here
+        "messageTimeout": _gateway_api_duration(
+            max(params.longest_hold_s, params.message_timeout_s)
+        ),
+        "failOpen": failure_mode_allow,
+        "metadata": {"writableNamespaces": list(namespaces)},
+    }
+    if params.replicated:
+        ext_proc["backendSettings"] = {"healthCheck": _replica_health_check(params)}
     return {
         "apiVersion": ENVOY_GATEWAY_API,
         "kind": "EnvoyExtensionPolicy",
         "metadata": {"name": name, "namespace": names.namespace},
         "spec": {
             "targetRefs": [{"group": GATEWAY_API, "kind": "HTTPRoute", "name": name}],
-            "extProc": [
-                {
-                    "backendRefs": [fairlane_ref],
-                    "processingMode": {
-                        # request present = request headers SEND; no `response`:
-                        # response headers and body are skipped
-                        "request": {"body": _EG_BODY_MODES[mode["request_body_mode"]]}
-                    },
-                    # no max_message_timeout in Envoy Gateway: the hold must fit here
-                    "messageTimeout": _gateway_api_duration(
-                        max(params.longest_hold_s, params.message_timeout_s)
-                    ),
-                    "failOpen": failure_mode_allow,
-                    "metadata": {"writableNamespaces": list(namespaces)},
-                }
-            ],
+            "extProc": [ext_proc],
         },
     }
 
@@ -273,6 +272,30 @@ def _backend_policy(
                     "maxEjectionPercent": outlier["max_ejection_percent"],
                 },
             },
+        },
+    }
+
+
+def _replica_health_check(params: EnvoyParams) -> dict[str, Any]:
+    """The ext_proc cluster's active and passive checks (extproc.envoy.replicas) in Envoy
+    Gateway's terms."""
+    cluster = extproc_cluster(params)
+    (check,) = cluster["health_checks"]
+    outlier = cluster["outlier_detection"]
+    return {
+        "active": {
+            "type": "TCP",
+            "interval": check["interval"],
+            "timeout": check["timeout"],
+            "unhealthyThreshold": check["unhealthy_threshold"],
+            "healthyThreshold": check["healthy_threshold"],
+        },
+        "passive": {
+            "splitExternalLocalOriginErrors": outlier["split_external_local_origin_errors"],
+            "consecutiveLocalOriginFailures": outlier["consecutive_local_origin_failure"],
+            "interval": outlier["interval"],
+            "baseEjectionTime": outlier["base_ejection_time"],
+            "maxEjectionPercent": outlier["max_ejection_percent"],
         },
     }
 

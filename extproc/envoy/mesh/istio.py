@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from extproc.envoy.clusters import backend_cluster, extproc_cluster
+from extproc.envoy.clusters import backend_cluster, extproc_cluster, replica_clusters
 from extproc.envoy.connection_manager import hcm_settings
 from extproc.envoy.filter import failure_mode_override
-from extproc.envoy.mesh import GATEWAY, KubeNames, kube_names, route_merge, route_specs, workload
+from extproc.envoy.mesh import GATEWAY, KubeNames, kube_names, route_merge, route_specs
+from extproc.envoy.mesh.workload import workload
 from extproc.envoy.params import EnvoyParams
 from extproc.envoy.protojson import (
     HCM_FILTER,
@@ -43,8 +44,10 @@ What the mesh must provide:
     for it is patched to override_host: its endpoints are pod IP:port, which is what the
     service must list (`fairlane serve --backend REGION=http://POD_IP:PORT`, a static list:
     restart the service when vLLM pods move);
-  - the fairlane Service reachable in plain gRPC (h2c) from the gateway: the Deployment
-    below runs without a sidecar; with STRICT mTLS in its namespace use PERMISSIVE for it;
+  - the fairlane Service reachable in plain gRPC (h2c) from the gateway: the pods below run
+    without a sidecar; with STRICT mTLS in its namespace use PERMISSIVE for it;
+  - with replicas (a StatefulSet, one Service per pod: each replica gets every completion
+    over a cluster of its own), the Redis they share at the URL in their --state;
   - Gateway + VirtualService routes named like the HTTP_ROUTE patches (the VirtualService
     below), because EnvoyFilter matches routes by name.
 The filter is inserted disabled and enabled per route (ExtProcPerRoute on fairlane's routes):
@@ -99,7 +102,8 @@ def config_patches(
     params: EnvoyParams, names: KubeNames, specs: list[tuple[dict[str, Any], bool]]
 ) -> list[dict[str, Any]]:
     """The EnvoyFilter's patches: the scoped filter before the router, the HCM settings,
-    the listener buffer, the ext_proc cluster, the vLLM cluster's routing, and per route
+    the listener buffer, the ext_proc cluster (and each replica's), the vLLM cluster's
+    routing, and per route
     the settings plus the ``ExtProcPerRoute`` that enables the filter on it."""
     hcm_match = {
         "context": "GATEWAY",
@@ -137,11 +141,15 @@ def config_patches(
                 "value": {"per_connection_buffer_limit_bytes": params.buffer_limit_bytes},
             },
         },
-        {
-            "applyTo": "CLUSTER",
-            "match": {"context": "GATEWAY"},
-            "patch": {"operation": "ADD", "value": extproc_cluster(params)},
-        },
+        *(
+            {
+                "applyTo": "CLUSTER",
+                "match": {"context": "GATEWAY"},
+                "patch": {"operation": "ADD", "value": cluster},
+            }
+            # with replicas, each one's own cluster too (its completion feed)
+            for cluster in (extproc_cluster(params), *replica_clusters(params))
+        ),
         {
             "applyTo": "CLUSTER",
             "match": {
@@ -240,7 +248,8 @@ def istio_bootstrap(objects: list[dict[str, Any]]) -> dict[str, Any]:
     destination = virtual_service["http"][0]["route"][0]["destination"]
     outbound = f"outbound|{destination['port']['number']}||{destination['host']}"
     routes = _stand_in_routes(virtual_service, patches, outbound)
-    vllm = _stand_in_vllm_cluster(by_kind["Deployment"], outbound)
+    pods = by_kind.get("Deployment") or by_kind["StatefulSet"]
+    vllm = _stand_in_vllm_cluster(pods, outbound)
     for value in _patch_values(patches, "CLUSTER", "MERGE"):
         vllm = proto_merge(vllm, value)
     return {
@@ -327,10 +336,10 @@ def _stand_in_listener(
     return listener
 
 
-def _stand_in_vllm_cluster(deployment: dict[str, Any], outbound: str) -> dict[str, Any]:
+def _stand_in_vllm_cluster(pods: dict[str, Any], outbound: str) -> dict[str, Any]:
     """Istio's outbound cluster of the vLLM Service, its endpoints the backends fairlane's
-    Deployment is started with (Istio would take them from EDS)."""
-    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    pods (its Deployment or StatefulSet) are started with (Istio would take them from EDS)."""
+    args = pods["spec"]["template"]["spec"]["containers"][0]["args"]
     backends = [urlsplit(arg.split("=", 2)[2]) for arg in args if arg.startswith("--backend")]
     return {
         "name": outbound,

@@ -574,7 +574,8 @@ def test_mesh_objects_render_validate_and_report(
     out = tmp_path / f"{mesh}.yaml"
     assert cli.main(["render-envoy", str(MESH_DEPLOYMENT), "--mesh", mesh, "-o", str(out)]) == 0
     docs = list(yaml.safe_load_all(out.read_text()))
-    assert {"Deployment", "Service"} <= {doc["kind"] for doc in docs if doc}
+    # the shipped mesh deployment runs replicas: a StatefulSet, a Service per pod
+    assert {"StatefulSet", "Service"} <= {doc["kind"] for doc in docs if doc}
     assert "envoy --mode validate: OK" in capsys.readouterr().err
 
 

@@ -1,0 +1,152 @@
+"""fairlane's own workload in Kubernetes: one Deployment, or a StatefulSet of replicas.
+
+One service runs as a Deployment of one pod behind the Service ``service.host`` names (its
+queues and counters are that process's). Replicas (``service.replicas: N`` with
+``service.state``, the Redis they share) run as a StatefulSet of N pods, because Envoy must
+reach each pod at an address of its own: every replica gets every completion over a cluster
+holding just that replica (extproc.envoy.replicas). Kubernetes labels each StatefulSet pod
+with ``statefulset.kubernetes.io/pod-name``, so one ClusterIP Service per pod
+(``NAME-0`` .. ``NAME-{N-1}``, selecting that label) gives each a stable name that works in
+both meshes: Istio's clusters resolve it (STRICT_DNS), Envoy Gateway's backendRefs name it.
+Each pod is ``--replica-id`` its own pod name (the downward API), so the replica ids are
+stable across restarts too.
+
+Limits: the pod list is static (scaling is a new render with the new count, applied with the
+objects); the Redis is the cluster's own (any Redis the pods reach at ``service.state``;
+nothing here deploys one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from extproc.envoy.mesh import FAIRLANE_IMAGE, METRICS_PORT, KubeNames
+from extproc.envoy.params import EnvoyParams
+from extproc.envoy.replicas import pod_service_host
+
+POD_NAME_LABEL = "statefulset.kubernetes.io/pod-name"
+"""The label Kubernetes sets on each StatefulSet pod, to its pod name."""
+
+
+def workload(params: EnvoyParams, names: KubeNames) -> list[dict[str, Any]]:
+    """fairlane's Deployment and Service, or with replicas its StatefulSet, Service and one
+    Service per pod. The backends are the deployment's, by IP."""
+    if params.replicated:
+        return [
+            _statefulset(params, names),
+            _service(params, names.service, names, _labels(names)),
+            *_pod_services(params, names),
+        ]
+    return [_deployment(params, names), _service(params, names.service, names, _labels(names))]
+
+
+def pod_service_names(params: EnvoyParams, names: KubeNames) -> list[str]:
+    """The per-pod Services' names, in replica order (empty without replicas)."""
+    if not params.replicated:
+        return []
+    return [
+        pod_service_host(params.extproc_host, ordinal).split(".", 1)[0]
+        for ordinal in range(len(params.service_replicas))
+    ]
+
+
+def _labels(names: KubeNames) -> dict[str, str]:
+    return {"app": names.service}
+
+
+def _args(params: EnvoyParams) -> list[str]:
+    args = [
+        "serve",
+        "--host=0.0.0.0",
+        f"--port={params.extproc_port}",
+        f"--metrics-port={METRICS_PORT}",
+        *(f"--backend={b.region}={b.url}" for b in params.backends),
+    ]
+    if params.replicated:
+        # $(POD_NAME) is expanded by Kubernetes from the container's env (below)
+        args += [f"--state={params.state_url}", "--replica-id=$(POD_NAME)"]
+    return args
+
+
+def _pod_template(params: EnvoyParams, names: KubeNames) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "fairlane",
+        "image": FAIRLANE_IMAGE,
+        "args": _args(params),
+        "ports": [
+            {"name": "grpc", "containerPort": params.extproc_port},
+            {"name": "metrics", "containerPort": METRICS_PORT},
+        ],
+    }
+    if params.replicated:
+        container["env"] = [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+        ]
+    return {
+        "metadata": {
+            "labels": _labels(names),
+            # plain h2c from the gateway, plain HTTP to the vLLM pods' /metrics
+            "annotations": {"sidecar.istio.io/inject": "false"},
+        },
+        "spec": {"containers": [container]},
+    }
+
+
+def _deployment(params: EnvoyParams, names: KubeNames) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": names.service, "namespace": names.namespace},
+        "spec": {
+            "replicas": 1,  # queues and fairness counters are per process
+            "selector": {"matchLabels": _labels(names)},
+            "template": _pod_template(params, names),
+        },
+    }
+
+
+def _statefulset(params: EnvoyParams, names: KubeNames) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": names.service, "namespace": names.namespace},
+        "spec": {
+            # the replicas share their state in Redis (service.state); one per pod Service
+            "replicas": len(params.service_replicas),
+            "serviceName": names.service,
+            # replicas are peers: start and replace them all at once, not one by one
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": _labels(names)},
+            "template": _pod_template(params, names),
+        },
+    }
+
+
+def _service(
+    params: EnvoyParams, name: str, names: KubeNames, selector: dict[str, str]
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": names.namespace},
+        "spec": {
+            "selector": selector,
+            "ports": [
+                {
+                    "name": "grpc",
+                    "port": params.extproc_port,
+                    "targetPort": params.extproc_port,
+                    "appProtocol": "kubernetes.io/h2c",
+                },
+                {"name": "http-metrics", "port": METRICS_PORT, "targetPort": METRICS_PORT},
+            ],
+        },
+    }
+
+
+def _pod_services(params: EnvoyParams, names: KubeNames) -> list[dict[str, Any]]:
+    """One Service per StatefulSet pod: the address Envoy reaches that replica at."""
+    return [
+        _service(params, name, names, {**_labels(names), POD_NAME_LABEL: name})
+        for name in pod_service_names(params, names)
+    ]

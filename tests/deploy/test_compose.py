@@ -4,13 +4,14 @@
   stack with the vLLM override and profile;
 - ``deploy/compose/envoy*.yaml`` equal a fresh ``fairlane render-envoy`` of their deployment
   files and pass ``envoy --mode validate``;
-- the compose file and the Envoy config agree: the ext_proc cluster is the ``fairlane``
-  service on its gRPC port, the backend endpoints are the backends' pinned addresses and
-  container ports (and exactly the service's ``--backend`` list, region by region, whose
-  ``#seats=N`` match the deployment file's ``seats``), the
-  listener and admin ports are the published ones, Prometheus scrapes the ports the
-  processes listen on, Grafana's datasource is the Prometheus service, and every bind-mounted
-  file exists in the repository;
+- the compose file and the Envoy config agree: the ext_proc cluster is every replica of the
+  service (``fairlane-1``..), each on its gRPC port and with a completion cluster of its own,
+  all sharing the ``redis`` service as the deployment file's ``state``; the backend endpoints
+  are the backends' pinned addresses and container ports (and exactly every replica's
+  ``--backend`` list, region by region, whose ``#seats=N`` match the deployment file's
+  ``seats``), the listener and admin ports are the published ones, Prometheus scrapes the
+  ports the processes listen on, Grafana's datasource is the Prometheus service, and every
+  bind-mounted file exists in the repository;
 - ``promtool check config`` accepts deploy/prometheus/prometheus.yml (and its rule file).
 
 The tests read ``docker-compose config``'s resolved output, not the raw file, so the
@@ -32,6 +33,7 @@ import yaml
 from extproc.envoy.binary import validate
 from extproc.envoy.deployment import load_deployment
 from extproc.envoy.render import render
+from extproc.envoy.replicas import replica_cluster_name
 from extproc.fleet.backend import parse_backend
 from extproc.wire import BACKEND_CLUSTER, EXTPROC_CLUSTER
 from tests.deploy.conftest import REPO, run_tool
@@ -155,6 +157,15 @@ def cluster(bootstrap: dict[str, Any], name: str) -> dict[str, Any]:
     return found
 
 
+def replicas(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The service's replicas: every compose service that runs ``fairlane serve``."""
+    return {
+        name: service
+        for name, service in config["services"].items()
+        if service.get("command", [None])[0] == "serve"
+    }
+
+
 def ipv4_address(service: dict[str, Any]) -> str:
     address: str = service["networks"]["fairlane"]["ipv4_address"]
     return address
@@ -166,9 +177,9 @@ def ipv4_address(service: dict[str, Any]) -> str:
 def test_compose_config_accepts_the_stack(stack: tuple[Variant, dict[str, Any]]) -> None:
     variant, config = stack
     services = config["services"]
-    assert {"envoy", "fairlane", "prometheus", "grafana", *variant.backend_services} <= set(
-        services
-    )
+    replicas_and_redis = {"fairlane-1", "fairlane-2", "fairlane-3", "redis"}
+    assert {"envoy", "prometheus", "grafana", *replicas_and_redis} <= set(services)
+    assert set(variant.backend_services) <= set(services)
     # what runs: the variant's backends; the others are behind a profile it does not enable
     active = {"vllm"} if variant is VLLM else set()
     all_backends = {*SIMS.backend_services, *VLLM.backend_services}
@@ -227,16 +238,44 @@ def test_listener_and_admin_ports_are_published(stack: tuple[Variant, dict[str, 
     assert ports[admin["port_value"]][0] == "127.0.0.1"
 
 
-def test_ext_proc_cluster_is_the_fairlane_service(stack: tuple[Variant, dict[str, Any]]) -> None:
+def test_ext_proc_cluster_is_every_replica(stack: tuple[Variant, dict[str, Any]]) -> None:
+    """Envoy's ext_proc cluster lists every replica by its compose name, each also in a
+    cluster of its own (its completion feed), on the port it serves on."""
     variant, config = stack
-    serve = config["services"]["fairlane"]
-    assert serve["command"][0] == "serve"
-    args = flags(serve["command"])
-    extproc = cluster(envoy_bootstrap(variant), EXTPROC_CLUSTER)
-    assert extproc["type"] == "STRICT_DNS"  # a compose name, resolved by Envoy
-    assert endpoints(extproc) == [(None, "fairlane", int(args["port"][0]))]
-    assert args["host"] == ["0.0.0.0"]
-    assert str(int(args["port"][0])) in serve["expose"]
+    bootstrap = envoy_bootstrap(variant)
+    extproc = cluster(bootstrap, EXTPROC_CLUSTER)
+    assert extproc["type"] == "STRICT_DNS"  # compose names, resolved by Envoy
+    running = replicas(config)
+    assert sorted(running) == ["fairlane-1", "fairlane-2", "fairlane-3"]
+    in_compose = []
+    for name, service in running.items():
+        args = flags(service["command"])
+        assert args["host"] == ["0.0.0.0"]
+        assert str(int(args["port"][0])) in service["expose"]
+        in_compose.append((None, name, int(args["port"][0])))
+    assert sorted(endpoints(extproc), key=str) == sorted(in_compose, key=str)
+    for position, (_, name, port) in enumerate(endpoints(extproc), start=1):
+        assert endpoints(cluster(bootstrap, replica_cluster_name(position))) == [(None, name, port)]
+
+
+def test_replicas_share_the_redis_service(stack: tuple[Variant, dict[str, Any]]) -> None:
+    """Every replica runs with the deployment file's ``state``, the ``redis`` service (the
+    official image, keeping nothing on disk), under an id of its own."""
+    variant, config = stack
+    redis = config["services"]["redis"]
+    assert redis["image"].startswith("redis:")
+    assert redis["command"] == ["redis-server", "--save", "", "--appendonly", "no"]
+    state = load_deployment(variant.deployment).params.state_url
+    assert state == f"redis://redis:{redis['expose'][0]}"
+    ids = []
+    for name, service in replicas(config).items():
+        args = flags(service["command"])
+        assert args["state"] == [state]
+        (replica_id,) = args["replica-id"]
+        assert replica_id == name
+        ids.append(replica_id)
+        assert "redis" in service["depends_on"]
+    assert len(ids) == len(set(ids)) == 3
 
 
 def test_backends_agree_everywhere(stack: tuple[Variant, dict[str, Any]]) -> None:
@@ -256,7 +295,9 @@ def test_backends_agree_everywhere(stack: tuple[Variant, dict[str, Any]]) -> Non
         assert str(port) in service["expose"]
         in_compose.add((address, port))
 
-    backend_urls = flags(services["fairlane"]["command"])["backend"]
+    # every replica schedules over the same backends
+    backend_lists = {tuple(flags(r["command"])["backend"]) for r in replicas(config).values()}
+    (backend_urls,) = backend_lists
     specs = [parse_backend(item) for item in backend_urls]  # as `fairlane serve` reads them
     in_service = [(spec.region, spec.host, spec.port) for spec in specs]
     # seats declared in the deployment file are the service's to plan with (Envoy has no
@@ -282,11 +323,12 @@ def test_backends_agree_everywhere(stack: tuple[Variant, dict[str, Any]]) -> Non
 def test_service_runs_the_deployments_policy(stack: tuple[Variant, dict[str, Any]]) -> None:
     """Envoy's limits come from the deployment's policy: the service must run the same one."""
     variant, config = stack
-    serve = config["services"]["fairlane"]
-    policy_in_container = Path(flags(serve["command"])["policy"][0])
-    mounts = bind_mounts(serve)
-    host_dir = mounts[str(policy_in_container.parent)]
-    assert host_dir / policy_in_container.name == load_deployment(variant.deployment).policy_path
+    for serve in replicas(config).values():
+        policy_in_container = Path(flags(serve["command"])["policy"][0])
+        mounts = bind_mounts(serve)
+        host_dir = mounts[str(policy_in_container.parent)]
+        policy = load_deployment(variant.deployment).policy_path
+        assert host_dir / policy_in_container.name == policy
 
 
 def test_prometheus_scrapes_what_runs(stack: tuple[Variant, dict[str, Any]]) -> None:
@@ -295,9 +337,12 @@ def test_prometheus_scrapes_what_runs(stack: tuple[Variant, dict[str, Any]]) -> 
     prometheus = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
     jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
 
-    metrics_port = int(flags(services["fairlane"]["command"])["metrics-port"][0])
-    assert jobs["fairlane"]["static_configs"][0]["targets"] == [f"fairlane:{metrics_port}"]
-    assert str(metrics_port) in services["fairlane"]["expose"]
+    targets = []
+    for name, service in sorted(replicas(config).items()):
+        metrics_port = int(flags(service["command"])["metrics-port"][0])
+        assert str(metrics_port) in service["expose"]
+        targets.append(f"{name}:{metrics_port}")
+    assert jobs["fairlane"]["static_configs"][0]["targets"] == targets
 
     admin_port = envoy_bootstrap(variant)["admin"]["address"]["socket_address"]["port_value"]
     assert jobs["envoy"]["metrics_path"] == "/stats/prometheus"
@@ -350,7 +395,7 @@ def test_every_bind_mount_exists(stack: tuple[Variant, dict[str, Any]]) -> None:
 
 def test_fairlane_image_is_built_from_this_repo(stack: tuple[Variant, dict[str, Any]]) -> None:
     _, config = stack
-    for name in ("fairlane", "sim-a", "sim-b"):
+    for name in (*replicas(config), "sim-a", "sim-b"):
         service = config["services"][name]
         assert Path(service["build"]["context"]) == REPO
     dockerfile = (REPO / "Dockerfile").read_text()

@@ -1,15 +1,18 @@
 """``fairlane up``: Envoy, the ext_proc service and (by default) two simulated vLLM backends.
 
+With ``--replicas N`` the service is N active-active replicas sharing their state in a local
+Redis (:mod:`extproc.ops.service_replicas`), and Envoy spreads requests over them and moves
+off a dead one (extproc.envoy.replicas). A replica, or Redis, that dies is reported and the
+stack goes on: that is what the replicas are for; the stack stops when the last replica,
+Envoy or a simulator goes.
+
 The same ``Stack`` is what the integration tests and benchmarks start, so what a user runs
 is what is tested. Every process lives in a ``ProcessGroup``: Ctrl-C, SIGTERM, a failed
 start or a child that dies stops all of them.
 
 The children's output goes to log files, so what the user must see is printed by ``up``
-itself: where everything is, and each backend's seats (how many requests its engine runs at
-once, which admission plans with). Those are learned by the service after start and change
-when an engine restarts with other flags, so ``up`` reads them from the service's own
-``fairlane_backend_seats`` gauge every few seconds and prints a line when one changes
-(``SeatWatch``).
+itself: where everything is, and each backend's seats as the service learns them
+(:mod:`extproc.ops.seat_watch`).
 """
 
 from __future__ import annotations
@@ -17,13 +20,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import signal
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -35,15 +35,21 @@ from extproc.ops.processes import (
     Child,
     ProcessGroup,
     ensure_port_free,
+    exit_text,
     free_port,
     wait_http_ready,
-    wait_port_open,
+)
+from extproc.ops.seat_watch import SeatCount, SeatWatch
+from extproc.ops.service_replicas import (
+    ServiceProcess,
+    Services,
+    require_redis_server,
+    start_services,
 )
 from extproc.policy import DEFAULT_POLICY_PATH, load_policy
 from extproc.transport.server import (
     add_backend_argument,
     add_policy_argument,
-    backend_argument,
     backends_from_args,
 )
 
@@ -70,6 +76,9 @@ class StackConfig:
     envoy_log_level: str = "warn"
     completion_flush_s: float = EnvoyParams.completion_flush_s
     """How far apart Envoy may batch completions; the bench shortens it by its speedup."""
+    replicas: int = 1
+    """Service processes; above 1, replicas sharing a local Redis (on free ports: a fixed
+    ``service_port``/``metrics_port`` is for the one service only)."""
 
 
 @dataclass
@@ -86,6 +95,8 @@ class Stack:
     """Backend address -> the simulator's request log (when ``sim_log_requests``)."""
     simulators: dict[str, Child] = field(default_factory=dict)
     """Backend address -> its running simulator process (none for real backends)."""
+    services: Services | None = None
+    """The service process(es), and with replicas their Redis."""
     _sim_argv: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
     @property
@@ -100,32 +111,26 @@ class Stack:
         config = self.config
         policy = load_policy(config.policy_path)  # fail before starting anything
         self._check_fixed_ports()
+        if config.replicas > 1:
+            require_redis_server()
         self.backends = config.backends or self._start_simulators()
-        self.service_port = config.service_port or free_port()
-        self.metrics_port = config.metrics_port or free_port()
-        service = self.group.start(
-            "service",
-            [
-                sys.executable,
-                "-m",
-                "extproc",
-                "serve",
-                "--port",
-                str(self.service_port),
-                "--metrics-port",
-                str(self.metrics_port),
-                "--policy",
-                str(config.policy_path),
-                *[arg for b in self.backends for arg in ("--backend", backend_argument(b))],
-            ],
+        self.services = start_services(
+            self.group,
+            config.replicas,
+            config.policy_path,
+            self.backends,
+            config.service_port,
+            config.metrics_port,
         )
-        wait_port_open(self.service_port, service)
+        first = self.services.processes[0]
+        self.service_port, self.metrics_port = first.port, first.metrics_port
         self.admin_port = config.admin_port or free_port()
         longest_hold = max(t.queue_deadline_s for t in policy.tiers)
         params = EnvoyParams(
             listen_port=config.port,
             admin_port=self.admin_port,
             extproc_port=self.service_port,
+            extproc_replicas=self._replica_addresses(),
             backends=self.backends,
             max_body_bytes=policy.max_body_bytes,
             longest_hold_s=min(MAX_MESSAGE_TIMEOUT_S, longest_hold + 10),
@@ -137,9 +142,44 @@ class Stack:
         wait_http_ready(f"{self.admin_url}/ready", envoy, timeout=30)
         return self
 
+    def _replica_addresses(self) -> tuple[tuple[str, int], ...]:
+        """Every replica's gRPC address for Envoy; empty for the one service (whose config
+        stays what it always was)."""
+        if self.services is None or not self.services.replicated:
+            return ()
+        return tuple(("127.0.0.1", p.port) for p in self.services.processes)
+
+    @property
+    def service_processes(self) -> tuple[ServiceProcess, ...]:
+        return () if self.services is None else self.services.processes
+
+    def kill_replica(self, replica_id: str, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Stop one replica abruptly (``r1`` .. ``rN``) and reap it: its held requests are
+        lost, the others carry on."""
+        if self.services is None:
+            raise RuntimeError("the stack is not started")
+        child = self.services.find(replica_id).child
+        if child.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.popen.pid, sig)
+        child.popen.wait(10)
+
+    def survivable(self, child: Child) -> bool:
+        """Whether the stack goes on without ``child``: a replica while another one runs,
+        or the replicas' Redis (they schedule alone until it is back)."""
+        services = self.services
+        if services is None or not services.replicated:
+            return False
+        if child is services.redis:
+            return True
+        replicas = [p.child for p in services.processes]
+        return any(child is c for c in replicas) and any(c.alive() for c in replicas)
+
     def _check_fixed_ports(self) -> None:
         """The ports a user fixed must be free now: a clear "port N (Envoy's listener,
         --port) is already in use" beats Envoy dying with a bind error in its log."""
+        if self.config.replicas > 1 and (self.config.service_port or self.config.metrics_port):
+            raise ValueError("replicas run on free ports: leave service_port/metrics_port unset")
         fixed = (
             (self.config.port, "Envoy's client listener, --port"),
             (self.config.admin_port, "Envoy's admin interface, --admin-port"),
@@ -209,120 +249,6 @@ class Stack:
         return child
 
 
-SEATS_POLL_S = 2.0
-"""How often ``fairlane up`` reads the service's seat gauges (a scrape costs it ~1 ms)."""
-FALLBACK_REPORT_S = 30.0
-"""A fallback estimate grows with every request more an engine is seen running: a change of
-it alone is printed at most this often per backend, so a load test does not flood the
-terminal. A learned or declared count, or a change of source, is printed at once."""
-SOURCE_TEXT = {
-    "declared": "declared",
-    "learned": "learned from the engine",
-    "fallback": "fallback: not learned yet",
-}
-
-_SEATS_SAMPLE = re.compile(r"^fairlane_backend_seats\{([^}]*)\}[ \t]+(\S+)", re.MULTILINE)
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-@dataclass(frozen=True)
-class SeatCount:
-    """One backend's seats as the service reports them (``fairlane_backend_seats``)."""
-
-    region: str
-    count: int
-    source: str
-
-    def line(self, address: str) -> str:
-        return f"backend {self.region} {address}: seats {self.count} ({self.describe()})"
-
-    def describe(self) -> str:
-        return SOURCE_TEXT.get(self.source, self.source)
-
-
-def parse_seats(text: str) -> dict[str, SeatCount]:
-    """Backend address -> its seats, from the service's ``/metrics`` text."""
-    found: dict[str, SeatCount] = {}
-    for match in _SEATS_SAMPLE.finditer(text):
-        labels = {key: _unescape(value) for key, value in _LABEL.findall(match[1])}
-        try:
-            count = round(float(match[2]))
-        except ValueError:
-            continue
-        if "backend" in labels:
-            found[labels["backend"]] = SeatCount(
-                labels.get("region", ""), count, labels.get("source", "")
-            )
-    return found
-
-
-def _unescape(value: str) -> str:
-    """A label value as written before the exposition escaped ``\\``, ``"`` and newlines."""
-    return re.sub(r"\\(.)", lambda m: "\n" if m[1] == "n" else m[1], value)
-
-
-class SeatWatch:
-    """What ``fairlane up`` has told the user about each backend's seats, and what changed.
-
-    ``poll`` reads the service's ``/metrics`` at most every ``SEATS_POLL_S``; ``changes``
-    (pure, tested without sockets) decides which differences are worth a line. A failed
-    read is skipped quietly: the service may be busy, and a dead one is reported anyway.
-    """
-
-    def __init__(self, metrics_url: str, clock: Callable[[], float] = time.monotonic) -> None:
-        self.metrics_url = metrics_url
-        self.clock = clock
-        self.shown: dict[str, SeatCount] = {}
-        self.shown_at: dict[str, float] = {}
-        self._polled_at = -float("inf")
-
-    def read(self, timeout: float = 1.0) -> dict[str, SeatCount] | None:
-        try:
-            with urllib.request.urlopen(self.metrics_url, timeout=timeout) as response:
-                return parse_seats(response.read().decode("utf-8", "replace"))
-        except (urllib.error.URLError, OSError, ValueError):
-            return None
-
-    def first(self, timeout: float = 5.0) -> dict[str, SeatCount]:
-        """The seats at start (the metrics endpoint may open just after the gRPC port);
-        empty if the service does not answer in ``timeout``."""
-        deadline = self.clock() + timeout
-        while True:
-            seen = self.read()
-            if seen is not None or self.clock() >= deadline:
-                break
-            time.sleep(0.1)
-        now = self.clock()
-        self.shown = dict(seen or {})
-        self.shown_at = dict.fromkeys(self.shown, now)
-        self._polled_at = now
-        return self.shown
-
-    def poll(self) -> list[str]:
-        """Lines to print now (none between polls or when the service does not answer)."""
-        now = self.clock()
-        if now - self._polled_at < SEATS_POLL_S:
-            return []
-        self._polled_at = now
-        seen = self.read()
-        return [] if seen is None else self.changes(seen, now)
-
-    def changes(self, seen: Mapping[str, SeatCount], now: float) -> list[str]:
-        """One line per backend whose seats changed since they were last shown."""
-        lines = []
-        for address, seat in seen.items():
-            shown = self.shown.get(address)
-            if shown is not None and (shown.count, shown.source) == (seat.count, seat.source):
-                continue
-            growing_estimate = shown is not None and shown.source == seat.source == "fallback"
-            if growing_estimate and now - self.shown_at.get(address, now) < FALLBACK_REPORT_S:
-                continue  # shown later, with the estimate it has grown to by then
-            self.shown[address] = seat
-            self.shown_at[address] = now
-            lines.append(seat.line(address))
-        return lines
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8080, help="client port (default %(default)s)")
     add_policy_argument(parser)
@@ -333,7 +259,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "any, two simulated ones are started",
     )
     parser.add_argument("--admin-port", type=int, default=0, help="Envoy admin (default: free)")
+    parser.add_argument(
+        "--replicas",
+        type=_replica_count,
+        default=1,
+        help="run the ext_proc service as N active-active replicas sharing their state in a "
+        "local Redis (redis-server on PATH; scripts/setup-tools installs it); default 1",
+    )
     parser.add_argument("--log-dir", type=Path, default=None, help="where process logs go")
+
+
+def _replica_count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return count
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -346,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
         policy_path=args.policy,
         backends=backends_from_args(args.backend),
         admin_port=args.admin_port,
+        replicas=args.replicas,
     )
     signal.signal(signal.SIGTERM, _raise_interrupt)
     with ProcessGroup(args.log_dir) as group:
@@ -353,17 +297,16 @@ def run(args: argparse.Namespace) -> int:
             stack = Stack(config, group).start()
             seats = SeatWatch(f"http://127.0.0.1:{stack.metrics_port}/metrics")
             _print_banner(stack, seats.first())
-            while all(child.alive() for child in group.children):
+            reported: list[Child] = []
+            while (fatal := _watch(stack, reported)) is None:
                 time.sleep(0.5)
+                seats.metrics_url = _live_metrics_url(stack) or seats.metrics_url
                 for line in seats.poll():
                     print(f"fairlane: {line}", flush=True)
-            dead = [c for c in group.children if not c.alive()]
-            for child in dead:
-                print(
-                    f"fairlane: {child.name} exited ({child.popen.returncode}):\n"
-                    f"{child.log_tail()}",
-                    file=sys.stderr,
-                )
+            print(
+                f"fairlane: {fatal.name} exited ({fatal.popen.returncode}):\n{fatal.log_tail()}",
+                file=sys.stderr,
+            )
             return 1
         except KeyboardInterrupt:
             print("\nfairlane: stopping", file=sys.stderr)
@@ -371,6 +314,35 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:
             print(f"fairlane: {exc}", file=sys.stderr)
             return 1
+
+
+def _watch(stack: Stack, reported: list[Child]) -> Child | None:
+    """The first child whose death stops the stack, if one died; a replica (while another
+    runs) or the replicas' Redis is reported once and the stack goes on."""
+    for child in stack.group.children:
+        if child.alive() or any(child is seen for seen in reported):
+            continue
+        if not stack.survivable(child):
+            return child
+        reported.append(child)
+        after = (
+            "the replicas schedule alone until it is back"
+            if stack.services is not None and child is stack.services.redis
+            else "the other replicas carry on"
+        )
+        print(
+            f"fairlane: {child.name} exited ({exit_text(child.popen.returncode)}); {after} "
+            f"(log: {child.log_path})",
+            file=sys.stderr,
+            flush=True,
+        )
+    return None
+
+
+def _live_metrics_url(stack: Stack) -> str | None:
+    """A running replica's metrics (seats are read there), or None if none runs."""
+    live = stack.services.alive() if stack.services is not None else []
+    return live[0].metrics_url if live else None
 
 
 def _backend_line(spec: BackendSpec, seats: Mapping[str, SeatCount]) -> str:
@@ -389,8 +361,7 @@ def _print_banner(stack: Stack, seats: Mapping[str, SeatCount]) -> None:
         f"fairlane is up: OpenAI API on {stack.url}",
         *[f"  {_backend_line(b, seats)}" for b in stack.backends],
         "    (seats: requests each engine runs at once; changes are printed as they are learned)",
-        f"  ext_proc service 127.0.0.1:{stack.service_port}, Envoy admin {stack.admin_url}",
-        f"  gateway metrics http://127.0.0.1:{stack.metrics_port}/metrics",
+        *_service_lines(stack),
         f"  logs in {stack.group.log_dir}",
         "",
         "try:",
@@ -401,3 +372,21 @@ def _print_banner(stack: Stack, seats: Mapping[str, SeatCount]) -> None:
         "Ctrl-C stops everything.",
     ]
     print("\n".join(lines), flush=True)
+
+
+def _service_lines(stack: Stack) -> list[str]:
+    """Where the service is: one process, or each replica and the Redis they share."""
+    services = stack.services
+    if services is None or not services.replicated:
+        return [
+            f"  ext_proc service 127.0.0.1:{stack.service_port}, Envoy admin {stack.admin_url}",
+            f"  gateway metrics http://127.0.0.1:{stack.metrics_port}/metrics",
+        ]
+    return [
+        f"  ext_proc service: {len(services.processes)} replicas sharing state in "
+        f"{services.redis_url}; Envoy admin {stack.admin_url}",
+        *[
+            f"    replica {p.replica_id}: gRPC {p.grpc_address}, metrics {p.metrics_url}"
+            for p in services.processes
+        ],
+    ]

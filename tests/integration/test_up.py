@@ -113,3 +113,70 @@ async def test_seats_are_learned_from_a_queueing_engine_and_printed_by_up(tmp_pa
         assert lines == [f"backend region-a {backend.address}: seats 2 (learned from the engine)"]
     finally:
         group.stop()
+
+
+def command_line(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().rstrip("\0").split("\0")
+    except OSError:
+        return []
+
+
+def test_up_with_replicas_survives_a_dead_replica_and_stops_everything(
+    processes: ProcessGroup,
+) -> None:
+    """``fairlane up --replicas 2``: a local Redis and two replicas, each printed with its
+    gRPC address and metrics; one SIGKILLed replica is reported and the other serves on;
+    SIGTERM stops every process, Redis included."""
+    port = free_port()
+    up = processes.start(
+        "up", [sys.executable, "-m", "extproc", "up", "--port", str(port), "--replicas", "2"]
+    )
+    deadline = time.monotonic() + 60
+    while "fairlane is up" not in up.log_path.read_text():
+        assert up.alive(), up.log_tail()
+        assert time.monotonic() < deadline, up.log_tail()
+        time.sleep(0.1)
+    banner = up.log_path.read_text()
+    assert re.search(r"2 replicas sharing state in redis://127\.0\.0\.1:\d+/0", banner), banner
+    for replica in ("r1", "r2"):
+        assert re.search(
+            rf"replica {replica}: gRPC 127\.0\.0\.1:\d+, metrics http://127\.0\.0\.1:\d+/metrics",
+            banner,
+        ), banner
+
+    def generate() -> int:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            data=json.dumps(
+                {
+                    "model": "sim-llama-8b",
+                    "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 2,
+                }
+            ).encode(),
+            headers={"authorization": "Bearer sk-chat-demo", "content-type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return int(response.status)
+
+    assert [generate() for _ in range(4)] == [200] * 4
+    started = children_of(up.popen.pid)
+    assert len(started) == 6  # two simulators, Redis, two replicas, Envoy
+    (r2,) = [pid for pid in started if command_line(pid)[-2:] == ["--replica-id", "r2"]]
+    os.kill(r2, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while "service-r2 exited" not in up.log_path.read_text():
+        assert time.monotonic() < deadline, up.log_tail()
+        time.sleep(0.1)
+    assert "the other replicas carry on" in up.log_path.read_text()
+    time.sleep(1.5)  # Envoy's health check has marked r2 down by now
+    assert [generate() for _ in range(4)] == [200] * 4
+    assert up.alive()
+
+    os.kill(up.popen.pid, signal.SIGTERM)
+    assert up.popen.wait(timeout=20) == 0
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in started if alive(pid)]

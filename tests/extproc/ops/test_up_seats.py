@@ -8,7 +8,8 @@ import pytest
 
 from extproc.fleet.backend import BackendSpec, parse_backend
 from extproc.ops import cli
-from extproc.ops.up import FALLBACK_REPORT_S, SeatCount, SeatWatch, _backend_line, parse_seats
+from extproc.ops.seat_watch import FALLBACK_REPORT_S, SeatCount, SeatWatch, parse_seats
+from extproc.ops.up import _backend_line
 from extproc.transport.server import backend_argument, backends_from_args
 from tests.extproc.factories import FakeClock
 

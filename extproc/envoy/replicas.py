@@ -11,7 +11,9 @@ the requests it does not hold:
   its router, which retries before the first response headers on ``connect-failure``,
   ``refused-stream``, ``reset`` and gRPC ``unavailable``, on a host it has not tried
   (``previous_hosts``); the filter then buffers what it sent for the replay (it sets
-  ``buffer_body_for_retry`` exactly when a retry policy is configured). A replica that has
+  ``buffer_body_for_retry`` exactly when a retry policy is configured; Envoy's async client
+  keeps at most the first 64 KiB of each stream, which holds the headers message that a
+  replay needs, so the cost is bounded by 64 KiB per open stream). A replica that has
   answered once owns the stream: nothing after its first answer is ever replayed, so a
   request is never decided twice;
 * **active health checks**, a TCP connect every second, one failure marks a replica down;

@@ -207,6 +207,7 @@ class Admission:
         tier = request.tier
         self._last_arrival[tier.name] = self._clock()
         self._maybe_shed_early(tier)
+        self._refuse_if_fleet_full(tier)
         fairness = self.policy.fairness
         flow = request.tenant.name
         if fairness.flow == "user":
@@ -241,12 +242,30 @@ class Admission:
             ) from None
         return self.dispatch()
 
+    def _refuse_if_fleet_full(self, tier: Tier) -> None:
+        """A tier's ``queue_limit`` bounds the whole fleet's queue, not each replica's: with
+        the other replicas' waiting requests (as of their last report) it is full too. The
+        scheduler's own check (``QueueFull`` on push) covers this replica alone."""
+        waiting_elsewhere = self.peers.waiting_in(tier.name)
+        if not waiting_elsewhere:
+            return
+        if self.scheduler.depth(tier.name) + waiting_elsewhere >= tier.queue_limit:
+            raise Rejection(
+                429,
+                f"the {tier.name!r} queue is full ({tier.queue_limit} requests waiting over "
+                "the gateway's replicas); retry later",
+                code="queue_full",
+                headers={"retry-after": str(self.scheduler.retry_after_s(tier.name))},
+                tier=tier.name,
+            )
+
     def _maybe_shed_early(self, tier: Tier) -> None:
         """RED-style: past ``early_shed_from`` of a full queue, shed with rising probability."""
         start = tier.early_shed_from
         if start is None or tier.queue_limit == 0:
             return
-        fill = self.scheduler.depth(tier.name) / tier.queue_limit
+        depth = self.scheduler.depth(tier.name) + self.peers.waiting_in(tier.name)
+        fill = depth / tier.queue_limit
         if fill < start:
             return
         chance = 1.0 if start >= 1.0 else (fill - start) / (1.0 - start)

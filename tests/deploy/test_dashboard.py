@@ -385,7 +385,7 @@ async def _drive(url: str, seconds: float) -> dict[tuple[str, int], int]:
 
 @pytest.mark.integration
 def test_every_panel_shows_data_from_a_live_stack(tmp_path: Path, processes: Any) -> None:
-    """The real stack (Envoy, service, two simulators) scraped by a real Prometheus that
+    """The real stack (Envoy, two service replicas and their Redis, two simulators) scraped by a real Prometheus that
     loads alerts.yml: after a burst of traffic of every kind (and a good and a bad policy
     reload), every panel's expression returns series. Names, labels, ``on (tier)`` matching
     with the job/instance labels Prometheus adds, histogram buckets: all as deployed."""
@@ -398,13 +398,17 @@ def test_every_panel_shows_data_from_a_live_stack(tmp_path: Path, processes: Any
     text = Path(DEFAULT_POLICY_PATH).read_text()
     assert "queue_limit: 100000" in text
     policy.write_text(text.replace("queue_limit: 100000", "queue_limit: 4"))  # batch sheds
-    stack = Stack(StackConfig(port=free_port(), policy_path=policy), processes).start()
+    # Two replicas sharing a Redis, so the replicas' panels have data too.
+    stack = Stack(StackConfig(port=free_port(), policy_path=policy, replicas=2), processes).start()
 
     prom_port = free_port()
     rules = tmp_path / "alerts.yml"
     shutil.copy(REPO / "deploy" / "prometheus" / "alerts.yml", rules)
     targets = {
-        "fairlane": ("/metrics", [f"127.0.0.1:{stack.metrics_port}"]),
+        "fairlane": (
+            "/metrics",
+            [f"127.0.0.1:{p.metrics_port}" for p in stack.service_processes],
+        ),
         "envoy": ("/stats/prometheus", [f"127.0.0.1:{stack.admin_port}"]),
         "vllm": ("/metrics", [f"{b.host}:{b.port}" for b in stack.backends]),
     }

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+import pytest
+
+from extproc.core.errors import Rejection
 from extproc.core.peers import PeerBand, PeerView, ReplicaReport
 from tests.extproc.core.test_admission import submit
 from tests.extproc.factories import API, BATCH, INTERACTIVE, TENANT, Request, make_admission
@@ -115,3 +118,13 @@ def test_alone_the_view_changes_nothing() -> None:
     admission, _, _ = make_admission(limit=1)
     assert admission.peers == PeerView()
     assert admission.fleet_in_flight_by_rank() is admission._in_flight_by_rank
+
+
+def test_a_tiers_queue_limit_holds_over_all_replicas() -> None:
+    admission, _, _ = make_admission(limit=1)  # API's queue_limit is 4
+    submit(admission, "busy", Request(API))
+    admission.apply_peers(view(ReplicaReport("r2", waiting={"api": PeerBand(3, 0.0)})))
+    assert not submit(admission, "a1", Request(API)).granted  # 1 here + 3 on r2 = 4
+    with pytest.raises(Rejection) as refused:
+        submit(admission, "a2", Request(API))
+    assert refused.value.status == 429 and refused.value.code == "queue_full"

@@ -111,14 +111,28 @@ def start_services(
     backends: Sequence[BackendSpec],
     port: int = 0,
     metrics_port: int = 0,
+    shared: bool | None = None,
+    extra_args: Sequence[str] = (),
 ) -> Services:
     """Start the service (``count`` 1, on ``port``/``metrics_port`` when given) or Redis
-    and ``count`` replicas on free ports, and wait until every gRPC port accepts."""
+    and ``count`` replicas on free ports, and wait until every gRPC port accepts.
+
+    ``shared`` (default: ``count > 1``) runs even one service as a replica on a Redis (the
+    bench compares the two with one process); ``extra_args`` go to every ``fairlane
+    serve`` (e.g. ``--state-period-ms``)."""
     if count < 1:
         raise ValueError(f"the service needs at least one replica, got {count}")
-    if count == 1:
+    if shared is None:
+        shared = count > 1
+    if not shared:
         process = _start(
-            group, SINGLE, port or free_port(), metrics_port or free_port(), policy_path, backends
+            group,
+            SINGLE,
+            port or free_port(),
+            metrics_port or free_port(),
+            policy_path,
+            backends,
+            extra_args=extra_args,
         )
         wait_port_open(process.port, process.child)
         return Services((process,))
@@ -128,7 +142,15 @@ def start_services(
     url = redis_url(redis_port)
     processes = tuple(
         _start(
-            group, f"{SINGLE}-r{i}", free_port(), free_port(), policy_path, backends, url, f"r{i}"
+            group,
+            f"{SINGLE}-r{i}",
+            free_port(),
+            free_port(),
+            policy_path,
+            backends,
+            url,
+            f"r{i}",
+            extra_args,
         )
         for i in range(1, count + 1)
     )
@@ -146,6 +168,8 @@ def _start(
     backends: Sequence[BackendSpec],
     state_url: str | None = None,
     replica_id: str | None = None,
+    extra_args: Sequence[str] = (),
 ) -> ServiceProcess:
     argv = service_argv(port, metrics_port, policy_path, backends, state_url, replica_id)
+    argv += extra_args
     return ServiceProcess(group.start(name, argv), port, metrics_port, replica_id)

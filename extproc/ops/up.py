@@ -79,6 +79,12 @@ class StackConfig:
     replicas: int = 1
     """Service processes; above 1, replicas sharing a local Redis (on free ports: a fixed
     ``service_port``/``metrics_port`` is for the one service only)."""
+    shared_state: bool | None = None
+    """Run the service(s) on a local Redis; default: with more than one replica. The bench
+    sets it for one replica, to weigh shared state against in-process state."""
+    service_args: tuple[str, ...] = ()
+    """Extra ``fairlane serve`` flags for every service process (the bench's
+    ``--state-period-ms``)."""
 
 
 @dataclass
@@ -111,7 +117,7 @@ class Stack:
         config = self.config
         policy = load_policy(config.policy_path)  # fail before starting anything
         self._check_fixed_ports()
-        if config.replicas > 1:
+        if config.replicas > 1 or config.shared_state:
             require_redis_server()
         self.backends = config.backends or self._start_simulators()
         self.services = start_services(
@@ -121,6 +127,8 @@ class Stack:
             self.backends,
             config.service_port,
             config.metrics_port,
+            config.shared_state,
+            config.service_args,
         )
         first = self.services.processes[0]
         self.service_port, self.metrics_port = first.port, first.metrics_port

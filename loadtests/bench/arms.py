@@ -33,6 +33,7 @@ from extproc.envoy.params import EnvoyParams
 from extproc.fleet.backend import BackendSpec
 from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
 from extproc.ops.up import Stack, StackConfig
+from extproc.state.replica import PERIOD_S
 from loadtests.bench.fifo_bootstrap import FIFO_CLUSTER, render_fifo_bootstrap
 from loadtests.bench.scenario import ENVOY_ONLY_KINDS, Arm, Scenario
 
@@ -107,6 +108,13 @@ def completion_flush_s(speedup: float) -> float:
     return max(0.001, EnvoyParams.completion_flush_s / max(1.0, speedup))
 
 
+def state_period_ms(speedup: float) -> float:
+    """How often replicas exchange in an arm at ``speedup``: 20 ms of wall time would be
+    20 x speedup simulated ms of staleness; at least 2 ms (each exchange costs ~0.3 ms of a
+    replica's CPU, so faster would measure the machine)."""
+    return max(2.0, PERIOD_S * 1000 / max(1.0, speedup))
+
+
 def start_arm(
     scenario: Scenario,
     arm: Arm,
@@ -129,6 +137,9 @@ def start_arm(
             policy_path=policy_path,
             backends=backends,
             completion_flush_s=completion_flush_s(scenario.speedup),
+            replicas=scenario.replicas,
+            shared_state=scenario.shared_state or None,
+            service_args=("--state-period-ms", f"{state_period_ms(scenario.speedup):g}"),
         )
         url = Stack(config, group).start().url
     pids = {child.name: child.popen.pid for child in group.children}

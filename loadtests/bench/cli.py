@@ -81,6 +81,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="the model name to send (overrides the scenario's model)"
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="run every fairlane arm's service as N replicas sharing state in a local Redis "
+        "(default 1: one process, state in memory)",
+    )
+    parser.add_argument(
+        "--shared-state",
+        action="store_true",
+        help="put the service's state in a local Redis even with one replica (to weigh "
+        "shared against in-process state)",
+    )
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -177,6 +190,8 @@ def scenario_json(
         "policy": os.path.relpath(scenario.policy),
         "policy_scale": scenario.policy_scale,
         "policy_file": _shown(policy_file or scenario.policy),
+        "replicas": scenario.replicas,
+        "shared_state": scenario.shared_state or scenario.replicas > 1,
         "time_unit": "simulated seconds (wall seconds x speedup)",
     }
 
@@ -270,7 +285,12 @@ def run(args: argparse.Namespace) -> int:
         if document.kind == "overhead":
             return _run_overhead(args, document, arms)
         scenario = load_scenario(args.scenario).with_overrides(
-            duration_s=args.duration, speedup=args.speedup, arms=arms, model=args.model
+            duration_s=args.duration,
+            speedup=args.speedup,
+            arms=arms,
+            model=args.model,
+            replicas=args.replicas,
+            shared_state=args.shared_state,
         )
         external = external_backends(args.backend)
     except (ScenarioError, BackendError) as exc:

@@ -189,6 +189,10 @@ class Scenario:
     model: str = "sim-llama-8b"
     path: Path | None = None
     policy_rescaled: bool = False
+    replicas: int = 1
+    """Service replicas of every fairlane arm (``--replicas``): above 1 they share state
+    in a local Redis; ``shared_state`` puts even one replica on Redis."""
+    shared_state: bool = False
     """``policy: default``: the gateway reads ``policy`` with every duration divided by the
     run's ``speedup``, so the shipped policy means on the simulated fleet what it means on
     real engines, at whatever ``--speedup`` the run uses."""
@@ -234,10 +238,18 @@ class Scenario:
         speedup: float | None = None,
         arms: Sequence[str] | None = None,
         model: str | None = None,
+        replicas: int | None = None,
+        shared_state: bool = False,
     ) -> Scenario:
         """A copy with command-line overrides applied (and checked)."""
         where = str(self.path or self.name)
         changes: dict[str, Any] = {}
+        if replicas is not None:
+            if replicas < 1:
+                raise ScenarioError(f"{where}: --replicas must be >= 1, got {replicas}")
+            changes["replicas"] = replicas
+        if shared_state:
+            changes["shared_state"] = True
         if duration_s is not None:
             if not duration_s > 0:
                 raise ScenarioError(f"{where}: --duration must be > 0, got {duration_s}")

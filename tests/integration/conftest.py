@@ -68,10 +68,12 @@ def start_stack(
     sim_regions: tuple[str, ...] = ("region-a",),
     sim_args: tuple[str, ...] = SIM_ARGS,
     sim_extra_args: Mapping[int, tuple[str, ...]] | None = None,
+    replicas: int = 1,
 ) -> tuple[ProcessGroup, Stack]:
     """A stack with the test policy and one simulator by default; the keyword arguments
-    give several (``sim_regions``, the first region named is the local one) and per-
-    simulator flags (``sim_extra_args`` by index, e.g. fault injection)."""
+    give several (``sim_regions``, the first region named is the local one), per-
+    simulator flags (``sim_extra_args`` by index, e.g. fault injection) and service
+    replicas sharing a local Redis."""
     policy = tmp / "policy.yaml"
     policy.write_text(policy_text)
     group = ProcessGroup(tmp / "logs")
@@ -83,6 +85,7 @@ def start_stack(
             sim_args=sim_args,
             sim_extra_args=dict(sim_extra_args or {}),
             sim_log_requests=True,
+            replicas=replicas,
         )
         stack = Stack(config, group).start()
     except BaseException:

@@ -81,8 +81,13 @@ def summarize(run: RunResult) -> dict[str, Any]:
     """The reported numbers of one phase."""
     done = len(run.latencies_ms)
     achieved = done / run.duration_s if run.duration_s > 0 else 0.0
-    service_cpu = run.cpu_s.get("service")
+    # Replicas (service-r1 ...) count together: the cores the service takes in all.
+    replicas = [v for k, v in run.cpu_s.items() if k.startswith("service-")]
+    service_cpu = sum(replicas) if replicas else run.cpu_s.get("service")
     envoy_cpu = run.cpu_s.get("envoy")
+    cores = {k: round(v / run.duration_s, 3) for k, v in run.cpu_s.items()}
+    if replicas and service_cpu is not None:
+        cores["service"] = round(service_cpu / run.duration_s, 3)
     return {
         "mode": run.mode,
         "target_rps": run.target_rps,
@@ -92,7 +97,7 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "send_late_p99_ms": _round(percentile(run.late_ms, 99)),
         "p50_ms": _round(percentile(run.latencies_ms, 50)),
         "p99_ms": _round(percentile(run.latencies_ms, 99)),
-        "cpu_cores": {k: round(v / run.duration_s, 3) for k, v in run.cpu_s.items()},
+        "cpu_cores": cores,
         "loadgen_cores": round(run.loadgen_cpu_s / run.duration_s, 3),
         "machine_busy": round(run.machine_busy_fraction, 3),
         "rps_per_service_core": (

@@ -85,7 +85,13 @@ def start_arm(arm: str, scenario: OverheadScenario, group: ProcessGroup) -> Star
         envoy = group.start("envoy", envoy_argv(path))
         wait_http_ready(f"http://127.0.0.1:{admin}/ready", envoy, timeout=30)
     else:
-        config = StackConfig(port=port, policy_path=spec.policy, backends=(backend,))
+        config = StackConfig(
+            port=port,
+            policy_path=spec.policy,
+            backends=(backend,),
+            replicas=spec.replicas,
+            shared_state=spec.shared_state or None,
+        )
         Stack(config, group).start()
     pids = {child.name: child.popen.pid for child in group.children}
     return Started(port, backend.port, pids)

@@ -83,6 +83,10 @@ class FairlaneArm:
     """What the load generator sends as ``Bearer``: a key of one of the policy's tenants."""
     seats: int | None = None
     """The instant backend's seats as declared to the service (``#seats=N``); None: learned."""
+    replicas: int = 1
+    """Service processes; above 1 they share state in a local Redis."""
+    shared_state: bool = False
+    """Put even one replica's state in Redis (to weigh shared against in-process state)."""
 
 
 @dataclass(frozen=True)
@@ -170,14 +174,14 @@ class OverheadScenario:
             changes["duration_s"] = duration_s
             if self.overload is not None:
                 changes["overload"] = dataclasses.replace(self.overload, duration_s=duration_s)
-        if arms is not None:
-            unknown = [a for a in arms if a not in self.arms]
+        if arms is not None:  # any arm the scenario defines, listed in `arms:` or not
+            unknown = [a for a in arms if a not in self.all_arms]
             if unknown or not arms:
                 raise ScenarioError(
                     f"{where}: --arms: unknown arm(s) {', '.join(unknown) or '(none given)'}; "
-                    f"the scenario has {', '.join(self.arms)}"
+                    f"the scenario has {', '.join(self.all_arms)}"
                 )
-            changes["arms"] = tuple(a for a in self.arms if a in arms)
+            changes["arms"] = tuple(a for a in self.all_arms if a in arms)
         return dataclasses.replace(self, **changes)
 
 
@@ -222,7 +226,7 @@ OVERHEAD_FIELDS = (
     "arms",
     "targets",
 )
-ARM_FIELDS = ("policy", "api_key", "seats")
+ARM_FIELDS = ("policy", "api_key", "seats", "replicas", "shared_state")
 OVERLOAD_FIELDS = tuple(f.name for f in dataclasses.fields(OverloadSpec))
 
 
@@ -304,7 +308,10 @@ def _read_fairlane_arms(reader: FieldReader, top: Section) -> list[FairlaneArm]:
         return []
     pairs = reader.pairs(field)
     if not pairs:
-        reader.error(field, "must be a mapping of arm name -> {policy, api_key, seats}")
+        reader.error(
+            field,
+            "must be a mapping of arm name -> {policy, api_key, seats, replicas, shared_state}",
+        )
         return []
     arms = []
     for name, item in pairs:
@@ -318,11 +325,17 @@ def _read_fairlane_arms(reader: FieldReader, top: Section) -> list[FairlaneArm]:
         policy = read_policy(reader, raw)
         key = reader.get(raw, "api_key", text, "a non-empty string", DEFAULT_API_KEY)
         seats = reader.get(raw, "seats", integer_at_least(1), "an integer >= 1", None)
+        replicas = reader.get(raw, "replicas", integer_at_least(1), "an integer >= 1", 1)
+        shared = reader.get(raw, "shared_state", _boolean, "true or false", False)
         if len(reader.errors) == before and key not in _policy_keys(policy):
             reader.error_in(raw, "api_key", f"no tenant of {policy} has the key {key!r}")
         if len(reader.errors) == before:
-            arms.append(FairlaneArm(name, policy, key, seats))
+            arms.append(FairlaneArm(name, policy, key, seats, replicas, shared))
     return arms
+
+
+def _boolean(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None
 
 
 def _policy_keys(path: Path) -> set[str]:

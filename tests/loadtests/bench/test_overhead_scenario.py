@@ -25,7 +25,16 @@ def test_shipped_overhead_scenario() -> None:
     assert scenario.rates == (100.0, HALF_CAPACITY)
     assert scenario.arms == ("fairlane", "fairlane-default", "direct")
     assert scenario.run_order == ("fairlane", "fairlane-default", "direct")
-    fairlane, default = scenario.fairlane_specs
+    fairlane, default, shared, replicas = scenario.fairlane_specs
+    assert (shared.name, shared.shared_state, shared.replicas) == ("fairlane-shared", True, 1)
+    assert (replicas.name, replicas.shared_state, replicas.replicas) == (
+        "fairlane-2-replicas",
+        False,
+        2,
+    )
+    # Defined but not run by default: --arms picks them.
+    picked = scenario.with_overrides(arms=["fairlane", "fairlane-shared"])
+    assert picked.arms == ("fairlane", "fairlane-shared")
     assert (fairlane.name, fairlane.policy.name, fairlane.api_key) == (
         "fairlane",
         "overhead.yaml",

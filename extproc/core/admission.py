@@ -222,6 +222,9 @@ class Admission:
             enqueued_at=self._clock(),
             payload=request,
         )
+        peer = self.peers.waiting.get(tier.name)
+        if peer is not None and peer.head_counter is not None:
+            self.scheduler.raise_floor(tier.name, peer.head_counter)
         try:
             self.scheduler.push(entry)
         except QueueFull as full:
@@ -298,6 +301,8 @@ class Admission:
         def eligible(band: str) -> bool:
             if ahead is not None and self._band_key(band) > ahead:
                 return False  # another replica holds a more urgent request: it goes first
+            if self._owed_elsewhere(band):
+                return False  # another replica holds the flow the fleet owes most
             return placement(band) is not None
 
         while len(self.scheduler):
@@ -332,6 +337,23 @@ class Admission:
             if best is None or key < best:
                 best = key
         return best
+
+    def _owed_elsewhere(self, band: str) -> bool:
+        """Whether another replica waits with a flow of ``band`` that VTC puts before this
+        replica's next one: a lower counter, or the same counter and an older request."""
+        peer = self.peers.waiting.get(band)
+        if peer is None or not peer.waiting or peer.head_counter is None:
+            return False
+        mine = self.scheduler.head_counter(band)
+        if mine is None:
+            return False
+        tolerance = 1e-9 * max(1.0, abs(mine))
+        if peer.head_counter < mine - tolerance:
+            return True
+        if peer.head_counter > mine + tolerance:
+            return False
+        now = self._clock()
+        return self.peers.oldest_wait_s(band, now) > self.scheduler.oldest_wait_s(band)
 
     def _acting_tier(self, band: str) -> Tier | None:
         """The tier a band's requests are treated as now: their own, or the more urgent one
@@ -456,9 +478,10 @@ class Admission:
             for b in self.pool.backends
             if b.in_flight
         }
+        scheduler = self.scheduler
         waiting = {
-            band: PeerBand(depth, self.scheduler.oldest_wait_s(band))
-            for band, depth in self.scheduler.depths().items()
+            band: PeerBand(depth, scheduler.oldest_wait_s(band), scheduler.head_counter(band))
+            for band, depth in scheduler.depths().items()
             if depth
         }
         idle = {tier: now - at for tier, at in self._last_arrival.items()}

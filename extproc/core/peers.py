@@ -11,12 +11,20 @@ grants, but it decides them over the whole fleet's demand:
   replica's seats come back by themselves.
 - **Strict priority across replicas.** Each report carries, per band, how many requests
   wait and how long the oldest has waited. A replica does not grant a band while another
-  replica holds a band that ranks strictly better after aging (``PeerView.outranks``):
-  the replica of the globally most urgent request grants first. Ties do not block, so two
-  replicas with the same tier waiting both grant.
+  replica holds a band that ranks strictly better after aging: the replica of the globally
+  most urgent request grants first.
+- **VTC across replicas.** Each report also carries, per band, the lowest counter among
+  its waiting flows (whose turn it is there). Within a band, a replica does not grant while
+  another holds a flow with a lower counter, or an equal one that has waited longer: the
+  flow the whole fleet owes most goes first, wherever it waits. Without this, a freed seat
+  went to the replica whose request had finished, and a replica with nothing in flight
+  never saw one: measured, a light tenant's request waited 6.4 s behind a heavy tenant's
+  backlog, as under FIFO. Counters are comparable across replicas because every replica
+  adds the others' charges (below), and a band that drained on one replica restarts at the
+  others' lowest counter (``FairScheduler.raise_floor``), not at 0.
 - **Reservation activity.** A tier active on any replica (requests waiting or in flight,
   or one arrived within its ``reserved_idle_s``) keeps its reserve on every replica.
-- **Fairness.** VTC charges travel separately, as a log of charges
+- **Fairness charges.** VTC charges travel separately, as a log of charges
   (``FairScheduler.take_ledger`` / ``charge_elsewhere``).
 
 **Cut off.** A replica that cannot reach Redis schedules alone with a conservative share of
@@ -42,6 +50,9 @@ class PeerBand:
     waiting: int
     oldest_wait_s: float
     """How long its oldest request had waited when the report was written."""
+    head_counter: float | None = None
+    """The lowest VTC counter among its waiting flows (``FairScheduler.head_counter``);
+    summed over replicas, the lowest of them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +107,14 @@ class PeerView:
                 oldest = peer.oldest_wait_s + report.age_s
                 seen = waiting.get(band)
                 if seen is not None:
-                    peer = PeerBand(seen.waiting + peer.waiting, max(seen.oldest_wait_s, oldest))
+                    heads = [h for h in (seen.head_counter, peer.head_counter) if h is not None]
+                    peer = PeerBand(
+                        seen.waiting + peer.waiting,
+                        max(seen.oldest_wait_s, oldest),
+                        min(heads) if heads else None,
+                    )
                 else:
-                    peer = PeerBand(peer.waiting, oldest)
+                    peer = PeerBand(peer.waiting, oldest, peer.head_counter)
                 waiting[band] = peer
             for tier, seconds in report.idle_s.items():
                 idle[tier] = min(idle.get(tier, seconds + report.age_s), seconds + report.age_s)

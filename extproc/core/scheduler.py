@@ -520,6 +520,22 @@ class FairScheduler:
             return 30
         return max(1, min(300, math.ceil(self.depth(band) / rate)))
 
+    def head_counter(self, band: str) -> float | None:
+        """The lowest counter among the band's backlogged flows: whose turn it is, in the
+        counters' units (None when nothing waits). Replicas compare theirs."""
+        state = self._bands.get(band)
+        top = state.peek() if state is not None else None
+        return None if top is None else top[1].counter
+
+    def raise_floor(self, band: str, floor: float) -> None:
+        """Start the band's next busy period at ``floor`` rather than 0, so flows that arrive
+        here count from where the other replicas' queues of the band stand (a replica whose
+        band drained would otherwise restart every flow at 0, ahead of them all). Only while
+        the band is empty here: a busy band's ``vtime`` is its own."""
+        state = self._bands.get(band)
+        if state is not None and not state.entries and math.isfinite(floor):
+            state.vtime = max(state.vtime, floor)
+
     def counters(self, band: str) -> dict[str, float]:
         """Flow -> virtual counter of every flow the band still tracks."""
         state = self._bands.get(band)

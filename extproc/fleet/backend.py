@@ -301,6 +301,12 @@ class Backend:
         self.in_flight_by_rank[rank] -= 1
         self.completed_since_scrape += 1
 
+    def note_completion_elsewhere(self) -> None:
+        """Another replica's request finished here (every replica gets every completion):
+        the seat is free for the next scrape's arithmetic, as after one of ours. Its lease
+        leaves the fleet's in-flight count with that replica's next report."""
+        self.completed_since_scrape += 1
+
     def note_outcome(self, ok: bool) -> None:
         """A completion from this backend succeeded (``ok``) or failed (5xx, dead link).
 

@@ -1,7 +1,7 @@
 """Reports and charges as bytes in Redis: compact JSON, read back without trusting it.
 
-A report is ``{"i": {backend: {rank: n}}, "w": {band: [n, oldest_wait_s]}, "a": {tier:
-idle_s}}``; charges are ``[[band, flow, cost], ...]``. JSON because every replica of any
+A report is ``{"i": {backend: {rank: n}}, "w": {band: [n, oldest_wait_s, head_counter]},
+"a": {tier: idle_s}}``; charges are ``[[band, flow, cost], ...]``. JSON because every replica of any
 version can read it and ``redis-cli`` shows it; the reports are a few hundred bytes.
 Anything malformed (another version, a hand-edited key) is skipped, never raised into the
 exchange loop.
@@ -28,7 +28,7 @@ def encode_report(report: ReplicaReport) -> str:
         "i": {
             addr: {str(r): n for r, n in ranks.items()} for addr, ranks in report.in_flight.items()
         },
-        "w": {band: [p.waiting, round(p.oldest_wait_s, 4)] for band, p in report.waiting.items()},
+        "w": {band: _band(p) for band, p in report.waiting.items()},
         "a": {tier: round(s, 3) for tier, s in report.idle_s.items() if math.isfinite(s)},
     }
     return json.dumps(body, separators=(",", ":"))
@@ -43,14 +43,22 @@ def decode_report(replica: str, text: str, age_s: float) -> ReplicaReport | None
             for addr, ranks in _mapping(body.get("i")).items()
         }
         waiting = {
-            str(band): PeerBand(int(pair[0]), float(pair[1]))
-            for band, pair in _mapping(body.get("w")).items()
+            str(band): PeerBand(int(row[0]), float(row[1]), float(row[2]) if len(row) > 2 else None)
+            for band, row in _mapping(body.get("w")).items()
         }
         idle = {str(tier): float(s) for tier, s in _mapping(body.get("a")).items()}
     except (ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
         log.warning("skipping an unreadable report from replica %s: %s", replica, exc)
         return None
     return ReplicaReport(replica, in_flight, waiting, idle, max(0.0, age_s))
+
+
+def _band(peer: PeerBand) -> list[float]:
+    """``[waiting, oldest_wait_s, head_counter]`` (the head left out when unknown)."""
+    row = [peer.waiting, round(peer.oldest_wait_s, 4)]
+    if peer.head_counter is not None:
+        row.append(peer.head_counter)
+    return row
 
 
 def encode_charges(ledger: Mapping[tuple[str, str], float]) -> str:

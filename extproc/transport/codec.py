@@ -9,7 +9,7 @@ cost hundreds (see the performance notes in the README).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
 
 from envoy.data.accesslog.v3 import accesslog_pb2
@@ -176,25 +176,42 @@ def respond(decision: Respond) -> pb.ProcessingResponse:
     )
 
 
-def completions(entries: Iterable[accesslog_pb2.HTTPAccessLogEntry]) -> Iterator[Completion]:
-    """Finished requests from one batch of Envoy access-log entries."""
+def completions(
+    entries: Iterable[accesslog_pb2.HTTPAccessLogEntry],
+    wanted: Callable[[str], bool] = lambda request_id: True,
+    elsewhere: Callable[[str], None] | None = None,
+) -> Iterator[Completion]:
+    """Finished requests from one batch of Envoy access-log entries, those whose request id
+    is ``wanted`` only. With replicas every replica gets every completion: of another
+    replica's request only the backend it finished on is read (``elsewhere(upstream)``), so
+    a replica does not pay N times the feed."""
     for entry in entries:
+        request_id = entry.request.request_id
         common = entry.common_properties
-        upstream = ""
-        if common.HasField("upstream_remote_address"):
-            socket = common.upstream_remote_address.socket_address
-            upstream = f"{socket.address}:{socket.port_value}"
+        if not wanted(request_id):
+            if elsewhere is not None:
+                elsewhere(_upstream(common))
+            continue
+        upstream = _upstream(common)
         ttfb = None
         if common.HasField("time_to_first_downstream_tx_byte"):
             ttfb = _seconds(common.time_to_first_downstream_tx_byte)
         yield Completion(
-            request_id=entry.request.request_id,
+            request_id=request_id,
             status=entry.response.response_code.value,
             upstream=upstream,
             duration_s=_seconds(common.duration),
             response_bytes=entry.response.response_body_bytes,
             ttfb_s=ttfb,
         )
+
+
+def _upstream(common: accesslog_pb2.AccessLogCommon) -> str:
+    """``ip:port`` of the backend that answered last ('' when none did)."""
+    if not common.HasField("upstream_remote_address"):
+        return ""
+    socket = common.upstream_remote_address.socket_address
+    return f"{socket.address}:{socket.port_value}"
 
 
 def _seconds(duration: duration_pb2.Duration) -> float:

@@ -58,6 +58,18 @@ class HeldRequests:
         """While overloaded, the answer for a request refused on its headers alone."""
         return self.gateway.refuse_early(info)
 
+    def in_flight(self, request_id: str) -> bool:
+        """Whether this service let ``request_id`` go and has not seen it finish: the only
+        completions it needs (with replicas, the others' come too)."""
+        return self.gateway.admission.grant_of(request_id) is not None
+
+    def done_elsewhere(self, upstream: str) -> None:
+        """Another replica's request finished on ``upstream``: its seat is free before the
+        next scrape shows it, as one of ours would be."""
+        backend = self.gateway.admission.pool.by_address.get(upstream)
+        if backend is not None:
+            backend.note_completion_elsewhere()
+
     def completed(self, completion: Completion) -> None:
         """Envoy's access log reported a finished request."""
         self._wake(self.gateway.completed(completion))

@@ -113,9 +113,11 @@ class AccessLog(als_pb2_grpc.AccessLogServiceServicer):
         request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
         context: grpc.aio.ServicerContext,
     ) -> als_pb2.StreamAccessLogsResponse:
+        held = self.held
         async for message in request_iterator:
-            for completion in codec.completions(message.http_logs.log_entry):
-                self.held.completed(completion)
+            entries = message.http_logs.log_entry
+            for completion in codec.completions(entries, held.in_flight, held.done_elsewhere):
+                held.completed(completion)
         return als_pb2.StreamAccessLogsResponse()
 
 

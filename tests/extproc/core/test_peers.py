@@ -110,7 +110,7 @@ def test_report_carries_leases_waiting_bands_and_last_arrivals() -> None:
     clock.now += 1.0
     report = admission.report("r1")
     assert report.in_flight == {BACKEND: {INTERACTIVE.rank: 1}}
-    assert report.waiting == {"batch": PeerBand(1, 1.0)}
+    assert report.waiting == {"batch": PeerBand(1, 1.0, head_counter=0.0)}
     assert report.idle_s == {"interactive": 3.0, "batch": 1.0}
 
 
@@ -128,3 +128,39 @@ def test_a_tiers_queue_limit_holds_over_all_replicas() -> None:
     with pytest.raises(Rejection) as refused:
         submit(admission, "a2", Request(API))
     assert refused.value.status == 429 and refused.value.code == "queue_full"
+
+
+def test_within_a_band_the_flow_the_fleet_owes_most_goes_first_wherever_it_waits() -> None:
+    admission, _, _ = make_admission(limit=1)
+    submit(admission, "busy", Request(API))
+    submit(admission, "a1", Request(API))  # acme waits here, at counter 0
+    admission.charge_elsewhere([("api", "acme", 500.0)])  # acme was served elsewhere
+    # r2's head flow is owed more (a lower counter): the freed seat is left to r2.
+    admission.apply_peers(view(ReplicaReport("r2", waiting={"api": PeerBand(1, 0.0, 100.0)})))
+    assert admission.release("busy") == []
+    # r2 granted it (its next report: nothing waiting): the next seat is ours again.
+    assert [g.request_id for g in admission.apply_peers(view())] == ["a1"]
+
+
+def test_equal_counters_go_to_the_older_request() -> None:
+    admission, _, clock = make_admission(limit=1)
+    submit(admission, "busy", Request(API))
+    submit(admission, "a1", Request(API))
+    head = admission.scheduler.head_counter("api")
+    assert head is not None
+    clock.now += 1.0  # a1 has waited 1 s; r2's head, at the same counter, 3 s
+    older = ReplicaReport("r2", waiting={"api": PeerBand(1, 3.0, head)})
+    admission.apply_peers(PeerView.merge([older], read_at=clock()))
+    assert admission.release("busy") == []
+    younger = PeerView.merge(
+        [ReplicaReport("r2", waiting={"api": PeerBand(1, 0.5, head)})], clock()
+    )
+    assert [g.request_id for g in admission.apply_peers(younger)] == ["a1"]  # ours is older
+
+
+def test_a_band_drained_here_restarts_at_the_other_replicas_counters() -> None:
+    admission, _, _ = make_admission(limit=1)
+    submit(admission, "busy", Request(API))
+    admission.apply_peers(view(ReplicaReport("r2", waiting={"api": PeerBand(2, 0.0, 750.0)})))
+    submit(admission, "a1", Request(API))
+    assert admission.scheduler.head_counter("api") == 750.0  # not 0: not ahead of r2's flows

@@ -119,6 +119,17 @@ def test_completions_from_access_log_entries() -> None:
     assert no_upstream.upstream == "" and no_upstream.status == 0
 
 
+def test_another_replicas_completions_give_only_their_backend() -> None:
+    ours, theirs = accesslog_pb2.HTTPAccessLogEntry(), accesslog_pb2.HTTPAccessLogEntry()
+    ours.request.request_id, theirs.request.request_id = "ours", "theirs"
+    address = theirs.common_properties.upstream_remote_address.socket_address
+    address.address, address.port_value = "10.0.0.2", 8000
+    elsewhere: list[str] = []
+    got = codec.completions([ours, theirs], lambda rid: rid == "ours", elsewhere.append)
+    assert [c.request_id for c in got] == ["ours"]
+    assert elsewhere == ["10.0.0.2:8000"]
+
+
 # --------------------------------------------------------------------------- overload
 
 

@@ -38,6 +38,18 @@ async def test_a_completion_wakes_the_held_request_it_made_room_for() -> None:
     assert len(held) == 0
 
 
+def test_completions_of_other_replicas_are_told_apart() -> None:
+    held = saturated()
+    assert held.in_flight("run0") and not held.in_flight("another-replicas")
+    backend = held.gateway.admission.backend_of("run0")
+    assert backend is not None
+    before = backend.completed_since_scrape
+    held.done_elsewhere(backend.address)  # another replica's request finished there
+    held.done_elsewhere("10.9.9.9:1")  # a backend this replica does not know: ignored
+    assert backend.completed_since_scrape == before + 1
+    assert backend.in_flight == 1  # ours is still running
+
+
 async def test_deadline_passed_is_a_503_and_leaves_the_queue() -> None:
     held = saturated()
     late = dataclasses.replace(hold(held, "late"), deadline_s=0.01)

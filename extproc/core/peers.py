@@ -13,19 +13,17 @@ grants, but it decides them over the whole fleet's demand:
   wait and how long the oldest has waited. A replica does not grant a band while another
   replica holds a band that ranks strictly better after aging: the replica of the globally
   most urgent request grants first.
-- **VTC across replicas.** Each report also carries, per band, the lowest counter among
-  its waiting flows (whose turn it is there). Within a band, a replica does not grant while
-  another holds a flow with a lower counter, or an equal one that has waited longer: the
-  flow the whole fleet owes most goes first, wherever it waits. Without this, a freed seat
-  went to the replica whose request had finished, and a replica with nothing in flight
-  never saw one: measured, a light tenant's request waited 6.4 s behind a heavy tenant's
-  backlog, as under FIFO. Counters are comparable across replicas because every replica
-  adds the others' charges (below), and a band that drained on one replica restarts at the
-  others' lowest counter (``FairScheduler.raise_floor``), not at 0.
+- **VTC across replicas.** Every replica adds the others' VTC charges (a log of charges,
+  ``FairScheduler.take_ledger`` / ``charge_elsewhere``) to its flows' counters, so each
+  serves its own queue in the order of the flows' fleet-wide service. Each report also
+  carries, per band, its next flow and that flow's counter, and its oldest wait. A band
+  that drained on one replica restarts at the others' counters
+  (``FairScheduler.raise_floor``), not at 0. A replica leaves room it could use to another
+  whose next flow is owed clearly more, or whose queue has waited far longer
+  (``Admission._owed_elsewhere``): without that, a replica that rarely sees a free seat
+  (the others refill the seats their own requests free) starves its queue.
 - **Reservation activity.** A tier active on any replica (requests waiting or in flight,
   or one arrived within its ``reserved_idle_s``) keeps its reserve on every replica.
-- **Fairness charges.** VTC charges travel separately, as a log of charges
-  (``FairScheduler.take_ledger`` / ``charge_elsewhere``).
 
 **Cut off.** A replica that cannot reach Redis schedules alone with a conservative share of
 each backend: ``1 / replicas`` of the per-backend cap and of the fleet's seats, replicas
@@ -40,7 +38,11 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["PeerBand", "PeerView", "ReplicaReport"]
+__all__ = ["DEFER_S", "PeerBand", "PeerView", "ReplicaReport"]
+
+DEFER_S = 0.06
+"""Room left to another replica is taken back after this long: three exchanges at the
+default 20 ms period (the exchange loop passes three of its own periods)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +53,10 @@ class PeerBand:
     oldest_wait_s: float
     """How long its oldest request had waited when the report was written."""
     head_counter: float | None = None
-    """The lowest VTC counter among its waiting flows (``FairScheduler.head_counter``);
-    summed over replicas, the lowest of them."""
+    """The lowest VTC counter among its waiting flows (``FairScheduler.head``); summed
+    over replicas, the lowest of them."""
+    head_flow: str | None = None
+    """The flow with that counter."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,14 +88,20 @@ class PeerView:
     share: float = 1.0
     """The share of each backend this replica may use: 1 while it sees the others (or is
     alone), ``1 / replicas`` while cut off from them."""
+    defer_s: float = DEFER_S
+    """How long this replica leaves room it could use to another that should go first
+    (``Admission._still_deferring``): a few exchange periods, enough for that replica to
+    see the room and take it, short enough that room nobody takes is not lost."""
     in_flight_by_backend: Mapping[str, Counter[int]] = field(default_factory=dict)
     in_flight_by_rank: Counter[int] = field(default_factory=Counter)
     waiting: Mapping[str, PeerBand] = field(default_factory=dict)
     idle_s: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
-    def merge(cls, reports: Iterable[ReplicaReport], read_at: float) -> PeerView:
-        """The reports of the live other replicas, summed."""
+    def merge(
+        cls, reports: Iterable[ReplicaReport], read_at: float, defer_s: float = 0.0
+    ) -> PeerView:
+        """The reports of the live other replicas, summed; ``defer_s`` 0: ``DEFER_S``."""
         reports = tuple(reports)
         by_backend: dict[str, Counter[int]] = {}
         by_rank: Counter[int] = Counter()
@@ -107,18 +117,22 @@ class PeerView:
                 oldest = peer.oldest_wait_s + report.age_s
                 seen = waiting.get(band)
                 if seen is not None:
-                    heads = [h for h in (seen.head_counter, peer.head_counter) if h is not None]
+                    lowest = min(
+                        (seen, peer),
+                        key=lambda p: float("inf") if p.head_counter is None else p.head_counter,
+                    )
                     peer = PeerBand(
                         seen.waiting + peer.waiting,
                         max(seen.oldest_wait_s, oldest),
-                        min(heads) if heads else None,
+                        lowest.head_counter,
+                        lowest.head_flow,
                     )
                 else:
-                    peer = PeerBand(peer.waiting, oldest, peer.head_counter)
+                    peer = PeerBand(peer.waiting, oldest, peer.head_counter, peer.head_flow)
                 waiting[band] = peer
             for tier, seconds in report.idle_s.items():
                 idle[tier] = min(idle.get(tier, seconds + report.age_s), seconds + report.age_s)
-        return cls(reports, read_at, 1.0, by_backend, by_rank, waiting, idle)
+        return cls(reports, read_at, 1.0, defer_s or DEFER_S, by_backend, by_rank, waiting, idle)
 
     @classmethod
     def cut_off(cls, replicas: int, read_at: float) -> PeerView:

@@ -74,6 +74,7 @@ __all__ = [
     "Entry",
     "FairScheduler",
     "FairnessConfig",
+    "Head",
     "QueueFull",
 ]
 
@@ -173,6 +174,16 @@ class Entry:
     """On the scheduler's clock. Entries are assumed to be pushed in ``enqueued_at`` order."""
     payload: Any = None
     """The admission layer's own data (future, request class); never looked at here."""
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """A band's next flow: ``FairScheduler.head``."""
+
+    flow: str
+    counter: float
+    next_cost: float
+    """The charge of the flow's oldest request, the one that would go next."""
 
 
 @dataclass(slots=True)
@@ -520,12 +531,18 @@ class FairScheduler:
             return 30
         return max(1, min(300, math.ceil(self.depth(band) / rate)))
 
-    def head_counter(self, band: str) -> float | None:
-        """The lowest counter among the band's backlogged flows: whose turn it is, in the
-        counters' units (None when nothing waits). Replicas compare theirs."""
+    def head(self, band: str) -> Head | None:
+        """Whose turn it is in the band: the backlogged flow with the lowest counter, its
+        counter, and what popping it now would charge it (None when nothing waits).
+        Replicas compare theirs."""
         state = self._bands.get(band)
         top = state.peek() if state is not None else None
-        return None if top is None else top[1].counter
+        if top is None or state is None:
+            return None
+        name, flow = top
+        entry = state.entries[next(iter(flow.queue))]
+        cost = self._fairness.cost(entry.input_tokens, entry.output_tokens_estimate, entry.weight)
+        return Head(name, flow.counter, cost)
 
     def raise_floor(self, band: str, floor: float) -> None:
         """Start the band's next busy period at ``floor`` rather than 0, so flows that arrive

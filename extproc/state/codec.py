@@ -1,6 +1,6 @@
 """Reports and charges as bytes in Redis: compact JSON, read back without trusting it.
 
-A report is ``{"i": {backend: {rank: n}}, "w": {band: [n, oldest_wait_s, head_counter]},
+A report is ``{"i": {backend: {rank: n}}, "w": {band: [n, oldest_wait_s, head_counter, head_flow]},
 "a": {tier: idle_s}}``; charges are ``[[band, flow, cost], ...]``. JSON because every replica of any
 version can read it and ``redis-cli`` shows it; the reports are a few hundred bytes.
 Anything malformed (another version, a hand-edited key) is skipped, never raised into the
@@ -53,12 +53,19 @@ def decode_report(replica: str, text: str, age_s: float) -> ReplicaReport | None
     return ReplicaReport(replica, in_flight, waiting, idle, max(0.0, age_s))
 
 
-def _band(peer: PeerBand) -> list[float]:
-    """``[waiting, oldest_wait_s, head_counter]`` (the head left out when unknown)."""
-    row = [peer.waiting, round(peer.oldest_wait_s, 4)]
-    if peer.head_counter is not None:
-        row.append(peer.head_counter)
+def _band(peer: PeerBand) -> list[float | str]:
+    """``[waiting, oldest_wait_s, head_counter, head_flow]`` (the head left out when
+    unknown)."""
+    row: list[float | str] = [peer.waiting, round(peer.oldest_wait_s, 4)]
+    if peer.head_counter is not None and peer.head_flow is not None:
+        row += [peer.head_counter, peer.head_flow]
     return row
+
+
+def _peer_band(row: Any) -> PeerBand:
+    if len(row) >= 4:
+        return PeerBand(int(row[0]), float(row[1]), float(row[2]), str(row[3]))
+    return PeerBand(int(row[0]), float(row[1]))
 
 
 def encode_charges(ledger: Mapping[tuple[str, str], float]) -> str:

@@ -139,7 +139,8 @@ class SharedState:
         self.shared = True
         self.replicas_seen = len(read.reports) + 1
         self.stats.charges_applied += len(read.charges)
-        self.apply(PeerView.merge(read.reports, self.clock()), list(read.charges))
+        view = PeerView.merge(read.reports, self.clock(), defer_s=3 * self.period_s)
+        self.apply(view, list(read.charges))
 
     def _failed(self, exc: BaseException) -> None:
         """Cut off once the last good exchange is ``grace_s`` old: until then the last view

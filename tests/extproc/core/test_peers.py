@@ -110,7 +110,7 @@ def test_report_carries_leases_waiting_bands_and_last_arrivals() -> None:
     clock.now += 1.0
     report = admission.report("r1")
     assert report.in_flight == {BACKEND: {INTERACTIVE.rank: 1}}
-    assert report.waiting == {"batch": PeerBand(1, 1.0, head_counter=0.0)}
+    assert report.waiting == {"batch": PeerBand(1, 1.0, head_counter=0.0, head_flow="acme")}
     assert report.idle_s == {"interactive": 3.0, "batch": 1.0}
 
 
@@ -130,37 +130,61 @@ def test_a_tiers_queue_limit_holds_over_all_replicas() -> None:
     assert refused.value.status == 429 and refused.value.code == "queue_full"
 
 
-def test_within_a_band_the_flow_the_fleet_owes_most_goes_first_wherever_it_waits() -> None:
+def test_room_goes_to_a_replica_whose_queue_has_waited_far_longer() -> None:
     admission, _, _ = make_admission(limit=1)
     submit(admission, "busy", Request(API))
-    submit(admission, "a1", Request(API))  # acme waits here, at counter 0
-    admission.charge_elsewhere([("api", "acme", 500.0)])  # acme was served elsewhere
-    # r2's head flow is owed more (a lower counter): the freed seat is left to r2.
-    admission.apply_peers(view(ReplicaReport("r2", waiting={"api": PeerBand(1, 0.0, 100.0)})))
+    submit(admission, "a1", Request(API))  # has just arrived here
+    # r2's api queue has waited 10 s (it rarely sees a free seat): the seat is left to it.
+    admission.apply_peers(
+        view(ReplicaReport("r2", waiting={"api": PeerBand(1, 10.0, 0.0, "acme")}))
+    )
     assert admission.release("busy") == []
-    # r2 granted it (its next report: nothing waiting): the next seat is ours again.
+    # r2 took it (its next report: nothing waiting): the next seat is ours again.
     assert [g.request_id for g in admission.apply_peers(view())] == ["a1"]
 
 
-def test_equal_counters_go_to_the_older_request() -> None:
+def test_room_goes_to_a_replica_whose_next_flow_is_owed_clearly_more() -> None:
+    admission, _, _ = make_admission(limit=1)
+    submit(admission, "busy", Request(API))
+    submit(admission, "a1", Request(API))
+    admission.charge_elsewhere([("api", "acme", 1000.0)])  # acme was served elsewhere
+    head = admission.scheduler.head("api")
+    assert head is not None and head.next_cost == 200.0  # 100 in + 2 x 50 out
+    # light, on r2, is owed 500 more: more than one charge (200): deferred.
+    owed = ReplicaReport("r2", waiting={"api": PeerBand(1, 0.0, head.counter - 500, "light")})
+    admission.apply_peers(view(owed))
+    assert admission.release("busy") == []
+    # The same gap for acme itself on r2 is charges in transit, not a debt: no deferral.
+    same = ReplicaReport("r2", waiting={"api": PeerBand(1, 0.0, head.counter - 500, "acme")})
+    assert [g.request_id for g in admission.apply_peers(view(same))] == ["a1"]
+
+
+def test_queues_that_waited_alike_each_serve_their_own() -> None:
     admission, _, clock = make_admission(limit=1)
     submit(admission, "busy", Request(API))
     submit(admission, "a1", Request(API))
-    head = admission.scheduler.head_counter("api")
-    assert head is not None
-    clock.now += 1.0  # a1 has waited 1 s; r2's head, at the same counter, 3 s
-    older = ReplicaReport("r2", waiting={"api": PeerBand(1, 3.0, head)})
-    admission.apply_peers(PeerView.merge([older], read_at=clock()))
-    assert admission.release("busy") == []
-    younger = PeerView.merge(
-        [ReplicaReport("r2", waiting={"api": PeerBand(1, 0.5, head)})], clock()
-    )
-    assert [g.request_id for g in admission.apply_peers(younger)] == ["a1"]  # ours is older
+    clock.now += 1.0  # a1 has waited 1 s; r2's oldest 2 s: within 2x plus the slack
+    alike = ReplicaReport("r2", waiting={"api": PeerBand(3, 2.0, 0.0, "acme")})
+    admission.apply_peers(PeerView.merge([alike], read_at=clock()))
+    assert [g.request_id for g in admission.release("busy")] == ["a1"]
 
 
 def test_a_band_drained_here_restarts_at_the_other_replicas_counters() -> None:
     admission, _, _ = make_admission(limit=1)
     submit(admission, "busy", Request(API))
-    admission.apply_peers(view(ReplicaReport("r2", waiting={"api": PeerBand(2, 0.0, 750.0)})))
+    admission.apply_peers(
+        view(ReplicaReport("r2", waiting={"api": PeerBand(2, 0.0, 750.0, "other")}))
+    )
     submit(admission, "a1", Request(API))
-    assert admission.scheduler.head_counter("api") == 750.0  # not 0: not ahead of r2's flows
+    head = admission.scheduler.head("api")
+    assert head is not None and head.counter == 750.0  # not 0: not ahead of r2's flows
+
+
+def test_room_left_to_another_replica_is_taken_back_when_it_does_not_use_it() -> None:
+    admission, _, clock = make_admission(limit=4)
+    urgent = view(ReplicaReport("r2", waiting={"interactive": PeerBand(1, 0.0)}))
+    admission.apply_peers(urgent)
+    batch = submit(admission, "b1", Request(BATCH))
+    assert not batch.granted  # r2's chat may take the seat first ...
+    clock.now += urgent.defer_s + 0.001
+    assert [g.request_id for g in admission.dispatch()] == ["b1"]  # ... but did not

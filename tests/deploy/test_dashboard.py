@@ -387,8 +387,9 @@ async def _drive(url: str, seconds: float) -> dict[tuple[str, int], int]:
 def test_every_panel_shows_data_from_a_live_stack(tmp_path: Path, processes: Any) -> None:
     """The real stack (Envoy, two service replicas and their Redis, two simulators)
     scraped by a real Prometheus that loads alerts.yml: after a burst of traffic of every
-    kind (and a good and a bad policy reload), every panel's expression returns series. Names, labels, ``on (tier)`` matching
-    with the job/instance labels Prometheus adds, histogram buckets: all as deployed."""
+    kind (and a good and a bad policy reload), every panel's expression returns series.
+    Names, labels, ``on (tier)`` matching with the job/instance labels Prometheus adds,
+    histogram buckets: all as deployed."""
     from extproc.ops.processes import free_port, wait_http_ready
     from extproc.ops.up import Stack, StackConfig
     from extproc.policy import DEFAULT_POLICY_PATH

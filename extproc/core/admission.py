@@ -41,7 +41,14 @@ from typing import TYPE_CHECKING
 
 from extproc.core.errors import Rejection
 from extproc.core.gates import passes
-from extproc.core.peers import PeerBand, PeerView, ReplicaReport
+from extproc.core.peers import (
+    Deferrals,
+    PeerBand,
+    PeerView,
+    ReplicaReport,
+    most_urgent_elsewhere,
+    owed_elsewhere,
+)
 from extproc.core.picker import PickReason, choose
 from extproc.core.prefix import PromptBlocks
 from extproc.core.priority import vllm_priority
@@ -121,8 +128,7 @@ class Admission:
         """Grants per (backend address, reason it was chosen): ``fairlane_picks_total``."""
         self.peers = PeerView()
         """The other replicas' state (``extproc.core.peers``); empty when alone."""
-        self._deferring_since: dict[str, float] = {}
-        """Band -> when it began leaving room to another replica (``_still_deferring``)."""
+        self._deferrals = Deferrals()
         self.configure(policy)
 
     def configure(self, policy: Policy) -> list[Grant]:
@@ -293,7 +299,8 @@ class Admission:
         """
         placements: dict[str, Placement | None] = {}
         grants: list[Grant] = []
-        ahead = self._most_urgent_elsewhere()
+        now = self._clock()
+        ahead = most_urgent_elsewhere(self.peers, self._bands, now)
 
         def placement(band: str) -> Placement | None:
             if band not in placements:
@@ -304,12 +311,13 @@ class Admission:
             if placement(band) is None:
                 return False
             elsewhere = (ahead is not None and self._band_key(band) > ahead) or (
-                self._owed_elsewhere(band)
+                owed_elsewhere(self.peers, self.scheduler, band, now)
             )
             if not elsewhere:
-                self._deferring_since.pop(band, None)
+                self._deferrals.stop(band)
                 return True
-            return not self._still_deferring(band)
+            # Leave the room to that replica, for a few exchanges at most (Deferrals).
+            return not self._deferrals.still(band, now, self.peers.defer_s)
 
         while len(self.scheduler):
             entry = self.scheduler.pop(eligible=eligible)
@@ -321,78 +329,11 @@ class Admission:
             placements.clear()  # the grant changed loads and gates
         return grants
 
-    def _still_deferring(self, band: str) -> bool:
-        """Leave the room this band could take to the replica that holds a more urgent
-        request or a more deserving flow, for ``peers.defer_s`` at most.
-
-        That replica decides over a view a few exchanges old, with its own grants since the
-        last scrape: it may not be able to take the room (its gate sees the engine's queue
-        differently), and waiting for it longer would leave the room idle for good (measured:
-        a batch flood whose batch got nothing, every replica deferring to another). Past
-        ``defer_s`` this replica takes it, as one process would have."""
-        now = self._clock()
-        since = self._deferring_since.setdefault(band, now)
-        if now - since < self.peers.defer_s:
-            return True
-        del self._deferring_since[band]
-        return False
-
     def _band_key(self, band: str) -> tuple[float, int]:
         """A local band's urgency (effective rank after aging, then base rank)."""
         config = self._bands.get(band)
         rank = config.rank if config is not None else len(self._bands)
         return (self.scheduler.effective_rank(band), rank)
-
-    def _most_urgent_elsewhere(self) -> tuple[float, int] | None:
-        """The urgency of the most urgent band waiting on another replica (None if none):
-        bands here that rank strictly worse wait for it, as they would behind it here."""
-        waiting = self.peers.waiting
-        if not waiting:
-            return None
-        now = self._clock()
-        best: tuple[float, int] | None = None
-        for band, peer in waiting.items():
-            config = self._bands.get(band)
-            if config is None or not peer.waiting:
-                continue
-            key = (config.effective_rank(self.peers.oldest_wait_s(band, now)), config.rank)
-            if best is None or key < best:
-                best = key
-        return best
-
-    def _owed_elsewhere(self, band: str) -> bool:
-        """Whether another replica waits with a request of ``band`` that should take the
-        room this replica could use, by a clear margin:
-
-        - its next flow is another flow than ours and its counter is lower than ours by
-          more than our next charge (VTC keeps backlogged counters within about one charge
-          of each other; within that, each replica serving its own is as fair; the same
-          flow's counter differs between replicas only by charges still in transit);
-        - or its oldest request has waited more than twice as long as ours, plus
-          ``5 x defer_s``.
-
-        Each replica serves its own queue in fleet-wide VTC order, which is as fair as one
-        process while every replica gets seats. One that rarely does, because the others
-        refill the seats their own requests free first (a few seats, many replicas), would
-        starve its queue: measured, a light tenant's request waited 6.4 s (11x its latency
-        alone) behind a heavy tenant's backlog on three replicas sharing two seats. The
-        margins keep balanced replicas from deferring to each other (measured: deferring on
-        any lower counter cost 39 % of throughput with short requests)."""
-        peer = self.peers.waiting.get(band)
-        if peer is None or not peer.waiting:
-            return False
-        head = self.scheduler.head(band)
-        if head is None:
-            return False
-        if (
-            peer.head_counter is not None
-            and peer.head_flow != head.flow
-            and peer.head_counter + head.next_cost < head.counter
-        ):
-            return True
-        now = self._clock()
-        theirs = self.peers.oldest_wait_s(band, now)
-        return theirs > 2 * self.scheduler.oldest_wait_s(band) + 5 * self.peers.defer_s
 
     def _acting_tier(self, band: str) -> Tier | None:
         """The tier a band's requests are treated as now: their own, or the more urgent one

@@ -47,21 +47,23 @@ def test_other_replicas_leases_count_against_the_per_backend_cap() -> None:
 
 
 def test_a_band_waits_while_another_replica_holds_a_more_urgent_one() -> None:
-    admission, _, _ = make_admission(limit=4)
+    admission, _, _ = make_admission(limit=1, backends=2)
+    submit(admission, "busy", Request(API))  # one of the two seats
     admission.apply_peers(view(ReplicaReport("r2", waiting={"interactive": PeerBand(1, 0.0)})))
     batch = submit(admission, "b1", Request(BATCH))
-    assert not batch.granted  # the seat is free, but interactive elsewhere goes first
+    assert not batch.granted  # the last seat is free, but interactive elsewhere goes first
     same = submit(admission, "i1", Request(INTERACTIVE))
     assert same.granted  # an equally urgent band is not held back: ties do not block
+    admission.release("i1")
     grants = admission.apply_peers(view())
     assert [g.request_id for g in grants] == ["b1"]
 
 
 def test_aging_counts_for_the_bands_waiting_elsewhere() -> None:
     aging = dataclasses.replace(BATCH, aging_rate=1.0, aging_cap=2.0)
-    admission, _, _ = make_admission(limit=4, tiers=(INTERACTIVE, API, aging))
+    admission, _, _ = make_admission(limit=1, tiers=(INTERACTIVE, API, aging))
     # batch has waited 5 s on r2: aged to rank 0 (capped at 2 ranks), ties with interactive
-    # on effective rank but not on base rank, so api here waits behind it.
+    # on effective rank but not on base rank, so api here leaves the one seat to it.
     admission.apply_peers(view(ReplicaReport("r2", waiting={"batch": PeerBand(1, 5.0)})))
     assert not submit(admission, "a1", Request(API)).granted
     assert submit(admission, "i1", Request(INTERACTIVE)).granted
@@ -181,7 +183,7 @@ def test_a_band_drained_here_restarts_at_the_other_replicas_counters() -> None:
 
 
 def test_room_left_to_another_replica_is_taken_back_when_it_does_not_use_it() -> None:
-    admission, _, clock = make_admission(limit=4)
+    admission, _, clock = make_admission(limit=1)
     urgent = view(ReplicaReport("r2", waiting={"interactive": PeerBand(1, 0.0)}))
     admission.apply_peers(urgent)
     batch = submit(admission, "b1", Request(BATCH))

@@ -37,6 +37,18 @@ def lb_endpoint(host: str, port: int, weight: int | None = None) -> dict[str, An
     return endpoint
 
 
+def previous_hosts() -> dict[str, Any]:
+    """The retry host predicate that keeps a retry off the hosts already tried (routes,
+    the ext_proc stream's retry on another replica, Istio's gateway route)."""
+    return {
+        "name": "envoy.retry_host_predicates.previous_hosts",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.retry.host."
+            "previous_hosts.v3.PreviousHostsPredicate"
+        },
+    }
+
+
 def router_filter() -> dict[str, Any]:
     """The terminal HTTP filter every filter chain here ends with."""
     return {

@@ -44,6 +44,7 @@ import ipaddress
 from typing import Any
 
 from extproc.envoy.params import EnvoyParams, ServiceReplica
+from extproc.envoy.protojson import previous_hosts
 from extproc.wire import EXTPROC_CLUSTER
 
 REPLICA_CLUSTER_PREFIX = f"{EXTPROC_CLUSTER}_replica_"
@@ -137,15 +138,7 @@ def stream_retry_policy(params: EnvoyParams) -> dict[str, Any] | None:
         # Envoy's default back-off for this message starts at 1 s: far too slow when
         # another replica is ready now.
         "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
-        "retry_host_predicate": [
-            {
-                "name": "envoy.retry_host_predicates.previous_hosts",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.retry.host."
-                    "previous_hosts.v3.PreviousHostsPredicate"
-                },
-            }
-        ],
+        "retry_host_predicate": [previous_hosts()],
         "host_selection_retry_max_attempts": 5,
     }
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from extproc.envoy.filter import failure_mode_override
 from extproc.envoy.params import CATCH_ALL_ROUTE, NUM_RETRIES, RETRY_ON, EnvoyParams, RouteSpec
-from extproc.envoy.protojson import duration
+from extproc.envoy.protojson import duration, previous_hosts
 from extproc.wire import BACKEND_CLUSTER, FAIRLANE_NAMESPACE, RESPONSE_METADATA_HEADERS
 
 
@@ -73,15 +73,7 @@ def _retry_policy() -> dict[str, Any]:
         "num_retries": NUM_RETRIES,
         # After the listed override hosts run out, the fallback LB should neither
         # reuse a failed host nor stay in a failed region.
-        "retry_host_predicate": [
-            {
-                "name": "envoy.retry_host_predicates.previous_hosts",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.retry.host."
-                    "previous_hosts.v3.PreviousHostsPredicate",
-                },
-            }
-        ],
+        "retry_host_predicate": [previous_hosts()],
         "host_selection_retry_max_attempts": 3,
         "retry_priority": {
             "name": "envoy.retry_priorities.previous_priorities",

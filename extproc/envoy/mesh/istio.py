@@ -22,6 +22,7 @@ from extproc.envoy.protojson import (
     HCM_TYPE,
     ROUTER_FILTER,
     hcm_filter_chains,
+    previous_hosts,
     router_filter,
     socket_address,
 )
@@ -293,15 +294,7 @@ def _stand_in_routes(
                 "retry_policy": {
                     "retry_on": http["retries"]["retryOn"],
                     "num_retries": http["retries"]["attempts"],
-                    "retry_host_predicate": [
-                        {
-                            "name": "envoy.retry_host_predicates.previous_hosts",
-                            "typed_config": {
-                                "@type": "type.googleapis.com/envoy.extensions.retry.host."
-                                "previous_hosts.v3.PreviousHostsPredicate"
-                            },
-                        }
-                    ],
+                    "retry_host_predicate": [previous_hosts()],
                     "host_selection_retry_max_attempts": 5,
                 },
             },

@@ -29,6 +29,20 @@ def children_of(pid: int) -> list[int]:
     return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
+def demo_request(port: int, max_tokens: int) -> urllib.request.Request:
+    """A chat completion with the default policy's demo key, to ``fairlane up`` on ``port``."""
+    body = {
+        "model": "sim-llama-8b",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": max_tokens,
+    }
+    return urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"authorization": "Bearer sk-chat-demo", "content-type": "application/json"},
+    )
+
+
 def test_up_serves_a_demo_key_and_sigterm_stops_every_process(processes: ProcessGroup) -> None:
     port = free_port()
     up = processes.start("up", [sys.executable, "-m", "extproc", "up", "--port", str(port)])
@@ -37,17 +51,7 @@ def test_up_serves_a_demo_key_and_sigterm_stops_every_process(processes: Process
         assert up.alive(), up.log_tail()
         assert time.monotonic() < deadline, up.log_tail()
         time.sleep(0.1)
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(
-            {
-                "model": "sim-llama-8b",
-                "messages": [{"role": "user", "content": "Hi"}],
-                "max_tokens": 3,
-            }
-        ).encode(),
-        headers={"authorization": "Bearer sk-chat-demo", "content-type": "application/json"},
-    )
+    request = demo_request(port, max_tokens=3)
     banner = up.log_path.read_text()
     seat_lines = re.findall(r"backend (region-[ab]) 127\.0\.0\.1:\d+: seats (\d+) \((.*)\)", banner)
     # two simulators of unknown size, before any load: the fallback
@@ -146,17 +150,7 @@ def test_up_with_replicas_survives_a_dead_replica_and_stops_everything(
         ), banner
 
     def generate() -> int:
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/chat/completions",
-            data=json.dumps(
-                {
-                    "model": "sim-llama-8b",
-                    "messages": [{"role": "user", "content": "Hi"}],
-                    "max_tokens": 2,
-                }
-            ).encode(),
-            headers={"authorization": "Bearer sk-chat-demo", "content-type": "application/json"},
-        )
+        request = demo_request(port, max_tokens=2)
         with urllib.request.urlopen(request, timeout=30) as response:
             return int(response.status)
 

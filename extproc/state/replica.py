@@ -59,8 +59,9 @@ class StateStats:
 class SharedState:
     """Exchange with the other replicas every ``period_s``; apply through ``apply``.
 
-    ``apply`` receives the grants a new view allowed (the transport wakes their waiting
-    streams); it is ``HeldRequests.apply_peers`` in the service.
+    ``apply`` receives each new view of the others and the charges they made since; it is
+    ``HeldRequests.apply_peers`` in the service, which hands them to admission and wakes
+    the requests the view let go.
     """
 
     admission: Admission
@@ -94,7 +95,12 @@ class SharedState:
         self.admission.scheduler.take_ledger()  # start recording this replica's charges
         try:
             while True:
-                await self.exchange_once()
+                try:
+                    await self.exchange_once()
+                except Exception as exc:  # a bug here must not end sharing for good
+                    log.exception("replica %s: exchange failed unexpectedly", self.replica)
+                    self.stats.failures += 1
+                    self._failed(exc)
                 await asyncio.sleep(self.period_s)
         finally:
             with contextlib.suppress(Exception):

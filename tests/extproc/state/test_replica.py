@@ -7,9 +7,10 @@ is decided by the exchanges, never by timing luck.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -152,3 +153,33 @@ async def test_redis_lost_cuts_off_then_the_replica_rejoins_by_itself(
     assert r1.state.shared and not r1.state.cut_off
     assert r1.admission.backend_limit == 4
     assert r2.admission.pool.backends[0].peer_in_flight == 1  # rebuilt from r1's report
+
+
+async def test_an_unexpected_error_does_not_end_the_exchange_loop(
+    redis_server: RedisServer,
+) -> None:
+    replica = Replica("r1", redis_server.url)
+    calls = 0
+
+    def apply_failing_once(view: object, charges: list[tuple[str, str, float]]) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug in applying a view")
+
+    replica.state.apply = apply_failing_once
+    loop = asyncio.create_task(replica.state.run())
+    try:
+        await wait_for(lambda: calls >= 3, timeout_s=2.0)
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+    assert replica.state.stats.failures >= 1 and replica.state.shared
+
+
+async def wait_for(condition: Callable[[], bool], timeout_s: float) -> None:
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout_s, "condition not met in time"
+        await asyncio.sleep(0.01)

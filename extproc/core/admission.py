@@ -215,7 +215,6 @@ class Admission:
         tier = request.tier
         self._last_arrival[tier.name] = self._clock()
         self._maybe_shed_early(tier)
-        self._refuse_if_fleet_full(tier)
         fairness = self.policy.fairness
         flow = request.tenant.name
         if fairness.flow == "user":
@@ -234,6 +233,7 @@ class Admission:
         if peer is not None and peer.head_counter is not None:
             self.scheduler.raise_floor(tier.name, peer.head_counter)
         try:
+            self._check_fleet_queue(tier)
             self.scheduler.push(entry)
         except QueueFull as full:
             raise Rejection(
@@ -253,30 +253,23 @@ class Admission:
             ) from None
         return self.dispatch()
 
-    def _refuse_if_fleet_full(self, tier: Tier) -> None:
-        """A tier's ``queue_limit`` bounds the whole fleet's queue, not each replica's: with
-        the other replicas' waiting requests (as of their last report) it is full too. The
-        scheduler's own check (``QueueFull`` on push) covers this replica alone."""
-        waiting_elsewhere = self.peers.waiting_in(tier.name)
-        if not waiting_elsewhere:
-            return
-        if self.scheduler.depth(tier.name) + waiting_elsewhere >= tier.queue_limit:
-            raise Rejection(
-                429,
-                f"the {tier.name!r} queue is full ({tier.queue_limit} requests waiting over "
-                "the gateway's replicas); retry later",
-                code="queue_full",
-                headers={"retry-after": str(self.scheduler.retry_after_s(tier.name))},
-                tier=tier.name,
-            )
+    def _fleet_depth(self, tier: Tier) -> int:
+        """The tier's waiting requests here and, as of their last report, on every other
+        replica: what its ``queue_limit`` and early shedding are about."""
+        return self.scheduler.depth(tier.name) + self.peers.waiting_in(tier.name)
+
+    def _check_fleet_queue(self, tier: Tier) -> None:
+        """``QueueFull`` when the whole fleet's queue of the tier is full (the scheduler's
+        own check on push counts this replica alone)."""
+        if self.peers.waiting_in(tier.name) and self._fleet_depth(tier) >= tier.queue_limit:
+            raise QueueFull(tier.name, tier.queue_limit, self.scheduler.retry_after_s(tier.name))
 
     def _maybe_shed_early(self, tier: Tier) -> None:
         """RED-style: past ``early_shed_from`` of a full queue, shed with rising probability."""
         start = tier.early_shed_from
         if start is None or tier.queue_limit == 0:
             return
-        depth = self.scheduler.depth(tier.name) + self.peers.waiting_in(tier.name)
-        fill = depth / tier.queue_limit
+        fill = self._fleet_depth(tier) / tier.queue_limit
         if fill < start:
             return
         chance = 1.0 if start >= 1.0 else (fill - start) / (1.0 - start)

@@ -23,12 +23,28 @@ class RedisMissing(RuntimeError):
         super().__init__(MISSING)
 
 
-def redis_argv(port: int, host: str = "127.0.0.1") -> list[str]:
-    """The command line of a loopback Redis that keeps nothing on disk."""
+def require_redis_server() -> str:
+    """The path of ``redis-server``, or ``RedisMissing`` (saying how to install it): checked
+    before anything starts when replicas are asked for."""
     path = shutil.which("redis-server")
     if path is None:
         raise RedisMissing()
-    return [path, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"]
+    return path
+
+
+def redis_argv(port: int, host: str = "127.0.0.1") -> list[str]:
+    """The command line of a loopback Redis that keeps nothing on disk."""
+    return [
+        require_redis_server(),
+        "--port",
+        str(port),
+        "--bind",
+        host,
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+    ]
 
 
 def start_redis(group: ProcessGroup, port: int, name: str = "redis") -> Child:

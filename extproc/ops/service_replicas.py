@@ -12,7 +12,6 @@ failed start, Ctrl-C or the end of a test stops Redis and the replicas with ever
 
 from __future__ import annotations
 
-import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from extproc.fleet.backend import BackendSpec
 from extproc.ops.processes import Child, ProcessGroup, free_port, wait_port_open
-from extproc.ops.redis_server import RedisMissing, redis_url, start_redis
+from extproc.ops.redis_server import redis_url, require_redis_server, start_redis
 from extproc.transport.server import backend_argument
 
 SINGLE = "service"
@@ -53,6 +52,7 @@ class Services:
     processes: tuple[ServiceProcess, ...]
     redis: Child | None = None
     redis_url: str | None = None
+    redis_port: int | None = None
 
     @property
     def replicated(self) -> bool:
@@ -95,13 +95,6 @@ def service_argv(
     if replica_id is not None:
         argv += ["--replica-id", replica_id]
     return argv
-
-
-def require_redis_server() -> None:
-    """Fail before anything starts when replicas are asked for and ``redis-server`` is not
-    on PATH (the message says ``scripts/setup-tools`` installs Debian's package)."""
-    if shutil.which("redis-server") is None:
-        raise RedisMissing()
 
 
 def start_services(
@@ -156,7 +149,7 @@ def start_services(
     )
     for process in processes:
         wait_port_open(process.port, process.child)
-    return Services(processes, redis, url)
+    return Services(processes, redis, url, redis_port)
 
 
 def _start(

@@ -39,13 +39,9 @@ from extproc.ops.processes import (
     free_port,
     wait_http_ready,
 )
+from extproc.ops.redis_server import require_redis_server
 from extproc.ops.seat_watch import SeatCount, SeatWatch
-from extproc.ops.service_replicas import (
-    ServiceProcess,
-    Services,
-    require_redis_server,
-    start_services,
-)
+from extproc.ops.service_replicas import ServiceProcess, Services, start_services
 from extproc.policy import DEFAULT_POLICY_PATH, load_policy
 from extproc.transport.server import (
     add_backend_argument,

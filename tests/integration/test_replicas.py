@@ -160,7 +160,8 @@ async def test_redis_stopped_then_started_empty_fails_no_request(
     stack = replicas_stack
     services = stack.services
     assert services is not None and services.redis is not None and services.redis_url
-    redis_port = int(services.redis_url.rsplit(":", 1)[1].split("/")[0])
+    redis_port = services.redis_port
+    assert redis_port is not None
     loop = asyncio.get_running_loop()
     stop_at = loop.time() + 9.0
     outcomes: list[Outcome] = []

@@ -63,8 +63,9 @@ async def drive(stack: Stack, args: argparse.Namespace, outcomes: list[Outcome])
     }
     end = loop.time() + args.duration
     services = stack.services
-    assert services is not None and services.redis is not None and services.redis_url
-    redis_port = int(services.redis_url.rsplit(":", 1)[1].split("/")[0])
+    assert services is not None and services.redis is not None
+    redis_port = services.redis_port
+    assert redis_port is not None
     async with aiohttp.ClientSession() as session:
 
         async def client(tenant: str) -> None:

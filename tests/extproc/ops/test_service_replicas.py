@@ -12,8 +12,8 @@ import pytest
 from extproc.fleet.backend import BackendSpec
 from extproc.ops import cli
 from extproc.ops.processes import ProcessGroup
-from extproc.ops.redis_server import RedisMissing
-from extproc.ops.service_replicas import require_redis_server, service_argv, start_services
+from extproc.ops.redis_server import RedisMissing, require_redis_server
+from extproc.ops.service_replicas import service_argv, start_services
 from extproc.ops.up import Stack, StackConfig
 
 BACKENDS = (BackendSpec("127.0.0.1", 8101, "region-a", seats=8),)

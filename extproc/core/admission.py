@@ -179,9 +179,11 @@ class Admission:
             return self._in_flight_by_rank
         return self._in_flight_by_rank + self.peers.in_flight_by_rank
 
-    def reserved(self) -> dict[int, int]:
+    def reserved(self, in_flight: Counter[int] | None = None) -> dict[int, int]:
         """Seats each reserving tier (by rank) holds now, sized to its recent demand."""
-        in_flight, peers = self.fleet_in_flight_by_rank(), self.peers
+        if in_flight is None:
+            in_flight = self.fleet_in_flight_by_rank()
+        peers = self.peers
         present = {
             t.rank: in_flight[t.rank] + self.scheduler.depth(t.name) + peers.waiting_in(t.name)
             for t in self._tiers.values()
@@ -342,10 +344,10 @@ class Admission:
             return tier
         return self._tiers_by_rank.get(reached, tier)
 
-    def _active_ranks(self) -> set[int]:
+    def _active_ranks(self, in_flight: Counter[int]) -> set[int]:
         """Tiers that hold their reservation: requests queued or in flight, or one lately."""
         now, peers = self._clock(), self.peers
-        active = {r for r, n in self.fleet_in_flight_by_rank().items() if n}
+        active = {r for r, n in in_flight.items() if n}
         for tier in self._tiers.values():
             recent = now - self._last_arrival.get(tier.name, -math.inf) <= tier.reserved_idle_s
             recent = recent or peers.idle_for_s(tier.name, now) <= tier.reserved_idle_s
@@ -365,14 +367,16 @@ class Admission:
         # more urgent active tier reserves seats against may queue: it would otherwise
         # take the seats that free up before the urgent tier's next request arrives.
         queue = tier.gate.max_waiting if tier is not None else 0
-        reserved, active = self.reserved(), self._active_ranks()
+        # Every replica's requests in flight, summed once for the three uses below.
+        in_flight = self.fleet_in_flight_by_rank()
+        reserved, active = self.reserved(in_flight), self._active_ranks(in_flight)
         limit = self.backend_limit
         # Whether seats bound this tier here: it needs a free one (batch), or a more urgent
         # active tier holds a reserve it must leave. Otherwise its gates (the engine's own
         # queue) and the policy's cap bound it, as they would without seats.
         seat_bound = queue == 0 or any(r < rank and r in active for r in reserved)
         capacity = self.capacity if seat_bound else len(self.pool.backends) * limit
-        if not may_admit(rank, self.fleet_in_flight_by_rank(), capacity, reserved, active):
+        if not may_admit(rank, in_flight, capacity, reserved, active):
             return None
         stale = self.policy.backpressure.stale_after_s
         now = self._clock()

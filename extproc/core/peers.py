@@ -34,6 +34,7 @@ filling the fleet's free seats at once.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -109,9 +110,9 @@ class PeerView:
 
     @classmethod
     def merge(
-        cls, reports: Iterable[ReplicaReport], read_at: float, defer_s: float = 0.0
+        cls, reports: Iterable[ReplicaReport], read_at: float, defer_s: float = DEFER_S
     ) -> PeerView:
-        """The reports of the live other replicas, summed; ``defer_s`` 0: ``DEFER_S``."""
+        """The reports of the live other replicas, summed."""
         reports = tuple(reports)
         by_backend: dict[str, Counter[int]] = {}
         by_rank: Counter[int] = Counter()
@@ -141,8 +142,8 @@ class PeerView:
                     peer = PeerBand(peer.waiting, oldest, peer.head_counter, peer.head_flow)
                 waiting[band] = peer
             for tier, seconds in report.idle_s.items():
-                idle[tier] = min(idle.get(tier, seconds + report.age_s), seconds + report.age_s)
-        return cls(reports, read_at, 1.0, defer_s or DEFER_S, by_backend, by_rank, waiting, idle)
+                idle[tier] = min(idle.get(tier, math.inf), seconds + report.age_s)
+        return cls(reports, read_at, 1.0, defer_s, by_backend, by_rank, waiting, idle)
 
     @classmethod
     def cut_off(cls, replicas: int, read_at: float) -> PeerView:

@@ -53,17 +53,25 @@ class LocatedReader:
     def __init__(self, filename: str) -> None:
         self.filename = filename
         self.errors: list[str] = []
+        self.warnings: list[str] = []
+        """Located like errors, for what works but should change; they fail nothing."""
         self._constructor = SafeConstructor()
 
     def error(self, node: Node | None, path: str, message: str) -> None:
         """Record ``file:line: path: message`` (``file: path: message`` for a node built in
         code, which has no line)."""
+        self.errors.append(self.located(node, path, message))
+
+    def warn(self, node: Node | None, path: str, message: str) -> None:
+        """Record a warning, located like an error."""
+        self.warnings.append(self.located(node, path, message))
+
+    def located(self, node: Node | None, path: str, message: str) -> str:
         where = f"{path}: " if path else ""
         if node is not None and node.start_mark is None:
-            self.errors.append(f"{self.filename}: {where}{message}")
-            return
+            return f"{self.filename}: {where}{message}"
         line = node.start_mark.line + 1 if node is not None else 1
-        self.errors.append(f"{self.filename}:{line}: {where}{message}")
+        return f"{self.filename}:{line}: {where}{message}"
 
     def scalar(self, node: Node) -> Any:
         return self.construct(node)

@@ -3,7 +3,10 @@
 Run it before deploying a policy (or in CI): it exits 1 with one ``file:line: field:
 message`` line per problem, the same errors a running service logs when it refuses to
 reload the file, and otherwise prints the tiers and tenants as the gateway will use them.
-API keys are never printed, only their first characters.
+API keys are never printed, only their first characters (or where they come from:
+``sha256:1f2e…``, ``env:NAME``, ``file:PATH``). What works but should change is a warning
+on stderr with its ``file:line``, without failing: a plaintext key in the policy, with the
+forms that keep the secret out of the file.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from extproc.policy import (
     Rule,
     Tenant,
     Tier,
-    key_hint,
+    key_label,
     load_policy,
 )
 
@@ -49,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"{args.policy}: cannot read: {exc.strerror or exc}", file=sys.stderr)
         return 1
+    for warning in policy.warnings:
+        print(warning, file=sys.stderr)
     describe(policy, sys.stdout)
     return 0
 
@@ -134,7 +139,7 @@ def _scheduling_row(tier: Tier) -> Sequence[str]:
 
 
 def _tenant_row(tenant: Tenant) -> Sequence[str]:
-    keys = ", ".join(key_hint(key) for key in tenant.api_keys)
+    keys = ", ".join(key_label(entry) for entry in tenant.api_keys)
     return (
         tenant.name,
         ", ".join(tenant.tiers),

@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "one simulated vLLM server (per-step engine, vLLM API and metrics)",
     ),
     "check": ("extproc.ops.check", "validate a policy file and print its tiers and tenants"),
+    "hash-key": (
+        "extproc.ops.hash_key",
+        "print the sha256: form of an API key for a policy's api_keys (KEY or - for stdin)",
+    ),
     "render-envoy": (
         "extproc.envoy.render",
         "write the Envoy bootstrap (or --snippet) for a deployment YAML, checked by Envoy",

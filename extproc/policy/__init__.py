@@ -7,11 +7,13 @@ rather than stopping at the first. Nothing is half-applied: a ``Policy`` exists 
 the whole file is valid, and ``PolicyStore`` swaps it in with a single attribute assignment.
 
 Per-request code only reads ``Policy``; every lookup it needs (API key -> tenant, word ->
-tier, tenant -> most urgent allowed tier) is a dict built once when the policy is made.
+tier, tenant -> most urgent allowed tier) is a dict built once when the policy is made. API
+keys are held as SHA-256 digests whatever form the file gives them in (``keys.py``).
 """
 
 from pathlib import Path
 
+from extproc.policy.keys import hashed_form, key_hint, key_label
 from extproc.policy.model import (
     DEFAULT_MAX_BODY_BYTES,
     Backpressure,
@@ -26,7 +28,7 @@ from extproc.policy.model import (
     Tenant,
     Tier,
 )
-from extproc.policy.parse import key_hint, load_policy, parse_policy
+from extproc.policy.parse import load_policy, parse_policy
 from extproc.policy.store import PolicyListener, PolicyStore
 
 DEFAULT_POLICY_PATH = (Path(__file__).resolve().parent.parent / "default_policy.yaml").resolve()
@@ -51,7 +53,9 @@ __all__ = [
     "Rule",
     "Tenant",
     "Tier",
+    "hashed_form",
     "key_hint",
+    "key_label",
     "load_policy",
     "parse_policy",
 ]

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+from extproc.policy.keys import KeyIndex, self_contained_digest
+
 # Metrics older than this are not trusted: ten missed scrapes at the default 100 ms.
 DEFAULT_STALE_AFTER_S = 1.0
 
@@ -112,12 +114,25 @@ class Tenant:
     """Who is calling, as identified by an API key, and which tiers that caller may use."""
 
     name: str
-    api_keys: tuple[str, ...]
+    api_keys: tuple[str, ...] = field(repr=False)
+    """The policy's entries as written: plain keys, ``sha256:HEX``, ``env:NAME`` or
+    ``file:PATH`` (``extproc.policy.keys``). Out of ``repr``: a plain key is a secret."""
     tiers: tuple[str, ...]
     """Allowed tier names; asking for anything less urgent than the best of them is fine."""
     default_tier: str
     weight: float = 1.0
     """Fair-share weight of this tenant's flows within a band."""
+    key_digests: tuple[bytes, ...] = field(default=(), repr=False, compare=False)
+    """The SHA-256 of each key, what requests are checked against. The parser passes them
+    (it resolves ``env:`` and ``file:`` entries); left empty, they are computed from plain
+    and ``sha256:`` entries."""
+
+    def __post_init__(self) -> None:
+        if not self.key_digests:
+            digests = tuple(self_contained_digest(entry) for entry in self.api_keys)
+            object.__setattr__(self, "key_digests", digests)
+        elif len(self.key_digests) != len(self.api_keys):
+            raise ValueError("key_digests must hold one digest per api_keys entry")
 
 
 ConditionOp = Literal["equals", "in", "present", "gt", "ge", "lt", "le", "regex"]
@@ -294,10 +309,13 @@ class Policy:
     backpressure: Backpressure = Backpressure()
     routing: Routing = Routing()
     source: str = "<policy>"
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+    """``file:line: field: message`` for what works but should change (a plain API key in
+    the file); ``fairlane check`` prints them."""
 
     _tiers_by_name: dict[str, Tier] = field(init=False, repr=False, compare=False)
     _tiers_by_word: dict[str, Tier] = field(init=False, repr=False, compare=False)
-    _tenants_by_key: dict[str, Tenant] = field(init=False, repr=False, compare=False)
+    _tenants_by_key: KeyIndex[Tenant] = field(init=False, repr=False, compare=False)
     _tenants_by_name: dict[str, Tenant] = field(init=False, repr=False, compare=False)
     _top_tier: dict[str, Tier] = field(init=False, repr=False, compare=False)
 
@@ -306,7 +324,9 @@ class Policy:
         by_word = dict(by_name)
         for tier in self.tiers:
             by_word.update(dict.fromkeys(tier.aliases, tier))
-        tenants_by_key = {key: tenant for tenant in self.tenants for key in tenant.api_keys}
+        tenants_by_key = KeyIndex(
+            (digest, tenant) for tenant in self.tenants for digest in tenant.key_digests
+        )
         top = {
             tenant.name: min((by_name[t] for t in tenant.tiers), key=lambda t: t.rank)
             for tenant in self.tenants
@@ -329,7 +349,9 @@ class Policy:
         return self._tenants_by_name[name]
 
     def tenant_for_key(self, key: str) -> Tenant | None:
-        return self._tenants_by_key.get(key)
+        """The tenant whose key a client presented (hashed and compared in constant time,
+        whatever form the policy wrote the key in)."""
+        return self._tenants_by_key.find(key)
 
     def top_tier(self, tenant: Tenant) -> Tier:
         """The most urgent tier ``tenant`` may use: the ceiling for whatever it asks."""

@@ -13,6 +13,15 @@ from typing import Any, TypeVar
 
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from extproc.policy.keys import (
+    ENV_PREFIX,
+    FILE_PREFIX,
+    SHA256_PREFIX,
+    key_digest,
+    key_hint,
+    key_label,
+    parse_hex_digest,
+)
 from extproc.policy.model import (
     Backpressure,
     Condition,
@@ -81,13 +90,13 @@ _NUMBER_OPS = ("gt", "ge", "lt", "le")
 T = TypeVar("T")
 
 
-def key_hint(key: str) -> str:
-    """Enough of an API key to tell keys apart in messages, never enough to use one."""
-    return f"{key[: min(4, len(key) // 3)]}…"
+def parse_policy(
+    text: str, filename: str = "<policy>", base_dir: str | os.PathLike[str] | None = None
+) -> Policy:
+    """Validate the whole policy in ``text``; raise ``PolicyError`` listing every problem.
 
-
-def parse_policy(text: str, filename: str = "<policy>") -> Policy:
-    """Validate the whole policy in ``text``; raise ``PolicyError`` listing every problem."""
+    ``env:`` and ``file:`` API keys are read now; a relative ``file:`` path is taken from
+    ``base_dir`` (default: ``filename``'s directory)."""
     try:
         root = compose(text, filename)
     except YamlSyntaxError as exc:
@@ -96,7 +105,8 @@ def parse_policy(text: str, filename: str = "<policy>") -> Policy:
     if root is None:
         reader.error(None, "", "the policy is empty (it needs at least `tiers` and `tenants`)")
         raise PolicyError(reader.errors)
-    policy = _read_policy(reader, root)
+    keys_dir = Path(base_dir) if base_dir is not None else Path(filename).parent
+    policy = _read_policy(reader, root, keys_dir)
     if reader.errors or policy is None:
         raise PolicyError(reader.errors)
     return policy
@@ -116,7 +126,7 @@ def _parse_bytes(data: bytes, filename: str) -> Policy:
     return parse_policy(text, filename)
 
 
-def _read_policy(reader: LocatedReader, root: Node) -> Policy | None:
+def _read_policy(reader: LocatedReader, root: Node, keys_dir: Path) -> Policy | None:
     top = reader.mapping(root, "", _TOP_KEYS)
     if not isinstance(root, MappingNode):
         return None
@@ -126,7 +136,9 @@ def _read_policy(reader: LocatedReader, root: Node) -> Policy | None:
     tiers, broken = _read_tiers(reader, top["tiers"]) if "tiers" in top else ([], {})
     _check_reserved_shares(reader, top.get("tiers"), tiers)
     tier_ranks = broken | {tier.name: tier.rank for tier in tiers}
-    tenants = _read_tenants(reader, top["tenants"], tier_ranks) if "tenants" in top else []
+    tenants = (
+        _read_tenants(reader, top["tenants"], tier_ranks, keys_dir) if "tenants" in top else []
+    )
     rules = _read_rules(reader, top["rules"], tier_ranks) if "rules" in top else []
     settings = _read_settings(reader, top)
     if reader.errors or not tiers or not tenants:
@@ -136,6 +148,7 @@ def _read_policy(reader: LocatedReader, root: Node) -> Policy | None:
         tenants=tuple(tenants),
         rules=tuple(rules),
         source=reader.filename,
+        warnings=tuple(reader.warnings),
         **settings,
     )
 
@@ -346,16 +359,18 @@ def _is_null(node: Node) -> bool:
     return isinstance(node, ScalarNode) and node.tag.endswith(":null")
 
 
-def _read_tenants(reader: LocatedReader, node: Node, tier_ranks: dict[str, int]) -> list[Tenant]:
+def _read_tenants(
+    reader: LocatedReader, node: Node, tier_ranks: dict[str, int], keys_dir: Path = Path()
+) -> list[Tenant]:
     tenants: list[Tenant] = []
     names: set[str] = set()  # a set, not a scan of ``tenants``: policies may list 100,000
-    key_owner: dict[str, str] = {}
+    key_owner: dict[bytes, str] = {}  # digest -> tenant: one key, one tenant, any form
     items = reader.sequence(node, "tenants")
     if isinstance(node, SequenceNode) and not items:
         reader.error(node, "tenants", "must list at least one tenant")
     for i, tenant_node in enumerate(items):
         path = f"tenants[{i}]"
-        tenant = _read_tenant(reader, tenant_node, path, tier_ranks, key_owner)
+        tenant = _read_tenant(reader, tenant_node, path, tier_ranks, key_owner, keys_dir)
         if tenant is None:
             continue
         if tenant.name in names:
@@ -371,14 +386,17 @@ def _read_tenant(
     node: Node,
     path: str,
     tier_ranks: dict[str, int],
-    key_owner: dict[str, str],
+    key_owner: dict[bytes, str],
+    keys_dir: Path,
 ) -> Tenant | None:
     items = reader.mapping(node, path, _TENANT_KEYS)
     errors_before = len(reader.errors)
     _required(reader, node, items, path, "name", "api_keys", "tiers")
     name = reader.string(items["name"], f"{path}.name", _TENANT_NAME) if "name" in items else None
     keys = (
-        _read_api_keys(reader, items["api_keys"], f"{path}.api_keys", name or path, key_owner)
+        _read_api_keys(
+            reader, items["api_keys"], f"{path}.api_keys", name or path, key_owner, keys_dir
+        )
         if "api_keys" in items
         else []
     )
@@ -399,29 +417,106 @@ def _read_tenant(
     weight = reader.positive(items["weight"], f"{path}.weight") if "weight" in items else 1.0
     if len(reader.errors) != errors_before or name is None or default is None or weight is None:
         return None
-    return Tenant(name, tuple(keys), tuple(tiers), default, weight)
+    return Tenant(
+        name,
+        tuple(entry for entry, _ in keys),
+        tuple(tiers),
+        default,
+        weight,
+        key_digests=tuple(digest for _, digest in keys),
+    )
 
 
 def _read_api_keys(
-    reader: LocatedReader, node: Node, path: str, owner: str, key_owner: dict[str, str]
-) -> list[str]:
-    """The tenant's keys; a key may belong to one tenant only, or identity is ambiguous."""
+    reader: LocatedReader,
+    node: Node,
+    path: str,
+    owner: str,
+    key_owner: dict[bytes, str],
+    keys_dir: Path,
+) -> list[tuple[str, bytes]]:
+    """The tenant's keys, each with its digest; a key may belong to one tenant only, or
+    identity is ambiguous (compared by digest, so whatever form each entry takes)."""
     if isinstance(node, SequenceNode) and not node.value:
         reader.error(node, path, "must list at least one key")
-    keys: list[str] = []
-    for key_path, key_node, key in reader.located_strings(node, path, shown=key_hint):
-        if any(ch.isspace() for ch in key):
-            reader.error(key_node, key_path, "must not contain whitespace")
-        elif key in key_owner:
+    keys: list[tuple[str, bytes]] = []
+    for key_path, key_node, entry in reader.located_strings(node, path, shown=key_label):
+        digest = _key_entry_digest(reader, key_node, key_path, entry, keys_dir)
+        if digest is None:
+            continue
+        if digest in key_owner:
             reader.error(
                 key_node,
                 key_path,
-                f"key {key_hint(key)} is already used by tenant {key_owner[key]!r}",
+                f"key {key_label(entry)} is already used by tenant {key_owner[digest]!r}",
             )
-        else:
-            key_owner[key] = owner
-            keys.append(key)
+            continue
+        key_owner[digest] = owner
+        keys.append((entry, digest))
     return keys
+
+
+_PLAINTEXT_ADVICE = (
+    "write it as sha256:HEX (`fairlane hash-key -` prints it), env:NAME or file:PATH "
+    "to keep the secret out of the policy"
+)
+
+
+def _key_entry_digest(
+    reader: LocatedReader, node: Node, path: str, entry: str, keys_dir: Path
+) -> bytes | None:
+    """The SHA-256 of the key an ``api_keys`` entry stands for (``extproc.policy.keys``),
+    reading its variable or file; None after recording why there is none."""
+    if entry.startswith(SHA256_PREFIX):
+        digest = parse_hex_digest(entry)
+        if digest is None:
+            reader.error(node, path, "sha256: must be followed by 64 hex digits")
+        return digest
+    if entry.startswith(ENV_PREFIX):
+        key = _env_key(reader, node, path, entry[len(ENV_PREFIX) :])
+    elif entry.startswith(FILE_PREFIX):
+        key = _file_key(reader, node, path, entry[len(FILE_PREFIX) :], keys_dir)
+    else:
+        if any(ch.isspace() for ch in entry):
+            reader.error(node, path, "must not contain whitespace")
+            return None
+        advice = f"warning: plaintext API key {key_hint(entry)}: {_PLAINTEXT_ADVICE}"
+        reader.warn(node, path, advice)
+        return key_digest(entry)
+    if key is None:
+        return None
+    if not key or any(ch.isspace() for ch in key):
+        # never echo the value: it is a secret, and this message may reach a log
+        what = "is empty" if not key else "contains whitespace"
+        reader.error(node, path, f"the key in {entry} {what}")
+        return None
+    return key_digest(key)
+
+
+def _env_key(reader: LocatedReader, node: Node, path: str, name: str) -> str | None:
+    if not name:
+        reader.error(node, path, "env: must be followed by an environment variable's name")
+        return None
+    value = os.environ.get(name)
+    if value is None:
+        reader.error(node, path, f"environment variable {name} is not set")
+    return value
+
+
+def _file_key(
+    reader: LocatedReader, node: Node, path: str, name: str, keys_dir: Path
+) -> str | None:
+    if not name:
+        reader.error(node, path, "file: must be followed by a path")
+        return None
+    file = keys_dir / Path(name).expanduser()
+    try:
+        return file.read_bytes().decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError:
+        reader.error(node, path, f"key file {file} is not UTF-8 text")
+    except OSError as exc:
+        reader.error(node, path, f"cannot read key file {file}: {exc.strerror or exc}")
+    return None
 
 
 def _read_tier_refs(

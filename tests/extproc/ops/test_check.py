@@ -9,15 +9,20 @@ from pathlib import Path
 import pytest
 
 from extproc.ops.cli import main
+from extproc.policy import hashed_form
 
 REPO = Path(__file__).resolve().parents[3]
 FAIRLANE = Path(sys.executable).with_name("fairlane")
 
 
 def test_default_policy_is_described(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", str(REPO / "policies" / "default.yaml")]) == 0
+    default = REPO / "policies" / "default.yaml"
+    assert main(["check", str(default)]) == 0
     out, err = capsys.readouterr()
-    assert err == ""
+    # the demo keys are plaintext: each is a warning at its line, and the check still passes
+    assert [line.split(": warning: ")[0] for line in err.splitlines()] == [
+        f"{default}:{line}: tenants[{i}].api_keys[0]" for i, line in enumerate((58, 61, 64))
+    ]
     assert "OK, 3 tiers, 3 tenants" in out
     lines = out.splitlines()
     tiers_at = next(i for i, line in enumerate(lines) if line.startswith("TIER "))
@@ -98,3 +103,33 @@ def test_the_installed_command() -> None:
     assert result.returncode == 0, result.stderr
     assert "policies/default.yaml: OK, 3 tiers, 3 tenants" in result.stdout
     assert "chat-app" in result.stdout
+
+
+def test_plaintext_keys_are_warned_about_and_other_forms_are_shown_by_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CHAT_KEY", "sk-from-env-0001")
+    (tmp_path / "api.key").write_text("sk-from-file-0001\n")
+    policy = tmp_path / "keys.yaml"
+    policy.write_text(
+        "tiers:\n"
+        "  - {name: a, priority: 0, queue_limit: 1, queue_deadline_s: 1}\n"
+        "tenants:\n"
+        "  - name: chat\n"
+        "    api_keys: [env:CHAT_KEY, sk-plain-0001]\n"
+        "    tiers: [a]\n"
+        "  - name: api\n"
+        f"    api_keys: [file:api.key, {hashed_form('sk-hashed-0001')}]\n"
+        "    tiers: [a]\n"
+    )
+    assert main(["check", str(policy)]) == 0
+    out, err = capsys.readouterr()
+    assert err == (
+        f"{policy}:5: tenants[0].api_keys[1]: warning: plaintext API key sk-p…: write it as "
+        "sha256:HEX (`fairlane hash-key -` prints it), env:NAME or file:PATH to keep the "
+        "secret out of the policy\n"
+    )
+    assert "2 (env:CHAT_KEY, sk-p…)" in out
+    assert f"2 (file:api.key, {hashed_form('sk-hashed-0001')[:15]}…)" in out
+    for secret in ("sk-from-env-0001", "sk-from-file-0001", "sk-plain-0001", "sk-hashed-0001"):
+        assert secret not in out + err

@@ -1,0 +1,255 @@
+"""API keys in a policy: the four forms, their errors at file:line, lookup by digest, rotation."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import textwrap
+import timeit
+from pathlib import Path
+
+import pytest
+
+from extproc.policy import (
+    Policy,
+    PolicyError,
+    PolicyStore,
+    Tenant,
+    Tier,
+    hashed_form,
+    key_label,
+    load_policy,
+    parse_policy,
+)
+from extproc.policy.keys import KeyIndex, key_digest, self_contained_digest
+
+HEAD = """\
+tiers:
+  - name: fast
+    priority: 0
+    queue_limit: 10
+    queue_deadline_s: 5
+tenants:
+"""
+
+
+def tenant(name: str, *keys: str) -> str:
+    listed = ", ".join(f'"{key}"' for key in keys)
+    return f"  - name: {name}\n    api_keys: [{listed}]\n    tiers: [fast]\n"
+
+
+def policy_of(*tenants: str, filename: str = "p.yaml", base_dir: Path | None = None) -> Policy:
+    return parse_policy(HEAD + "".join(tenants), filename, base_dir)
+
+
+def errors_of(*tenants: str, base_dir: Path | None = None) -> list[str]:
+    with pytest.raises(PolicyError) as info:
+        policy_of(*tenants, base_dir=base_dir)
+    return info.value.errors
+
+
+def test_hashed_form_is_sha256_hex_of_the_utf8_key() -> None:
+    assert hashed_form("sk-ü") == "sha256:" + hashlib.sha256("sk-ü".encode()).hexdigest()
+
+
+def test_each_form_authenticates_the_same_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAIRLANE_TEST_KEY", "sk-from-env")
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "keys" / "bob").write_text("sk-from-file\n")  # the newline is not the key's
+    policy = policy_of(
+        tenant("plain", "sk-plain-0001"),
+        tenant("hashed", hashed_form("sk-hashed-0001").upper().replace("SHA256:", "sha256:")),
+        tenant("env", "env:FAIRLANE_TEST_KEY"),
+        tenant("file", "file:keys/bob"),
+        base_dir=tmp_path,
+    )
+    for key, name in [
+        ("sk-plain-0001", "plain"),
+        ("sk-hashed-0001", "hashed"),
+        ("sk-from-env", "env"),
+        ("sk-from-file", "file"),
+    ]:
+        found = policy.tenant_for_key(key)
+        assert found is not None and found.name == name, key
+    for wrong in ("sk-from-file\n", "env:FAIRLANE_TEST_KEY", "file:keys/bob", "sk-plain-000"):
+        assert policy.tenant_for_key(wrong) is None
+    assert policy.tenant_for_key(hashed_form("sk-hashed-0001")) is None  # a digest is no key
+
+
+def test_relative_key_files_are_read_from_the_policy_files_directory(tmp_path: Path) -> None:
+    (tmp_path / "chat.key").write_text("sk-chat-file\r\n")
+    path = tmp_path / "policy.yaml"
+    path.write_text(HEAD + tenant("chat", "file:chat.key"))
+    assert load_policy(path).tenant_for_key("sk-chat-file") is not None
+
+
+def test_unusable_entries_are_errors_at_their_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("FAIRLANE_UNSET_KEY", raising=False)
+    monkeypatch.setenv("FAIRLANE_EMPTY_KEY", "")
+    monkeypatch.setenv("FAIRLANE_SPACED_KEY", "sk-LEAKCHECK has spaces")
+    (tmp_path / "binary.key").write_bytes(b"\xff\xfe")
+    errors = errors_of(
+        tenant("a", "sha256:abc"),
+        tenant("b", "sha256:" + "g" * 64),
+        tenant("c", "env:FAIRLANE_UNSET_KEY"),
+        tenant("d", "env:FAIRLANE_EMPTY_KEY"),
+        tenant("e", "env:FAIRLANE_SPACED_KEY"),
+        tenant("f", "file:missing.key"),
+        tenant("g", "file:binary.key"),
+        tenant("h", "env:"),
+        tenant("i", "file:"),
+        tenant("j", "sk with space"),
+        base_dir=tmp_path,
+    )
+    assert errors == [
+        "p.yaml:8: tenants[0].api_keys[0]: sha256: must be followed by 64 hex digits",
+        "p.yaml:11: tenants[1].api_keys[0]: sha256: must be followed by 64 hex digits",
+        "p.yaml:14: tenants[2].api_keys[0]: environment variable FAIRLANE_UNSET_KEY is not set",
+        "p.yaml:17: tenants[3].api_keys[0]: the key in env:FAIRLANE_EMPTY_KEY is empty",
+        "p.yaml:20: tenants[4].api_keys[0]: the key in env:FAIRLANE_SPACED_KEY contains whitespace",
+        f"p.yaml:23: tenants[5].api_keys[0]: cannot read key file {tmp_path}/missing.key: "
+        "No such file or directory",
+        f"p.yaml:26: tenants[6].api_keys[0]: key file {tmp_path}/binary.key is not UTF-8 text",
+        "p.yaml:29: tenants[7].api_keys[0]: env: must be followed by an environment variable's "
+        "name",
+        "p.yaml:32: tenants[8].api_keys[0]: file: must be followed by a path",
+        "p.yaml:35: tenants[9].api_keys[0]: must not contain whitespace",
+    ]
+    assert not any("LEAKCHECK" in error for error in errors)  # a secret is never echoed
+
+
+def test_a_key_is_one_tenants_whatever_form_each_entry_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAIRLANE_TEST_KEY", "sk-shared-0001")
+    (tmp_path / "k").write_text("sk-shared-0001")
+    errors = errors_of(
+        tenant("alice", "sk-shared-0001"),
+        tenant("bob", hashed_form("sk-shared-0001")),
+        tenant("carol", "env:FAIRLANE_TEST_KEY"),
+        tenant("dave", "file:k"),
+        tenant("erin", "sk-erin-0001", hashed_form("sk-erin-0001")),
+        base_dir=tmp_path,
+    )
+    short = hashed_form("sk-shared-0001")[:15]
+    assert errors == [
+        f"p.yaml:11: tenants[1].api_keys[0]: key {short}… is already used by tenant 'alice'",
+        "p.yaml:14: tenants[2].api_keys[0]: key env:FAIRLANE_TEST_KEY is already used by "
+        "tenant 'alice'",
+        "p.yaml:17: tenants[3].api_keys[0]: key file:k is already used by tenant 'alice'",
+        f"p.yaml:20: tenants[4].api_keys[1]: key {hashed_form('sk-erin-0001')[:15]}… is "
+        "already used by tenant 'erin'",
+    ]
+
+
+def test_only_plaintext_keys_are_warned_about_with_their_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FAIRLANE_TEST_KEY", "sk-from-env")
+    policy = policy_of(
+        tenant("a", "sk-plain-0001", hashed_form("x"), "env:FAIRLANE_TEST_KEY"),
+        tenant("b", "sk-other-0001"),
+    )
+    assert [w.split(": warning: ")[0] for w in policy.warnings] == [
+        "p.yaml:8: tenants[0].api_keys[0]",
+        "p.yaml:11: tenants[1].api_keys[0]",
+    ]
+    assert "plaintext API key sk-p…" in policy.warnings[0]
+    assert "sha256:" in policy.warnings[0] and "env:NAME or file:PATH" in policy.warnings[0]
+    assert "sk-plain-0001" not in policy.warnings[0]
+
+
+def test_labels_never_show_a_usable_key() -> None:
+    assert key_label("sk-chat-demo") == "sk-c…"
+    assert key_label(hashed_form("k")) == hashed_form("k")[:15] + "…"
+    assert key_label("env:CHAT_KEY") == "env:CHAT_KEY"
+    assert key_label("file:/run/secrets/chat") == "file:/run/secrets/chat"
+
+
+def test_tenants_built_in_code_hash_their_plain_and_sha256_keys() -> None:
+    tier = Tier("fast", rank=0, priority=0, queue_limit=1, queue_deadline_s=1.0)
+    a = Tenant("a", api_keys=("sk-a",), tiers=("fast",), default_tier="fast")
+    b = Tenant("b", api_keys=(hashed_form("sk-b"),), tiers=("fast",), default_tier="fast")
+    policy = Policy(tiers=(tier,), tenants=(a, b))
+    assert policy.tenant_for_key("sk-a") is a
+    assert policy.tenant_for_key("sk-b") is b
+    assert "sk-a" not in repr(a)  # a plain key is a secret: out of repr
+    with pytest.raises(ValueError, match="resolved when a policy is parsed"):
+        Tenant("c", api_keys=("env:X",), tiers=("fast",), default_tier="fast")
+    with pytest.raises(ValueError, match="64 hex digits"):
+        self_contained_digest("sha256:00")
+
+
+def test_index_handles_digests_sharing_their_first_bytes() -> None:
+    """Buckets are keyed by 8 bytes of the digest; two keys whose digests share them (made
+    up here: SHA-256 gives none in practice) are both found, by their full digest."""
+    real = key_digest("sk-one")
+    twin = real[:8] + bytes(24)
+    index = KeyIndex([(real, "one"), (twin, "twin")])
+    assert index.find("sk-one") == "one"
+    assert index.find("sk-two") is None
+    assert len(index) == 2
+
+
+def test_lookup_costs_one_hash_and_stays_flat_with_many_tenants() -> None:
+    """100,000 keys: a lookup is one SHA-256 and a dict hit, a few hundred ns, not a scan."""
+    small = KeyIndex([(key_digest("sk-0"), 0)])
+    big = KeyIndex((key_digest(f"sk-{i}"), i) for i in range(100_000))
+    assert big.find("sk-99999") == 99_999
+    small_s = min(timeit.repeat(lambda: small.find("sk-0"), number=2000, repeat=5))
+    big_s = min(timeit.repeat(lambda: big.find("sk-99999"), number=2000, repeat=5))
+    assert big_s < small_s * 3  # a scan of 100,000 would be thousands of times slower
+
+
+# --------------------------------------------------------------------------- rotation
+
+
+def bump(path: Path, text: str) -> None:
+    """Rewrite ``path`` and move its mtime (coarse-timestamp filesystems)."""
+    before = path.stat().st_mtime_ns
+    path.write_text(text)
+    os.utime(path, ns=(before + 1_000_000_000, before + 1_000_000_000))
+
+
+def test_rotation_by_hot_reload_keeps_old_and_new_keys_valid_while_both_are_listed(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(HEAD + tenant("chat", "sk-old-0001"))
+    store = PolicyStore(path)
+
+    def owner(key: str) -> str | None:
+        found = store.current.tenant_for_key(key)
+        return None if found is None else found.name
+
+    assert (owner("sk-old-0001"), owner("sk-new-0001")) == ("chat", None)
+    bump(path, HEAD + tenant("chat", "sk-old-0001", hashed_form("sk-new-0001")))
+    assert store.reload() is True
+    assert (owner("sk-old-0001"), owner("sk-new-0001")) == ("chat", "chat")
+    bump(path, HEAD + tenant("chat", hashed_form("sk-new-0001")))
+    assert store.reload() is True
+    assert (owner("sk-old-0001"), owner("sk-new-0001")) == (None, "chat")
+
+
+def test_a_reload_naming_an_unset_variable_keeps_the_keys_in_force(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("FAIRLANE_UNSET_KEY", raising=False)
+    path = tmp_path / "policy.yaml"
+    path.write_text(HEAD + tenant("chat", "sk-old-0001"))
+    store = PolicyStore(path)
+    bump(path, HEAD + tenant("chat", "env:FAIRLANE_UNSET_KEY"))
+    assert store.reload() is False
+    assert store.current.tenant_for_key("sk-old-0001") is not None
+
+
+def test_parse_errors_name_the_policy_file(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(textwrap.dedent(HEAD + tenant("chat", "file:nope")))
+    with pytest.raises(PolicyError) as info:
+        load_policy(path)
+    assert info.value.errors[0].startswith(f"{path}:8: tenants[0].api_keys[0]: cannot read")

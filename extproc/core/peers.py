@@ -40,6 +40,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from extproc.core.scheduler import BandConfig, FairScheduler
+from extproc.fleet.shared_scrape import SharedScrape
 
 __all__ = [
     "DEFER_S",
@@ -85,6 +86,9 @@ class ReplicaReport:
     age_s: float = 0.0
     """How old the report was when it was read (Redis's clock, so replicas' clocks may
     differ)."""
+    scrapes: Mapping[str, SharedScrape] = field(default_factory=dict)
+    """Backend address -> the replica's last scrape of the engines it scrapes for the
+    fleet (``extproc.fleet.shared_scrape``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,13 +24,14 @@ from __future__ import annotations
 import ipaddress
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
 from extproc.fleet.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS, PrefixLRU
 from extproc.fleet.seats import Seats
+from extproc.fleet.shared_scrape import SharedScrape
 from extproc.fleet.vllm_metrics import EngineMetrics, interval_itl
 
 log = logging.getLogger("fairlane.backends")
@@ -43,6 +44,9 @@ SEATS_PER_FILL = 16
 many seats between scrapes (``Backend.fill_per_scrape``)."""
 COOL_OFF_S = 10.0
 """How long a backend whose completions kept failing is left out of picks."""
+MARKS_KEPT = 128
+"""Marks of the grant and completion totals a backend keeps (``Backend.mark``): at one per
+20 ms exchange, 2.5 s of history, far more than a shared scrape's age."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,24 +170,33 @@ class Backend:
     ``healthy`` is also false while the backend cools off after failed completions
     (``note_outcome``); ``clock`` (the pool's) times the cool-off. ``prefix_cache`` holds
     the block hashes of what was sent here, in blocks of ``block_size`` tokens.
+
+    When replicas share state, another replica may scrape this engine for the fleet
+    (``extproc.fleet.shared_scrape``): ``scrape_here`` says whether this replica's poller
+    scrapes it, and ``adopt_scrape`` records the other's scrape.
     """
 
     __slots__ = (
         "_clock",
+        "_marks",
         "block_size",
         "completed_since_scrape",
+        "completed_total",
         "cool_off_until",
         "failures",
         "granted_since_scrape",
+        "granted_total",
         "health_ok",
         "in_flight",
         "in_flight_by_rank",
         "itl_s",
         "kv_tokens_since_scrape",
+        "kv_tokens_total",
         "metrics",
         "peer_in_flight",
         "peer_in_flight_by_rank",
         "prefix_cache",
+        "scrape_here",
         "scrape_ok",
         "seats",
         "spec",
@@ -203,6 +216,13 @@ class Backend:
         self.granted_since_scrape = 0
         self.completed_since_scrape = 0
         self.kv_tokens_since_scrape = 0
+        # Cumulative twins of the three counters above, and marks of them in time: what a
+        # scrape taken elsewhere at some moment can have seen (``adopt_scrape``).
+        self.granted_total = 0
+        self.completed_total = 0
+        self.kv_tokens_total = 0
+        self._marks: deque[tuple[float, int, int, int]] = deque(maxlen=MARKS_KEPT)
+        self.scrape_here = True
         self.timeouts = 0
         self.failures = 0
         self.cool_off_until: float | None = None
@@ -258,6 +278,8 @@ class Backend:
         self.in_flight_by_rank[rank] += 1
         self.granted_since_scrape += 1
         self.kv_tokens_since_scrape += kv_tokens
+        self.granted_total += 1
+        self.kv_tokens_total += kv_tokens
 
     def waiting_ahead_of(self, rank: int) -> float:
         """The engine's waiting requests that a request of ``rank`` would wait behind.
@@ -300,12 +322,14 @@ class Backend:
         self.in_flight -= 1
         self.in_flight_by_rank[rank] -= 1
         self.completed_since_scrape += 1
+        self.completed_total += 1
 
     def note_completion_elsewhere(self) -> None:
         """Another replica's request finished here (every replica gets every completion):
         the seat is free for the next scrape's arithmetic, as after one of ours. Its lease
         leaves the fleet's in-flight count with that replica's next report."""
         self.completed_since_scrape += 1
+        self.completed_total += 1
 
     def note_outcome(self, ok: bool) -> None:
         """A completion from this backend succeeded (``ok``) or failed (5xx, dead link).
@@ -417,6 +441,56 @@ class Backend:
         self.completed_since_scrape = max(0, self.completed_since_scrape - completed_before)
         self.kv_tokens_since_scrape = max(0, self.kv_tokens_since_scrape - kv_tokens_before)
         self.scrape_ok = True
+
+    def mark(self, now: float) -> None:
+        """Remember the grant, completion and KV totals as of ``now`` (the replica loop
+        marks every backend once per exchange), so ``adopt_scrape`` can tell which of them
+        a scrape taken elsewhere could have seen."""
+        self._marks.append((now, self.granted_total, self.completed_total, self.kv_tokens_total))
+
+    def adopt_scrape(self, shared: SharedScrape, taken_at: float) -> bool:
+        """Record a scrape another replica took at ``taken_at`` (on this replica's clock) as
+        if it were ours; True when it was newer than what we had.
+
+        Of the grants and completions since our last scrape, those made after the latest
+        mark before ``taken_at`` stay counted as unseen by the engine: conservative, they
+        can only make the engine look busier, by at most one exchange period of grants.
+        With no such mark (the scrape is older than every mark), none are taken off.
+        A scraper whose scrape failed makes the engine unscrapable here too.
+        """
+        if not shared.ok:
+            if self.scrape_ok:
+                log.warning(
+                    "backend %s metrics unreadable by the replica that scrapes it; treating "
+                    "it as saturated",
+                    self.address,
+                )
+            self.scrape_ok = False
+            return False
+        current = self.metrics
+        if current is not None and taken_at <= current.scraped_at:
+            return False
+        granted = completed = kv_tokens = 0
+        mark = self._mark_before(taken_at)
+        if mark is not None:
+            _, granted_at, completed_at, kv_tokens_at = mark
+            granted = self.granted_since_scrape - (self.granted_total - granted_at)
+            completed = self.completed_since_scrape - (self.completed_total - completed_at)
+            kv_tokens = self.kv_tokens_since_scrape - (self.kv_tokens_total - kv_tokens_at)
+        if not self.scrape_ok:
+            log.warning("backend %s metrics are readable again", self.address)
+        metrics = shared.metrics
+        if metrics.scraped_at != taken_at:
+            metrics = replace(metrics, scraped_at=taken_at)
+        self.record_scrape(metrics, max(0, granted), max(0, completed), max(0, kv_tokens))
+        return True
+
+    def _mark_before(self, at: float) -> tuple[float, int, int, int] | None:
+        """The latest mark at or before ``at`` (marks are few: a reverse scan is enough)."""
+        for mark in reversed(self._marks):
+            if mark[0] <= at:
+                return mark
+        return None
 
     def _size_prefix_cache(self, metrics: EngineMetrics) -> None:
         """Follow the engine's ``cache_config_info``: a new block size makes every recorded

@@ -67,7 +67,8 @@ class Poller:
         others. After each round that finished a scrape the capacity listeners run, so
         admission re-dispatches as engines drain. Errors never end the loop: a failed or
         garbage scrape marks the backend not ``scrape_ok`` (logged once per change) and
-        leaves its last metrics to age into staleness.
+        leaves its last metrics to age into staleness. A backend whose ``scrape_here`` is
+        false is scraped by another replica for the fleet and skipped here.
         """
         loop = asyncio.get_running_loop()
         client_timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -77,7 +78,8 @@ class Poller:
                 next_round = loop.time()
                 while True:
                     for index, backend in enumerate(self.pool.backends):
-                        if index not in pending:
+                        # Another replica may scrape it for the fleet (shared_scrape).
+                        if index not in pending and backend.scrape_here:
                             pending[index] = loop.create_task(self._scrape(session, backend))
                     next_round += interval_s
                     delay = next_round - loop.time()

@@ -1,8 +1,12 @@
 """Reports and charges as bytes in Redis: compact JSON, read back without trusting it.
 
 A report is ``{"i": {backend: {rank: n}}, "w": {band: [n, oldest_wait_s, head_counter, head_flow]},
-"a": {tier: idle_s}}``; charges are ``[[band, flow, cost], ...]``. JSON because every replica of any
-version can read it and ``redis-cli`` shows it; the reports are a few hundred bytes.
+"a": {tier: idle_s}, "s": {backend: [scraped_at, age_s, ok, waiting, running, kv_cache_usage,
+itl_sum_s, itl_count, block_size, num_gpu_blocks]}}`` (``s``: the engines this replica scrapes
+for the fleet, ``extproc.fleet.shared_scrape``; ``scraped_at`` is on the scraper's clock and
+only tells its scrapes apart); charges are ``[[band, flow, cost], ...]``. JSON
+because every replica of any version can read it and ``redis-cli`` shows it; the reports are
+a few hundred bytes.
 Anything malformed (another version, a hand-edited key) is skipped, never raised into the
 exchange loop.
 """
@@ -16,6 +20,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from extproc.core.peers import PeerBand, ReplicaReport
+from extproc.fleet.shared_scrape import SharedScrape
+from extproc.fleet.vllm_metrics import EngineMetrics
 
 log = logging.getLogger("fairlane.state")
 
@@ -31,6 +37,8 @@ def encode_report(report: ReplicaReport) -> str:
         "w": {band: _band(p) for band, p in report.waiting.items()},
         "a": {tier: round(s, 3) for tier, s in report.idle_s.items() if math.isfinite(s)},
     }
+    if report.scrapes:
+        body["s"] = {addr: _scrape(shared) for addr, shared in report.scrapes.items()}
     return json.dumps(body, separators=(",", ":"))
 
 
@@ -42,15 +50,49 @@ def decode_report(replica: str, text: str, age_s: float) -> ReplicaReport | None
             str(addr): {int(r): int(n) for r, n in _mapping(ranks).items()}
             for addr, ranks in _mapping(body.get("i")).items()
         }
-        waiting = {
-            str(band): PeerBand(int(row[0]), float(row[1]), float(row[2]) if len(row) > 2 else None)
-            for band, row in _mapping(body.get("w")).items()
-        }
+        waiting = {str(band): _peer_band(row) for band, row in _mapping(body.get("w")).items()}
         idle = {str(tier): float(s) for tier, s in _mapping(body.get("a")).items()}
+        scrapes = {str(addr): _shared(row) for addr, row in _mapping(body.get("s")).items()}
     except (ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
         log.warning("skipping an unreadable report from replica %s: %s", replica, exc)
         return None
-    return ReplicaReport(replica, in_flight, waiting, idle, max(0.0, age_s))
+    return ReplicaReport(replica, in_flight, waiting, idle, max(0.0, age_s), scrapes)
+
+
+def _scrape(shared: SharedScrape) -> list[float | int | bool | None]:
+    m = shared.metrics
+    return [
+        m.scraped_at,
+        round(shared.age_s, 4),
+        shared.ok,
+        m.waiting,
+        m.running,
+        m.kv_cache_usage,
+        m.itl_sum_s,
+        m.itl_count,
+        m.block_size,
+        m.num_gpu_blocks,
+    ]
+
+
+def _shared(row: Any) -> SharedScrape:
+    """A scrape row read back; ValueError for numbers no engine reports (the reader must
+    not plan with a negative queue or a KV cache over full)."""
+    at, age, ok, waiting, running, kv, itl_sum, itl_count, block_size, blocks = row
+    numbers = [float(x) for x in (age, waiting, running, kv, itl_sum, itl_count)]
+    if not all(math.isfinite(x) and x >= 0 for x in numbers) or numbers[3] > 1.0 + 1e-9:
+        raise ValueError(f"scrape numbers out of range: {row!r}")
+    metrics = EngineMetrics(
+        waiting=numbers[1],
+        running=numbers[2],
+        kv_cache_usage=numbers[3],
+        itl_sum_s=numbers[4],
+        itl_count=numbers[5],
+        scraped_at=float(at),
+        block_size=None if block_size is None else int(block_size),
+        num_gpu_blocks=None if blocks is None else int(blocks),
+    )
+    return SharedScrape(metrics, numbers[0], bool(ok))
 
 
 def _band(peer: PeerBand) -> list[float | str]:

@@ -12,6 +12,10 @@ Two modes, and the switch between them is the whole failure story:
   state.
 
 Requests keep flowing in both modes: nothing on the request path waits for Redis.
+
+While shared, each engine is scraped by one replica for all of them
+(``extproc.fleet.shared_scrape``): its scrapes travel in its report, and the others adopt
+them instead of scraping the engine themselves.
 """
 
 from __future__ import annotations
@@ -20,13 +24,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 from redis.exceptions import RedisError
 
 from extproc.core.admission import Admission
-from extproc.core.peers import PeerView
+from extproc.core.peers import PeerView, ReplicaReport
+from extproc.fleet.shared_scrape import SharedScrape, scraper_of, takeover_s
 from extproc.state.codec import encode_charges, encode_report, merge_charges
 from extproc.state.exchange import Exchanged, RedisExchange
 
@@ -79,6 +84,11 @@ class SharedState:
     _last_id: str = ""
     _unsent: dict[tuple[str, str], float] = field(default_factory=dict)
     _last_ok: float = float("-inf")
+    _scraping: frozenset[str] = frozenset()
+    """The engines this replica scrapes for the fleet, as of the last exchange."""
+    _adopted: dict[str, tuple[str, float]] = field(default_factory=dict)
+    """Engine -> (scraper, its ``scraped_at``) of the last scrape adopted: a report repeats
+    its scrapes until the next, and adopting one twice would forget grants it never saw."""
 
     @property
     def grace_s(self) -> float:
@@ -108,7 +118,7 @@ class SharedState:
 
     async def exchange_once(self) -> bool:
         """One exchange; False (and cut off, when it lasts) if Redis did not answer."""
-        report = encode_report(self.admission.report(self.replica))
+        report = encode_report(self._report())
         merge_charges(
             self._unsent,
             ((b, f, c) for (b, f), c in self.admission.scheduler.take_ledger().items()),
@@ -145,8 +155,54 @@ class SharedState:
         self.shared = True
         self.replicas_seen = len(read.reports) + 1
         self.stats.charges_applied += len(read.charges)
+        self._share_scrapes(read.reports)
         view = PeerView.merge(read.reports, self.clock(), defer_s=3 * self.period_s)
         self.apply(view, list(read.charges))
+
+    def _report(self) -> ReplicaReport:
+        """Admission's report, with the scrapes this replica took for the fleet; marks
+        every backend's totals so later adoptions know what a scrape could have seen."""
+        now = self.admission.pool.clock()  # the clock scrapes are stamped with
+        scrapes: dict[str, SharedScrape] = {}
+        for backend in self.admission.pool.backends:
+            backend.mark(now)
+            metrics = backend.metrics
+            if backend.address in self._scraping and metrics is not None:
+                age = max(0.0, now - metrics.scraped_at)
+                scrapes[backend.address] = SharedScrape(metrics, age, backend.scrape_ok)
+        report = self.admission.report(self.replica)
+        return replace(report, scrapes=scrapes) if scrapes else report
+
+    def _share_scrapes(self, reports: Sequence[ReplicaReport]) -> None:
+        """Adopt each engine's scrape from the replica that scrapes it, and scrape here the
+        engines this replica is the scraper of, or whose scrapes stopped coming."""
+        now = self.admission.pool.clock()
+        live = [self.replica, *(r.replica for r in reports)]
+        by_replica = {r.replica: r for r in reports}
+        interval = self.admission.policy.backpressure.scrape_interval_s
+        late = takeover_s(interval, self.period_s)
+        scraping = set()
+        for backend in self.admission.pool.backends:
+            scraper = scraper_of(backend.address, live)
+            if scraper == self.replica:
+                scraping.add(backend.address)
+                backend.scrape_here = True
+                continue
+            report = by_replica[scraper]
+            shared = report.scrapes.get(backend.address)
+            seen = (scraper, shared.metrics.scraped_at) if shared is not None else None
+            if shared is not None and seen != self._adopted.get(backend.address):
+                self._adopted[backend.address] = (scraper, shared.metrics.scraped_at)
+                backend.adopt_scrape(shared, now - report.age_s - shared.age_s)
+            metrics = backend.metrics
+            backend.scrape_here = metrics is None or now - metrics.scraped_at > late
+        self._scraping = frozenset(scraping)
+
+    def _scrape_everything(self) -> None:
+        """Alone again (cut off): every engine is scraped here, as without replicas."""
+        self._scraping = frozenset()
+        for backend in self.admission.pool.backends:
+            backend.scrape_here = True
 
     def _failed(self, exc: BaseException) -> None:
         """Cut off once the last good exchange is ``grace_s`` old: until then the last view
@@ -155,6 +211,7 @@ class SharedState:
             return
         self.cut_off, self.shared = True, False
         self.stats.cut_offs += 1
+        self._scrape_everything()
         log.warning(
             "replica %s: cannot reach %s (%s); scheduling alone on 1/%d of each backend "
             "until it answers",

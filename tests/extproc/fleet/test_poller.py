@@ -236,3 +236,33 @@ async def test_one_late_scrape_is_missed_two_in_a_row_mark_the_backend_unscrapab
         await asyncio.gather(watch, return_exceptions=True)
         release.set()
         await runner.cleanup()
+
+
+async def test_an_engine_another_replica_scrapes_is_not_scraped_here() -> None:
+    hits = {"a": 0, "b": 0}
+
+    def page(name: str) -> object:
+        async def metrics(_: web.Request) -> web.Response:
+            hits[name] += 1
+            return web.Response(text=METRICS_PAGE.format(running=1, waiting=0, count=1, itl_sum=0))
+
+        return metrics
+
+    servers = []
+    for name in hits:
+        app = web.Application()
+        app.router.add_get("/metrics", page(name))  # type: ignore[arg-type]
+        servers.append(await _serve(app))
+    pool = BackendPool([BackendSpec("127.0.0.1", port) for _, port in servers])
+    pool.backends[1].scrape_here = False  # the shared state says another replica scrapes it
+    watch = asyncio.create_task(Poller(pool).watch_metrics(interval_s=0.01, timeout_s=1.0))
+    try:
+        await _until(lambda: hits["a"] >= 10)
+        assert hits["b"] == 0 and pool.backends[1].metrics is None
+        pool.backends[1].scrape_here = True  # its scraper's scrapes stopped coming
+        await _until(lambda: hits["b"] >= 1)
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        for runner, _ in servers:
+            await runner.cleanup()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from extproc.core.peers import PeerBand, ReplicaReport
+from extproc.fleet.shared_scrape import SharedScrape
+from extproc.fleet.vllm_metrics import EngineMetrics
 from extproc.state.codec import (
     decode_charges,
     decode_report,
@@ -20,6 +22,33 @@ def test_a_report_round_trips() -> None:
     assert decoded == ReplicaReport(
         "r1", report.in_flight, report.waiting, report.idle_s, age_s=0.1
     )
+
+
+def test_a_band_head_and_shared_scrapes_round_trip() -> None:
+    """The head's flow is what tells "another flow is owed" from "my own flow waits on
+    another replica too"; a scrape's clock (``scraped_at``) does not travel, its age does."""
+    metrics = EngineMetrics(3, 4, 0.5, 12.5, 400, scraped_at=71.5, block_size=16, num_gpu_blocks=9)
+    report = ReplicaReport(
+        "r1",
+        waiting={"batch": PeerBand(7, 1.25, 30.0, "nightly")},
+        scrapes={
+            "10.0.0.1:8000": SharedScrape(metrics, 0.05),
+            "10.0.0.2:8000": SharedScrape(
+                EngineMetrics(0, 0, 0.0, 0.0, 0, scraped_at=0.0), 0.2, ok=False
+            ),
+        },
+    )
+    decoded = decode_report("r1", encode_report(report), age_s=0.0)
+    assert decoded == report
+
+
+def test_scrapes_no_engine_reports_are_refused() -> None:
+    for row in (
+        "[1, 0.1, true, -1, 4, 0.5, 1, 1, 16, 9]",
+        "[1, 0.1, true, 1, 4, 1.5, 1, 1, 16, 9]",
+        "[1, 0.1, true, 1, 4, 0.5, 1]",
+    ):
+        assert decode_report("r1", '{"s": {"10.0.0.1:8000": ' + row + "}}", 0.0) is None
 
 
 def test_a_tier_never_seen_is_left_out_of_the_report() -> None:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from extproc.core.admission import Admission
+from extproc.fleet.vllm_metrics import EngineMetrics
 from extproc.state.exchange import RedisExchange
 from extproc.state.replica import SharedState
 from tests.conftest import RedisServer
@@ -27,8 +28,11 @@ BACKEND = "127.0.0.1:9000"
 class Replica:
     """One replica's admission and shared state, applying views as the service does."""
 
-    def __init__(self, name: str, url: str, ttl_s: float = 2.0, period_s: float = 0.02) -> None:
-        self.admission: Admission = make_admission(limit=4)[0]
+    def __init__(
+        self, name: str, url: str, ttl_s: float = 2.0, period_s: float = 0.02, backends: int = 1
+    ) -> None:
+        self.admission: Admission
+        self.admission, self.pool, self.clock = make_admission(limit=4, backends=backends)
         self.admission.scheduler.take_ledger()
         self.granted: list[str] = []
 
@@ -145,6 +149,7 @@ async def test_redis_lost_cuts_off_then_the_replica_rejoins_by_itself(
         assert not await r1.exchange()
         await asyncio.sleep(0.02)
     assert not r1.state.shared and r1.state.stats.cut_offs == 1
+    assert all(b.scrape_here for b in r1.pool.backends)  # alone: scrapes every engine
     assert r1.admission.backend_limit == 2  # alone on 1/2 of each backend: 2 replicas seen
     submit(r1.admission, "during", Request(API))  # requests keep flowing meanwhile
     assert r1.admission.grant_of("during") is not None
@@ -153,6 +158,46 @@ async def test_redis_lost_cuts_off_then_the_replica_rejoins_by_itself(
     assert r1.state.shared and not r1.state.cut_off
     assert r1.admission.backend_limit == 4
     assert r2.admission.pool.backends[0].peer_in_flight == 1  # rebuilt from r1's report
+
+
+async def test_each_engine_is_scraped_by_one_replica_and_adopted_by_the_others(
+    redis_server: RedisServer,
+) -> None:
+    r1, r2 = (
+        Replica("s1", redis_server.url, backends=6),
+        Replica("s2", redis_server.url, backends=6),
+    )
+    try:
+        await round_trip(r1, r2)
+        for b1, b2 in zip(r1.pool.backends, r2.pool.backends, strict=True):
+            assert [b1.scrape_here, b2.scrape_here].count(True) == 1, b1.address
+        assert r1.state._scraping and r2.state._scraping  # six engines: both scrape some
+        # r1 scrapes one of its engines (as its poller would); r2 adopts what r1 read.
+        scraper, reader = r1.pool.backends[0], r2.pool.backends[0]
+        if not scraper.scrape_here:
+            scraper, reader = r2.pool.backends[0], r1.pool.backends[0]
+        owner = r1 if scraper in r1.pool.backends else r2
+        other = r2 if owner is r1 else r1
+        # The scrape is 0.2 s old when r1 reports it; the reader granted after its last
+        # mark, so the scrape (taken before that) cannot have seen the grant.
+        owner.clock.now += 0.1
+        scraper.record_scrape(EngineMetrics(2, 3, 0.4, 0.5, 50, owner.clock.now), 0)
+        owner.clock.now += 0.2
+        other.clock.now += 0.3
+        await other.exchange()
+        reader.note_grant()
+        await round_trip(owner, other)
+        metrics = reader.metrics
+        assert metrics is not None and (metrics.waiting, metrics.running) == (2, 3)
+        assert metrics.scraped_at == pytest.approx(other.clock.now - 0.2, abs=0.01)
+        assert reader.granted_since_scrape == 1 and not reader.scrape_here
+        # The scraper's scrapes stop coming (hung): past the takeover age the reader scrapes.
+        other.clock.now += 1.0
+        await other.exchange()
+        assert reader.scrape_here
+    finally:
+        for replica in (r1, r2):
+            await replica.state.store.close()
 
 
 async def test_an_unexpected_error_does_not_end_the_exchange_loop(

@@ -49,6 +49,15 @@ Envoy on the response from the ``fairlane`` metadata."""
 QUEUE_MS_HEADER = "x-fairlane-queue-ms"
 """How long the gateway held the request, on the response."""
 
+VLLM_PRIORITY_HEADER = "x-vllm-priority"
+"""The vLLM priority the service sets on a generation request (``core.gateway`` sets it)."""
+OWNED_HEADER_PREFIX = "x-fairlane-"
+"""Every header under this prefix is the gateway's: a client's copy never reaches a backend."""
+CLIENT_AUTHORIZATION_HEADER = "x-fairlane-client-authorization"
+"""Where the shipped Envoy moves the client's ``authorization`` before the ext_proc filter, so
+that a request the service never processed (a fail-open route) cannot carry a tenant key to
+a backend; the codec hands it to the service as ``authorization``."""
+
 RESPONSE_METADATA_HEADERS: dict[str, str] = {
     TIER_HEADER: TIER_KEY,
     QUEUE_MS_HEADER: QUEUE_MS_KEY,

@@ -46,9 +46,11 @@ from extproc.envoy.connection_manager import hcm_settings
 from extproc.envoy.filter import ext_proc_filter
 from extproc.envoy.generated import comment, dump_yaml, generated_header
 from extproc.envoy.overload import buffer_filter, guarded_routes, layered_runtime
+from extproc.envoy.owned_headers import strip_filter
 from extproc.envoy.params import EnvoyParams
 from extproc.envoy.protojson import HCM_TYPE, hcm_filter_chains, router_filter, socket_address
 from extproc.envoy.snippet import render_mesh_snippet_yaml
+from extproc.envoy.tls import downstream_tls
 
 BOOTSTRAP_COMMAND = "python -m extproc.envoy.bootstrap"
 
@@ -108,15 +110,26 @@ def _listener(params: EnvoyParams) -> dict[str, Any]:
                 {"name": "fairlane", "domains": ["*"], "routes": guarded_routes(params)}
             ],
         },
-        "http_filters": [ext_proc_filter(params), buffer_filter(params), router_filter()],
+        # The client's copies of the gateway's headers go before anything reads them, so a
+        # fail-open route cannot pass them on either (extproc.envoy.owned_headers).
+        "http_filters": [
+            strip_filter(),
+            ext_proc_filter(params),
+            buffer_filter(params),
+            router_filter(),
+        ],
     }
+    chains = hcm_filter_chains(hcm)
+    if params.tls_cert_path is not None and params.tls_key_path is not None:
+        for chain in chains:
+            chain["transport_socket"] = downstream_tls(params.tls_cert_path, params.tls_key_path)
     return {
         "name": "fairlane_http",
         "address": socket_address(params.listen_host, params.listen_port),
         # BUFFERED mode needs the whole body in this buffer: the default 1 MiB would 413
         # requests the policy allows.
         "per_connection_buffer_limit_bytes": params.buffer_limit_bytes,
-        "filter_chains": hcm_filter_chains(hcm),
+        "filter_chains": chains,
     }
 
 

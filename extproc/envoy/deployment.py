@@ -8,7 +8,8 @@ values for deployments that need to (a bigger listener buffer, a fixed hold cap)
 
 Shape (``deploy/fairlane.yaml`` is the shipped example)::
 
-    listen: {host: 127.0.0.1, port: 8080}      # clients
+    listen: {host: 127.0.0.1, port: 8080}      # clients; optional TLS, files as Envoy
+    #   sees them: tls: {cert: /etc/envoy/tls/cert.pem, key: /etc/envoy/tls/key.pem}
     admin: {host: 127.0.0.1, port: 9901}       # Envoy admin; keep it on loopback
     service: {host: 127.0.0.1, port: 50051}    # the ext_proc service (fairlane serve); or
     # its replicas, each at its own address: extproc.envoy.deployment_service shows how
@@ -16,6 +17,7 @@ Shape (``deploy/fairlane.yaml`` is the shipped example)::
     backends:                                  # regions are priority levels, first named = 0
       - {url: http://10.0.0.11:8000, region: us-east-1, weight: 2, seats: 64}
       - {url: http://10.1.0.11:8000, region: us-west-2}          # seats learned
+      - {url: http://10.1.0.12:8000, region: us-west-2, api_key: env:VLLM_API_KEY}
     # optional, default from the policy:
     # max_body_bytes, longest_hold_s, max_held_requests, message_timeout_s, access_log_path
     # optional: what Envoy does when the service is down (default closed: 503, never forwarded)
@@ -36,6 +38,9 @@ A backend's optional ``seats`` declares how many requests its engine runs at onc
 the engine (``extproc.fleet.seats``). Envoy does not use it: the service does, and it is given its
 backends on its command line, so the same count goes on the service's ``--backend`` as
 ``#seats=N`` (``tests/deploy/test_compose.py`` checks that the compose files agree).
+``api_key`` is the same kind of field: where the engine's ``--api-key`` is read from
+(``env:NAME`` or ``file:PATH``, never the key itself), for the service's ``--backend`` as
+``#key=...`` (``extproc.transport.credentials``); Envoy never sees the key.
 
 Every problem in the file is reported at once, as ``file:line: field.path: message`` (line
 numbers from PyYAML's node marks), like the policy parser does.
@@ -60,7 +65,7 @@ from extproc.envoy.params import (
     EnvoyParams,
     RouteSpec,
 )
-from extproc.fleet.backend import BackendSpec
+from extproc.fleet.backend import BackendSpec, is_secret_reference
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyError, load_policy
 from extproc.yamlfile import LocatedReader, YamlSyntaxError, compose
 
@@ -83,7 +88,9 @@ _TOP_KEYS = (
     "routes",
 )
 _ADDRESS_KEYS = ("host", "port")
-_BACKEND_KEYS = ("url", "region", "weight", "seats")
+_LISTEN_KEYS = ("host", "port", "tls")
+_TLS_KEYS = ("cert", "key")
+_BACKEND_KEYS = ("url", "region", "weight", "seats", "api_key")
 _ROUTE_KEYS = ("name", "prefix", "path", "failure_mode")
 FAILURE_MODES = {"closed": False, "open": True}
 """``failure_mode`` values -> ext_proc ``failure_mode_allow``."""
@@ -191,7 +198,11 @@ def _read(reader: LocatedReader, root: Node, base_dir: Path) -> Deployment | Non
         ("admin", ("admin_host", "admin_port"), True),
     ):
         if key in top:
-            address = reader.mapping(top[key], key, _ADDRESS_KEYS)
+            address = reader.mapping(
+                top[key], key, _LISTEN_KEYS if key == "listen" else _ADDRESS_KEYS
+            )
+            if "tls" in address:
+                kwargs.update(_read_tls(reader, address["tls"]))
             if "host" in address:
                 kwargs[host_field] = reader.value(address["host"], f"{key}.host", str, _non_empty)
             if "port" in address:
@@ -232,6 +243,35 @@ def _read(reader: LocatedReader, root: Node, base_dir: Path) -> Deployment | Non
         reader.error(root, "", str(exc))
         return None
     return Deployment(reader.filename, policy_path, policy, params)
+
+
+def _read_tls(reader: LocatedReader, node: Node) -> dict[str, str]:
+    """``listen.tls: {cert, key}``: absolute paths as Envoy sees them (it reads the files)."""
+    fields = reader.mapping(node, "listen.tls", _TLS_KEYS)
+    paths: dict[str, str] = {}
+    for key, param in (("cert", "tls_cert_path"), ("key", "tls_key_path")):
+        if key not in fields:
+            reader.error(node, f"listen.tls.{key}", "is required (a PEM file Envoy can read)")
+            continue
+        value = reader.value(fields[key], f"listen.tls.{key}", str, _absolute_path)
+        if value is not None:
+            paths[param] = value
+    return paths
+
+
+def _absolute_path(value: str) -> str | None:
+    if value.startswith("/"):
+        return None
+    return "must be an absolute path, as Envoy (its container) sees the file"
+
+
+def _secret_reference(value: str) -> str | None:
+    if is_secret_reference(value):
+        return None
+    return (
+        "must be env:NAME or file:PATH (where the service reads the engine's key; the key "
+        "itself never goes in this file)"
+    )
 
 
 def _read_failure_mode(reader: LocatedReader, node: Node, path: str) -> bool | None:
@@ -289,7 +329,9 @@ def _read_routes(reader: LocatedReader, node: Node) -> tuple[RouteSpec, ...]:
 
 def _read_backends(reader: LocatedReader, node: Node) -> tuple[BackendSpec, ...]:
     if not isinstance(node, SequenceNode) or not node.value:
-        reader.error(node, "backends", "must be a non-empty list of {url, region, weight, seats}")
+        reader.error(
+            node, "backends", "must be a non-empty list of {url, region, weight, seats, api_key}"
+        )
         return ()
     specs: list[BackendSpec] = []
     seen: dict[str, int] = {}
@@ -334,9 +376,14 @@ def _read_backend(reader: LocatedReader, fields: dict[str, Node], path: str) -> 
         if "seats" in fields
         else None
     )
+    api_key = (
+        reader.value(fields["api_key"], f"{path}.api_key", str, _secret_reference)
+        if "api_key" in fields
+        else None
+    )
     if url is None or region is None or weight is None:
         return None
-    if "seats" in fields and seats is None:
+    if ("seats" in fields and seats is None) or ("api_key" in fields and api_key is None):
         return None
     parts = urlsplit(url if "://" in url else f"http://{url}")
     try:
@@ -347,7 +394,7 @@ def _read_backend(reader: LocatedReader, fields: dict[str, Node], path: str) -> 
         reader.error(fields["url"], f"{path}.url", f"expected http://IP:PORT, got {url!r}")
         return None
     try:
-        return BackendSpec(parts.hostname, port, region.strip(), weight, seats)
+        return BackendSpec(parts.hostname, port, region.strip(), weight, seats, api_key)
     except ValueError as exc:
         hint = (
             "; give the backend a fixed address (docker-compose: ipv4_address) and use it"

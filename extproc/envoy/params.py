@@ -141,10 +141,18 @@ class EnvoyParams:
     # The catch-all route's failure mode when the service is down: False = fail-closed
     # (503), the only safe choice for generation (see RouteSpec).
     failure_mode_allow: bool = False
+    # TLS on the client listener (extproc.envoy.tls): a PEM certificate chain and its private
+    # key, as paths Envoy reads at startup. Both or neither; neither: plain HTTP.
+    tls_cert_path: str | None = None
+    tls_key_path: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("listen_port", "admin_port", "extproc_port"):
             _check_port(name, getattr(self, name), allow_zero=name != "extproc_port")
+        if (self.tls_cert_path is None) != (self.tls_key_path is None):
+            raise EnvoyConfigError("TLS needs both a certificate and a key file, or neither")
+        if self.tls_cert_path == "" or self.tls_key_path == "":
+            raise EnvoyConfigError("a TLS certificate or key path must not be empty")
         self._check_replicas()
         self._check_backends()
         if self.max_body_bytes <= 0:
@@ -204,6 +212,11 @@ class EnvoyParams:
     def regions(self) -> tuple[str, ...]:
         """Regions in the order first named; the index is the Envoy priority level."""
         return tuple(dict.fromkeys(b.region for b in self.backends))
+
+    @property
+    def tls(self) -> bool:
+        """Whether the client listener terminates TLS."""
+        return self.tls_cert_path is not None
 
     @property
     def buffer_limit_bytes(self) -> int:

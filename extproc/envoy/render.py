@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import dataclasses
 import importlib
 import os
 import re
@@ -42,6 +44,7 @@ from extproc.envoy.binary import validate
 from extproc.envoy.bootstrap import render_bootstrap, render_yaml
 from extproc.envoy.clusters import backend_cluster, extproc_cluster
 from extproc.envoy.deployment import Deployment, DeploymentError, load_deployment
+from extproc.envoy.generated import dump_yaml
 from extproc.envoy.mesh import MESHES, render_mesh_yaml
 from extproc.envoy.mesh.istio import istio_bootstrap
 from extproc.envoy.params import (
@@ -54,6 +57,7 @@ from extproc.envoy.params import (
 )
 from extproc.envoy.replicas import HEALTH_CHECK_INTERVAL_S
 from extproc.envoy.snippet import render_mesh_snippet, render_mesh_snippet_yaml, wrap_snippet
+from extproc.envoy.tls import TLS_TRANSPORT_SOCKET
 
 # Where the source checkout keeps its example deployment, if fairlane runs from one. A wheel
 # has no deploy/ (its relative `policy:` would not resolve inside the package anyway).
@@ -255,11 +259,46 @@ def _service_text(params: EnvoyParams) -> str:
 
 def envoy_validate(rendered: Rendered) -> None:
     """``envoy --mode validate`` on the exact text (a temporary file; nothing is bound), so
-    a file appears at ``-o`` only once Envoy accepted it."""
+    a file appears at ``-o`` only once Envoy accepted it.
+
+    Envoy validates a listener's TLS by loading its certificate files, which often exist
+    only where Envoy runs (its container): when they are not on this machine, the listener
+    is validated without its TLS transport socket (``tls_files_elsewhere``)."""
+    text = rendered.bootstrap_text
+    if tls_files_elsewhere(rendered.bootstrap):
+        text = dump_yaml(_without_tls(rendered.bootstrap))
     with tempfile.TemporaryDirectory(prefix="fairlane-render-") as tmp:
         path = Path(tmp) / "envoy.yaml"
-        path.write_text(rendered.bootstrap_text)
+        path.write_text(text)
         validate(path)
+
+
+def _tls_sockets(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
+    listeners = bootstrap.get("static_resources", {}).get("listeners", [])
+    return [
+        chain["transport_socket"]
+        for listener in listeners
+        for chain in listener.get("filter_chains", [])
+        if chain.get("transport_socket", {}).get("name") == TLS_TRANSPORT_SOCKET
+    ]
+
+
+def tls_files_elsewhere(bootstrap: dict[str, Any]) -> bool:
+    """Whether a listener's TLS certificate or key is not readable on this machine."""
+    for socket in _tls_sockets(bootstrap):
+        for pair in socket["typed_config"]["common_tls_context"]["tls_certificates"]:
+            for source in (pair["certificate_chain"], pair["private_key"]):
+                if not os.access(source["filename"], os.R_OK):
+                    return True
+    return False
+
+
+def _without_tls(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    stripped = copy.deepcopy(bootstrap)
+    for listener in stripped["static_resources"]["listeners"]:
+        for chain in listener.get("filter_chains", []):
+            chain.pop("transport_socket", None)
+    return stripped
 
 
 def report(deployment: Deployment, rendered: Rendered, validated: bool) -> str:
@@ -271,7 +310,8 @@ def report(deployment: Deployment, rendered: Rendered, validated: bool) -> str:
     outlier = backends["outlier_detection"]
     lines = [
         f"deployment {_shown(deployment.source)} (policy {_shown(deployment.policy_path)})",
-        f"  listener {params.listen_host}:{params.listen_port}, admin "
+        f"  listener {params.listen_host}:{params.listen_port}"
+        f"{' (TLS)' if params.tls else ''}, admin "
         f"{params.admin_host}:{params.admin_port}, {_service_text(params)}",
         "  regions as priority levels (failover in this order; overprovisioning factor 140):",
     ]
@@ -347,6 +387,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-o", "--output", type=Path, default=None, help="write here instead of stdout"
     )
+    parser.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="PATH",
+        help="serve clients over TLS with this PEM certificate chain (a path as Envoy sees "
+        "it; overrides the deployment's listen.tls)",
+    )
+    parser.add_argument("--tls-key", default=None, metavar="PATH", help="its PEM private key")
     parser.add_argument("--no-validate", action="store_true", help="skip `envoy --mode validate`")
     parser.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr")
 
@@ -369,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        deployment = load_deployment(path)
+        deployment = with_tls(load_deployment(path), args.tls_cert, args.tls_key)
         if args.snippet and args.mesh:
             raise EnvoyConfigError("--snippet and --mesh exclude each other")
         rendered = render(deployment, snippet=args.snippet, mesh=args.mesh)
@@ -395,6 +443,18 @@ def run(args: argparse.Namespace) -> int:
         if args.output is not None:
             print(f"  written to {args.output}", file=sys.stderr)
     return 0
+
+
+def with_tls(deployment: Deployment, cert: str | None, key: str | None) -> Deployment:
+    """``deployment`` with ``--tls-cert``/``--tls-key`` (both or neither) on its listener."""
+    if cert is None and key is None:
+        return deployment
+    if cert is None or key is None:
+        raise EnvoyConfigError("--tls-cert and --tls-key go together")
+    params = dataclasses.replace(
+        deployment.params, tls_cert_path=os.path.abspath(cert), tls_key_path=os.path.abspath(key)
+    )
+    return dataclasses.replace(deployment, params=params)
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.envoy.filter import failure_mode_override
+from extproc.envoy.owned_headers import route_headers_to_remove
 from extproc.envoy.params import CATCH_ALL_ROUTE, NUM_RETRIES, RETRY_ON, EnvoyParams, RouteSpec
 from extproc.envoy.protojson import duration, previous_hosts
 from extproc.wire import BACKEND_CLUSTER, FAIRLANE_NAMESPACE, RESPONSE_METADATA_HEADERS
@@ -57,6 +58,10 @@ def plain_route(params: EnvoyParams, spec: RouteSpec | None) -> dict[str, Any]:
             "retry_policy": _retry_policy(),
         },
         "response_headers_to_add": _response_headers(),
+        # What the service read and never sets (the client's tier ask and key headers): gone
+        # even when the service was bypassed (fail-open). Route headers apply after the
+        # filters, so they never touch what the service set.
+        "request_headers_to_remove": route_headers_to_remove(),
     }
 
 

@@ -62,6 +62,10 @@ class BackendSpec:
     moment of load that queues in the engine. Declare it when the engine's flags are known
     (or it never queues while KV has room, so nothing can be learned); a declared count
     wins over anything observed, so it must be right.
+
+    ``credential`` is where the engine's API key lives (``env:NAME`` or ``file:PATH``, never
+    the key itself): the service reads it once at startup and sends it as the upstream
+    ``authorization`` (``extproc.transport.credentials``).
     """
 
     host: str
@@ -73,6 +77,9 @@ class BackendSpec:
     seats: int | None = None
     """Requests the engine runs at once (its ``--max-num-seqs``), when the deployment says;
     otherwise learned from its scrapes (``extproc.fleet.seats``)."""
+    credential: str | None = None
+    """``env:NAME`` or ``file:PATH``: where the engine's ``--api-key`` is read from (None:
+    the engine wants none)."""
 
     def __post_init__(self) -> None:
         try:
@@ -90,6 +97,11 @@ class BackendSpec:
             raise ValueError(f"backend weight must be >= 1, got {self.weight}")
         if self.seats is not None and self.seats < 1:
             raise ValueError(f"backend seats must be >= 1, got {self.seats}")
+        if self.credential is not None and not is_secret_reference(self.credential):
+            raise ValueError(
+                "backend key must be env:NAME or file:PATH (where the key is read from, never "
+                "the key itself)"
+            )
 
     @property
     def address(self) -> str:
@@ -103,20 +115,31 @@ class BackendSpec:
         return f"http://{self.address}"
 
 
-BACKEND_SYNTAX = "[REGION=]http://IP:PORT[#seats=N]"
+BACKEND_SYNTAX = "[REGION=]http://IP:PORT[#seats=N][,key=env:NAME|file:PATH]"
 """How a backend is written on the command line (``--backend``)."""
+
+SECRET_PREFIXES = ("env:", "file:")
+"""How a secret is referred to: ``env:NAME`` (an environment variable) or ``file:PATH``."""
+
+
+def is_secret_reference(text: str) -> bool:
+    """Whether ``text`` names where a secret lives (``env:NAME``, ``file:PATH``) rather than
+    being one: configuration files and command lines must not carry keys."""
+    prefix, sep, rest = text.partition(":")
+    return bool(sep) and f"{prefix}:" in SECRET_PREFIXES and bool(rest.strip())
 
 
 def parse_backend(text: str) -> BackendSpec:
-    """Parse ``[REGION=]http://IP:PORT[#seats=N]``; the host must be an IP address (Envoy
-    routes by ``ip:port``).
+    """Parse ``[REGION=]http://IP:PORT[#seats=N][,key=env:NAME|file:PATH]``; the host must be
+    an IP address (Envoy routes by ``ip:port``).
 
     ``#seats=N`` declares how many requests the engine runs at once (its ``--max-num-seqs``);
-    without it the count is learned from the engine. It is a URL fragment, so it can never be
-    mistaken for part of the address, and it is split off before the region's ``=``.
+    without it the count is learned from the engine. ``key=`` says where the engine's API key
+    is read from (``env:NAME``, ``file:PATH``). The options are a URL fragment, so they can
+    never be mistaken for part of the address, and are split off before the region's ``=``.
     """
     address, hash_sign, options = text.partition("#")
-    seats = _backend_options(text, options) if hash_sign else None
+    seats, credential = _backend_options(text, options) if hash_sign else (None, None)
     region, sep, url = address.partition("=")
     if not sep:
         region, url = DEFAULT_REGION, address
@@ -130,19 +153,43 @@ def parse_backend(text: str) -> BackendSpec:
     if parts.scheme != "http" or not parts.hostname or port is None:
         raise ValueError(f"backend {text!r}: expected {BACKEND_SYNTAX}")
     try:
-        return BackendSpec(parts.hostname, port, region.strip() or DEFAULT_REGION, seats=seats)
+        return BackendSpec(
+            parts.hostname,
+            port,
+            region.strip() or DEFAULT_REGION,
+            seats=seats,
+            credential=credential,
+        )
     except ValueError as exc:
         raise ValueError(f"backend {text!r}: {exc}") from None
 
 
-def _backend_options(text: str, options: str) -> int:
-    """The seat count of a backend's ``#seats=N`` (the only option there is)."""
-    key, sep, value = options.partition("=")
-    if key.strip() != "seats" or not sep:
-        raise ValueError(
-            f"backend {text!r}: unknown option {options!r} after '#' (expected #seats=N, the "
-            "requests the engine runs at once)"
-        )
+def _backend_options(text: str, options: str) -> tuple[int | None, str | None]:
+    """The seat count and the key reference of a backend's ``#seats=N,key=REF`` (each
+    optional, in any order)."""
+    seats: int | None = None
+    credential: str | None = None
+    for option in options.split(","):
+        key, sep, value = option.partition("=")
+        name = key.strip()
+        if name == "seats" and sep:
+            seats = _seats_option(text, value)
+        elif name == "key" and sep:
+            credential = value.strip()
+            if not is_secret_reference(credential):
+                raise ValueError(
+                    f"backend {text!r}: key must be env:NAME or file:PATH (where the engine's "
+                    "API key is read from, never the key itself)"
+                )
+        else:
+            raise ValueError(
+                f"backend {text!r}: unknown option {option!r} after '#' (expected seats=N, the "
+                "requests the engine runs at once, or key=env:NAME|file:PATH)"
+            )
+    return seats, credential
+
+
+def _seats_option(text: str, value: str) -> int:
     try:
         seats = int(value.strip())
     except ValueError:

@@ -46,10 +46,15 @@ from extproc.policy import DEFAULT_POLICY_PATH, load_policy
 from extproc.transport.server import (
     add_backend_argument,
     add_policy_argument,
+    add_region_key_argument,
     backends_from_args,
+    region_keys_from_args,
 )
 
 DEFAULT_SIM_REGIONS = ("region-a", "region-b")
+BIND_HOSTS = ("127.0.0.1", "0.0.0.0")
+"""Where ``up`` may bind the internal ports: both keep them reachable on loopback, where Envoy
+and ``up`` itself talk to them."""
 
 
 @dataclass
@@ -81,6 +86,12 @@ class StackConfig:
     service_args: tuple[str, ...] = ()
     """Extra ``fairlane serve`` flags for every service process (the bench's
     ``--state-period-ms``)."""
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    """TLS on the client listener: PEM certificate chain and key (both or neither)."""
+    bind_host: str = "127.0.0.1"
+    """Where Envoy's admin, the service's gRPC port and its metrics listen: loopback unless
+    something off this machine must reach them (Prometheus elsewhere)."""
 
 
 @dataclass
@@ -103,7 +114,8 @@ class Stack:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.config.port}"
+        scheme = "https" if self.config.tls_cert is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.config.port}"
 
     @property
     def admin_url(self) -> str:
@@ -124,7 +136,7 @@ class Stack:
             config.service_port,
             config.metrics_port,
             config.shared_state,
-            config.service_args,
+            (*config.service_args, "--host", config.bind_host),
         )
         first = self.services.processes[0]
         self.service_port, self.metrics_port = first.port, first.metrics_port
@@ -140,6 +152,9 @@ class Stack:
             longest_hold_s=min(MAX_MESSAGE_TIMEOUT_S, longest_hold + 10),
             max_held_requests=sum(t.queue_limit for t in policy.tiers),
             completion_flush_s=config.completion_flush_s,
+            admin_host=config.bind_host,
+            tls_cert_path=None if config.tls_cert is None else str(config.tls_cert.resolve()),
+            tls_key_path=None if config.tls_key is None else str(config.tls_key.resolve()),
         )
         bootstrap = write_bootstrap(params, self.group.log_dir / "envoy.yaml", check=False)
         envoy = self.group.start("envoy", envoy_argv(bootstrap, log_level=config.envoy_log_level))
@@ -262,7 +277,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a real vLLM server, e.g. region-a=http://10.0.0.5:8000 (repeatable); without "
         "any, two simulated ones are started",
     )
+    add_region_key_argument(parser)
     parser.add_argument("--admin-port", type=int, default=0, help="Envoy admin (default: free)")
+    parser.add_argument(
+        "--bind",
+        default="127.0.0.1",
+        choices=BIND_HOSTS,
+        help="where Envoy's admin, the service's gRPC port and its metrics listen (default "
+        "%(default)s: loopback only; 0.0.0.0: every interface, which exposes Envoy's admin, "
+        "able to stop it)",
+    )
+    parser.add_argument(
+        "--tls-cert", type=Path, default=None, help="serve clients over TLS: PEM certificate chain"
+    )
+    parser.add_argument(
+        "--tls-key", type=Path, default=None, help="the private key (PEM) of --tls-cert"
+    )
     parser.add_argument(
         "--replicas",
         type=_replica_count,
@@ -294,7 +324,12 @@ def run(args: argparse.Namespace) -> int:
         backends=backends_from_args(args.backend),
         admin_port=args.admin_port,
         replicas=args.replicas,
+        service_args=tuple(arg for key in args.region_key for arg in ("--region-key", key)),
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        bind_host=args.bind,
     )
+    region_keys_from_args(args.region_key)  # a malformed one stops here, not in the service
     signal.signal(signal.SIGTERM, _raise_interrupt)
     with ProcessGroup(args.log_dir) as group:
         try:

@@ -21,6 +21,7 @@ from google.protobuf import any_pb2, duration_pb2, struct_pb2
 
 from extproc.core.decisions import Forward, Respond
 from extproc.core.events import Completion, RequestInfo
+from extproc.wire import CLIENT_AUTHORIZATION_HEADER as CLIENT_AUTHORIZATION
 from extproc.wire import DESTINATION_HEADER as ENDPOINT_HEADER
 from extproc.wire import FAIRLANE_NAMESPACE, LB_NAMESPACE
 
@@ -73,6 +74,11 @@ def decode_headers(message: pb.ProcessingRequest) -> HeadersPart:
             headers[header.key] = header.raw_value.decode("utf-8")
         except UnicodeDecodeError:
             invalid.append(header.key)
+    if CLIENT_AUTHORIZATION in headers:
+        # The shipped Envoy moved the client's key out of `authorization` (so a bypassed
+        # request cannot carry it upstream): the service reads it under its usual name. Both
+        # names stay, so the gateway strips both.
+        headers["authorization"] = headers[CLIENT_AUTHORIZATION]
     return HeadersPart(headers, tuple(invalid), http_headers.end_of_stream, _received_at(message))
 
 

@@ -32,6 +32,12 @@ from extproc.fleet.poller import Poller
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyStore
 from extproc.state.exchange import RedisExchange
 from extproc.state.replica import PERIOD_S, SharedState
+from extproc.transport.credentials import (
+    REGION_KEY_SYNTAX,
+    BackendCredentials,
+    CredentialError,
+    parse_region_key,
+)
 from extproc.transport.held import HeldRequests
 from extproc.transport.overload import Ages, watch_overload
 from extproc.transport.prometheus import GatewayCollector, start_metrics_server
@@ -72,6 +78,9 @@ class ServiceConfig:
     """This replica's name among the others (default: ``HOST:PORT`` of its gRPC port)."""
     state_period_s: float = PERIOD_S
     """How often a replica exchanges state (the bench shortens it by its speedup)."""
+    region_keys: tuple[tuple[str, str], ...] = ()
+    """(region, ``env:NAME``/``file:PATH``): the API key of that region's engines, for the
+    backends that name no key of their own (``extproc.transport.credentials``)."""
 
 
 class Service:
@@ -88,10 +97,12 @@ class Service:
         self.ages = Ages()
         self.gateway = Gateway(self.policies, self.admission, overload=self.overload)
         self.held = HeldRequests(self.gateway)
+        # Read once, here: a key that cannot be read stops the service before it serves.
+        self.credentials = BackendCredentials.load(config.backends, config.region_keys)
         self.poller = Poller(self.pool, on_change=self.held.dispatch)
         self.server = grpc.aio.server(options=grpc_options())
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessor(self.held, self.ages), self.server
+            ExternalProcessor(self.held, self.ages, self.credentials), self.server
         )
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(self.held), self.server)
         rtds_pb2_grpc.add_RuntimeDiscoveryServiceServicer_to_server(
@@ -230,7 +241,8 @@ def add_policy_argument(parser: argparse.ArgumentParser) -> None:
 
 SEATS_HELP = (
     "; #seats=N declares how many requests the engine runs at once (its --max-num-seqs), "
-    "otherwise learned from its /metrics"
+    "otherwise learned from its /metrics; #key=env:NAME or #key=file:PATH says where its "
+    "API key (vLLM --api-key) is read from (both: #seats=N,key=...)"
 )
 """What every ``--backend`` help says about ``#seats=N``."""
 
@@ -251,8 +263,34 @@ def add_backend_argument(parser: argparse.ArgumentParser, required: bool, help: 
 def backend_argument(spec: BackendSpec) -> str:
     """``spec`` as ``--backend`` takes it (``parse_backend`` reads it back unchanged), so
     ``fairlane up`` hands the service its backends with their declared seats."""
-    declared = f"#seats={spec.seats}" if spec.seats is not None else ""
-    return f"{spec.region}={spec.url}{declared}"
+    options = []
+    if spec.seats is not None:
+        options.append(f"seats={spec.seats}")
+    if spec.credential is not None:
+        options.append(f"key={spec.credential}")
+    fragment = f"#{','.join(options)}" if options else ""
+    return f"{spec.region}={spec.url}{fragment}"
+
+
+def add_region_key_argument(parser: argparse.ArgumentParser) -> None:
+    """``--region-key REGION=env:NAME|file:PATH`` (repeatable), shared by ``serve`` and
+    ``up``."""
+    parser.add_argument(
+        "--region-key",
+        action="append",
+        default=[],
+        metavar=REGION_KEY_SYNTAX,
+        help="where the API key of a region's engines (vLLM --api-key) is read from, for "
+        "its backends without a key=... of their own; sent to them as authorization, never "
+        "logged (repeatable)",
+    )
+
+
+def region_keys_from_args(values: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    try:
+        return tuple(parse_region_key(v) for v in values)
+    except CredentialError as exc:
+        raise SystemExit(f"fairlane: {exc}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -266,6 +304,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "region-a=http://10.0.0.5:8000#seats=64 (repeatable; the first region named is the "
         "local one)",
     )
+    add_region_key_argument(parser)
     parser.add_argument(
         "--metrics-port",
         type=int,
@@ -333,11 +372,16 @@ def run(args: argparse.Namespace) -> int:
         state_url=state_url(args.state),
         replica_id=args.replica_id,
         state_period_s=args.state_period_ms / 1000,
+        region_keys=region_keys_from_args(args.region_key),
     )
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        asyncio.run(serve(config))
+        runner = asyncio.run
     else:
-        uvloop.run(serve(config))
+        runner = uvloop.run
+    try:
+        runner(serve(config))
+    except CredentialError as exc:  # raised before anything listens
+        raise SystemExit(f"fairlane: {exc}") from None
     return 0

@@ -24,6 +24,7 @@ from envoy.service.runtime.v3 import rtds_pb2_grpc
 
 from extproc.core.decisions import Forward, Hold
 from extproc.transport import codec
+from extproc.transport.credentials import BackendCredentials
 from extproc.transport.held import HeldRequests
 from extproc.transport.overload import Ages
 from extproc.transport.runtime import RuntimeLayer
@@ -32,10 +33,17 @@ log = logging.getLogger("fairlane.service")
 
 
 class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
-    def __init__(self, held: HeldRequests, ages: Ages | None = None) -> None:
+    def __init__(
+        self,
+        held: HeldRequests,
+        ages: Ages | None = None,
+        credentials: BackendCredentials | None = None,
+    ) -> None:
         self.held = held
         self._service_time = held.gateway.stats.service_time
         self._ages = ages or Ages()
+        self._credentials = credentials
+        """The engines' API keys, when they want any: the last word on a forward."""
 
     async def Process(
         self,
@@ -85,6 +93,8 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
                     outcome = await self.held.outcome(outcome)
                     started = perf_counter()
                 if isinstance(outcome, Forward):
+                    if self._credentials is not None:
+                        outcome = self._credentials.apply(outcome)
                     response = codec.forward(outcome, phase)
                 else:
                     response = codec.respond(outcome)

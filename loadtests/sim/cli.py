@@ -61,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="append one JSON line per received request",
     )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="as vLLM: /v1 paths answer 401 without 'Authorization: Bearer KEY' (default: no "
+        "key; unlike vLLM, $VLLM_API_KEY is not read, so a shell's key cannot lock out "
+        "`fairlane up`)",
+    )
     faults = parser.add_argument_group("fault injection (for the gateway's fault tests)")
     faults.add_argument(
         "--fault-delay-headers-s",
@@ -93,6 +100,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         log_requests=args.log_requests,
         fault_delay_headers_s=args.fault_delay_headers_s,
         fault_metrics=args.fault_metrics,
+        api_key=args.api_key,
     )
 
 

@@ -14,6 +14,7 @@ seat and its KV blocks as vLLM does.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 from dataclasses import dataclass, field
@@ -74,6 +75,8 @@ class SimConfig:
     engine sees it, so the response headers (streams too) come that much later."""
     fault_metrics: str | None = None
     """Fault injection: ``garbage`` answers ``/metrics`` with junk, ``hang`` never answers."""
+    api_key: str | None = None
+    """vLLM's ``--api-key``: every ``/v1`` path answers 401 without ``Bearer <key>``."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -116,6 +119,27 @@ class StreamSink:
             self.done.set_result(None)
 
 
+UNAUTHORIZED = b'{"error":"Unauthorized"}'
+"""vLLM's answer to a ``/v1`` request without its ``--api-key``."""
+
+
+def _require_key(api_key: str) -> Any:
+    """vLLM's ``--api-key`` check: only ``/v1`` paths, so ``/health`` and ``/metrics`` stay
+    open to probes and scrapers; the key compared in constant time."""
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def require_key(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.startswith("/v1"):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return web.Response(status=401, body=UNAUTHORIZED, content_type="application/json")
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    return require_key
+
+
 def _finish_sink(done: asyncio.Future[None]) -> Any:
     def sink(req: EngineRequest) -> None:
         if req.finish_reason is not None and not done.done():
@@ -150,7 +174,8 @@ class SimServer:
     # -- lifecycle --------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        middlewares = [] if self.config.api_key is None else [_require_key(self.config.api_key)]
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)

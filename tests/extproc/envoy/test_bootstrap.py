@@ -32,6 +32,7 @@ from extproc.fleet.backend import BackendSpec
 from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
 from extproc.wire import BACKEND_CLUSTER, DESTINATION_HEADER, EXTPROC_CLUSTER
 from tests.ext_proc_double import ExtProcDouble, header_option
+from tests.extproc.envoy.filters import ext_proc_of
 from tests.http_backends import serve_every_path
 
 REPO = Path(__file__).resolve().parents[3]
@@ -87,7 +88,7 @@ def _seconds(duration: str) -> float:
 
 
 def _ext_proc(bootstrap: dict[str, Any]) -> dict[str, Any]:
-    config: dict[str, Any] = _hcm(bootstrap)["http_filters"][0]["typed_config"]
+    config: dict[str, Any] = ext_proc_of(_hcm(bootstrap))["typed_config"]
     return config
 
 
@@ -291,7 +292,7 @@ def test_mesh_snippet_matches_bootstrap() -> None:
     assert snippet["clusters"] == bootstrap["static_resources"]["clusters"]
     # The same filter and route, scoped: off by default, enabled by fairlane's own route, so
     # the other routes of the Envoy it is pasted into never reach fairlane.
-    assert snippet["http_filters"][0] == {**_hcm(bootstrap)["http_filters"][0], "disabled": True}
+    assert snippet["http_filters"][0] == {**ext_proc_of(_hcm(bootstrap)), "disabled": True}
     (route,) = snippet["routes"]
     enabling = route.pop("typed_per_filter_config")
     assert route == _route(bootstrap)

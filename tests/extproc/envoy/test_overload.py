@@ -35,6 +35,7 @@ from extproc.fleet.backend import BackendSpec
 from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
 from extproc.transport import codec
 from extproc.wire import EXT_PROC_FILTER, EXTPROC_CLUSTER, RUNTIME_LAYER, SHED_RUNTIME_KEY
+from tests.extproc.envoy.filters import ext_proc_of
 
 ROUTES = (
     RouteSpec("models", prefix="/v1/models", failure_mode_allow=True),
@@ -171,17 +172,18 @@ def test_the_buffer_filter_sits_between_ext_proc_and_the_router(name: str) -> No
     params = PARAMS[name]
     filters = _hcm(render_bootstrap(params))["http_filters"]
     assert [f["name"] for f in filters] == [
+        "envoy.filters.http.header_mutation",  # the client's copies of owned headers go first
         EXT_PROC_FILTER,
         "envoy.filters.http.buffer",
         "envoy.filters.http.router",
     ]
-    buffer = filters[1]["typed_config"]
+    buffer = filters[2]["typed_config"]
     assert buffer["@type"].endswith("envoy.extensions.filters.http.buffer.v3.Buffer")
     assert buffer["max_request_bytes"] == params.buffer_limit_bytes
 
 
 def test_the_ext_proc_filter_asks_for_the_request_time() -> None:
-    ext_proc = _hcm(render_bootstrap(EnvoyParams()))["http_filters"][0]["typed_config"]
+    ext_proc = ext_proc_of(_hcm(render_bootstrap(EnvoyParams())))["typed_config"]
     assert "request.time" in ext_proc["request_attributes"]
 
 

@@ -38,6 +38,7 @@ from extproc.ops import cli
 from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
 from extproc.wire import BACKEND_CLUSTER, DESTINATION_HEADER, EXTPROC_CLUSTER
 from tests.ext_proc_double import ExtProcDouble, header_option
+from tests.extproc.envoy.filters import ext_proc_of
 from tests.http_backends import serve_every_path
 
 REPO = Path(__file__).resolve().parents[3]
@@ -216,7 +217,7 @@ def test_weights_priorities_health_and_breakers(tmp_path: Path) -> None:
     assert "5xx" not in retry["retry_on"].split(",")  # no replay of request-specific 500s
     assert retry["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
     assert retry["retry_priority"]["name"] == "envoy.retry_priorities.previous_priorities"
-    ext_proc = _hcm(bootstrap)["http_filters"][0]["typed_config"]
+    ext_proc = ext_proc_of(_hcm(bootstrap))["typed_config"]
     assert ext_proc["mutation_rules"] == {"allow_envoy": True}  # the service sets x-envoy-*
 
     # overrides and policy-derived values
@@ -246,7 +247,7 @@ def test_typed_check_accepts_the_render_including_digit_field_names() -> None:
 
 
 def _ext_proc(bootstrap: dict[str, Any]) -> dict[str, Any]:
-    config: dict[str, Any] = _hcm(bootstrap)["http_filters"][0]["typed_config"]
+    config: dict[str, Any] = ext_proc_of(_hcm(bootstrap))["typed_config"]
     return config
 
 

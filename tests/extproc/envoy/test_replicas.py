@@ -25,6 +25,7 @@ from extproc.envoy.replicas import (
 )
 from extproc.envoy.snippet import render_mesh_snippet, wrap_snippet
 from extproc.wire import COMPLETIONS_LOG, EXTPROC_CLUSTER
+from tests.extproc.envoy.filters import ext_proc_of
 
 THREE = (("127.0.0.1", 50061), ("127.0.0.1", 50062), ("fairlane-3", 50051))
 
@@ -118,7 +119,7 @@ def test_each_replica_gets_every_completion_from_a_logger_of_its_own() -> None:
 
 def test_a_stream_that_cannot_open_is_retried_on_another_replica() -> None:
     bootstrap = render_bootstrap(three())
-    ext_proc = hcm(bootstrap)["http_filters"][0]["typed_config"]
+    ext_proc = ext_proc_of(hcm(bootstrap))["typed_config"]
     retry = ext_proc["grpc_service"]["retry_policy"]
     assert retry["retry_on"] == STREAM_RETRY_ON
     assert "connect-failure" in retry["retry_on"].split(",")
@@ -126,7 +127,7 @@ def test_a_stream_that_cannot_open_is_retried_on_another_replica() -> None:
     (predicate,) = retry["retry_host_predicate"]
     assert predicate["name"] == "envoy.retry_host_predicates.previous_hosts"
     two = EnvoyParams(extproc_replicas=THREE[:2])
-    filter_two = hcm(render_bootstrap(two))["http_filters"][0]["typed_config"]
+    filter_two = ext_proc_of(hcm(render_bootstrap(two)))["typed_config"]
     assert filter_two["grpc_service"]["retry_policy"]["num_retries"] == 1
 
 
@@ -154,7 +155,7 @@ def test_one_service_has_no_failover_and_one_feed() -> None:
     (logger,) = grpc_loggers(bootstrap)
     assert logger["grpc_service"]["envoy_grpc"]["cluster_name"] == EXTPROC_CLUSTER
     assert not [n for n in clusters(bootstrap) if n.startswith(REPLICA_CLUSTER_PREFIX)]
-    ext_proc = hcm(bootstrap)["http_filters"][0]["typed_config"]
+    ext_proc = ext_proc_of(hcm(bootstrap))["typed_config"]
     assert "retry_policy" not in ext_proc["grpc_service"]
 
 

@@ -200,6 +200,28 @@ async def test_each_engine_is_scraped_by_one_replica_and_adopted_by_the_others(
             await replica.state.store.close()
 
 
+async def test_while_redis_is_unreachable_late_scrapes_are_taken_over_before_any_cut_off(
+    redis_server: RedisServer,
+) -> None:
+    r1, r2 = (
+        Replica("s1", redis_server.url, backends=6),
+        Replica("s2", redis_server.url, backends=6),
+    )
+    try:
+        await round_trip(r1, r2)
+        assert not all(b.scrape_here for b in r1.pool.backends)
+        redis_server.stop()
+        assert not await r1.exchange()
+        assert not r1.state.cut_off and not all(b.scrape_here for b in r1.pool.backends)
+        r1.clock.now += 1.0  # the scraper's scrapes stopped coming with the exchanges
+        assert not await r1.exchange()
+        assert not r1.state.cut_off  # still within the grace: the last view holds
+        assert all(b.scrape_here for b in r1.pool.backends)
+    finally:
+        for replica in (r1, r2):
+            await replica.state.store.close()
+
+
 async def test_an_unexpected_error_does_not_end_the_exchange_loop(
     redis_server: RedisServer,
 ) -> None:

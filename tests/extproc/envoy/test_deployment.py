@@ -69,3 +69,30 @@ def test_envoy_is_rendered_the_same_with_or_without_seats() -> None:
         BACKENDS.replace(", seats: 64", "").replace("    seats: %s\n", ""), "d.yaml"
     ).params
     assert render_yaml(declared) == render_yaml(plain)
+
+
+def test_api_key_is_a_reference_for_the_service_and_never_reaches_envoy() -> None:
+    keyed = BACKENDS.replace("region: west}", "region: west, api_key: env:VLLM_API_KEY}")
+    params = parse_deployment(keyed % 8, "d.yaml").params
+    assert [b.credential for b in params.backends] == [None, None, "env:VLLM_API_KEY"]
+    plain = parse_deployment(BACKENDS % 8, "d.yaml").params
+    assert render_yaml(params) == render_yaml(plain)
+
+
+def test_a_plaintext_api_key_is_refused_with_its_line() -> None:
+    keyed = BACKENDS.replace("region: west}", "region: west, api_key: sk-live-0123}")
+    (found,) = errors(keyed % 8)
+    assert found.startswith("d.yaml:6: backends[2].api_key: must be env:NAME or file:PATH")
+
+
+def test_listen_tls_names_the_files_envoy_reads() -> None:
+    text = "listen: {port: 8443, tls: {cert: /etc/tls/c.pem, key: /etc/tls/k.pem}}\n"
+    params = parse_deployment(text + BACKENDS % 8, "d.yaml").params
+    assert (params.tls_cert_path, params.tls_key_path) == ("/etc/tls/c.pem", "/etc/tls/k.pem")
+    assert params.tls
+
+
+def test_listen_tls_needs_both_absolute_paths() -> None:
+    found = errors("listen: {tls: {cert: tls/c.pem}}\n" + BACKENDS % 8)
+    assert "d.yaml:1: listen.tls.key: is required (a PEM file Envoy can read)" in found
+    assert any(e.startswith("d.yaml:1: listen.tls.cert: must be an absolute path") for e in found)

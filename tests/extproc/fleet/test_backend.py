@@ -100,3 +100,32 @@ def test_scrapes_size_the_prefix_model_from_cache_config_info() -> None:
     cpu = dataclasses.replace(sized, block_size=128)  # blocks cut differently: forget all
     backend.record_scrape(cpu, 0)
     assert backend.block_size == 128 and len(backend.prefix_cache) == 0
+
+
+def test_parse_backend_names_where_its_key_is_read_from() -> None:
+    spec = parse_backend("eu=http://10.0.0.5:8000#key=env:VLLM_API_KEY")
+    assert spec == BackendSpec("10.0.0.5", 8000, "eu", credential="env:VLLM_API_KEY")
+    both = parse_backend("eu=http://10.0.0.5:8000#seats=8,key=file:/run/secrets/vllm key")
+    assert (both.seats, both.credential) == (8, "file:/run/secrets/vllm key")
+    assert parse_backend("10.0.0.5:8000#key=env:K, seats=2").seats == 2  # any order
+    assert parse_backend("eu=http://10.0.0.5:8000").credential is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "eu=http://10.0.0.5:8000#key=sk-plaintext-key",  # a key itself, not where it lives
+        "eu=http://10.0.0.5:8000#key=env:",
+        "eu=http://10.0.0.5:8000#key=vault:secret/x",
+        "eu=http://10.0.0.5:8000#key",
+    ],
+)
+def test_parse_backend_refuses_a_key_that_is_not_a_reference(bad: str) -> None:
+    with pytest.raises(ValueError, match=r"env:NAME or file:PATH|unknown option") as caught:
+        parse_backend(bad)
+    assert "sk-plaintext" not in str(caught.value).replace(bad, "")  # only inside the argument
+
+
+def test_a_spec_refuses_a_plaintext_credential() -> None:
+    with pytest.raises(ValueError, match="env:NAME or file:PATH"):
+        BackendSpec("10.0.0.5", 8000, credential="sk-plaintext")

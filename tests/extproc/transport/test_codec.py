@@ -49,6 +49,19 @@ def test_decode_headers_builds_request_info_and_flags_non_utf8_values() -> None:
     assert not part.end_of_stream
 
 
+def test_the_key_envoy_moved_aside_is_read_as_authorization() -> None:
+    """The shipped Envoy moves the client's authorization to x-fairlane-client-authorization
+    (extproc.envoy.owned_headers); the service authenticates with it, and both names stay in
+    the headers so that the gateway strips both."""
+    moved = codec.decode_headers(
+        headers_message([("x-fairlane-client-authorization", b"Bearer sk-chat-demo")])
+    ).headers
+    assert moved["authorization"] == "Bearer sk-chat-demo"
+    assert "x-fairlane-client-authorization" in moved
+    direct = codec.decode_headers(headers_message([("authorization", b"Bearer k")])).headers
+    assert direct == {"authorization": "Bearer k"}  # an Envoy without the filter (a mesh)
+
+
 def set_headers(mutation: pb.HeaderMutation) -> dict[str, bytes]:
     return {o.header.key: o.header.raw_value for o in mutation.set_headers}
 

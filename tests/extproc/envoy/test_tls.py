@@ -40,11 +40,11 @@ def test_a_certificate_and_key_make_a_downstream_tls_context() -> None:
 
 
 @pytest.mark.parametrize(
-    "paths", [{"tls_cert_path": "/c.pem"}, {"tls_key_path": "/k.pem"}, {"tls_cert_path": ""}]
+    ("cert", "key"), [("/c.pem", None), (None, "/k.pem"), ("", "/k.pem"), ("/c.pem", "")]
 )
-def test_both_files_or_neither(paths: dict[str, str]) -> None:
+def test_both_files_or_neither(cert: str | None, key: str | None) -> None:
     with pytest.raises(EnvoyConfigError):
-        EnvoyParams(**paths)
+        EnvoyParams(tls_cert_path=cert, tls_key_path=key)
 
 
 def test_render_flags_put_tls_on_the_deployments_listener(tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from extproc.core.admission import Admission, Grant
-from extproc.core.classify import RequestClass, authenticate, classify, parse_body
+from extproc.core.body import parse_body
+from extproc.core.classify import RequestClass, authenticate, classify
 from extproc.core.counters import GatewayStats
 from extproc.core.decisions import Decision, Forward, Hold, Respond
 from extproc.core.errors import Rejection, error_body

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from extproc.core.classify import RequestClass, authenticate, classify, parse_body, prompt_tokens
+from extproc.core.body import parse_body
+from extproc.core.classify import RequestClass, authenticate, classify, prompt_tokens
 from extproc.core.errors import Rejection
 from extproc.core.events import RequestInfo
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, load_policy, parse_policy
@@ -67,7 +68,8 @@ def test_parse_body_returns_the_object(policy: Policy) -> None:
         (b"\xff\xfe\xfa", "could not parse the JSON body"),
         (b"[1, 2]", "must be a JSON object, not an array"),
         (b'"text"', "must be a JSON object, not a string"),
-        (b"3", "must be a JSON object, not a number"),
+        (b"3", "must be a JSON object, not an integer"),
+        (b"3.5", "must be a JSON object, not a number"),
         (b"null", "must be a JSON object, not null"),
         (b"", "body is empty"),
         (b"[" * 100_000 + b"]" * 100_000, "could not parse the JSON body"),
@@ -309,8 +311,10 @@ def test_model_stream_and_max_tokens(policy: Policy) -> None:
     }
     result = run(policy, request(body=body))
     assert (result.model, result.stream, result.max_tokens) == ("llama", True, 7)
-    result = run(policy, request(body={"model": 3, "stream": "yes"}))
+    result = run(policy, request(body={"stream": "yes"}))  # stream is vLLM's to judge
     assert (result.model, result.stream, result.max_tokens) == (None, False, None)
+    result = run(policy, request(body={"model": None, "max_tokens": None}))
+    assert (result.model, result.max_tokens) == (None, None)
 
 
 @pytest.mark.parametrize("value", ["100", 1.5, -1, True, [1]])
@@ -352,9 +356,9 @@ def test_prompt_shapes(body: dict[str, Any], at_least: int) -> None:
     ("body", "param"),
     [
         ({"messages": "hi"}, "messages"),
-        ({"messages": ["hi"]}, "messages"),
+        ({"messages": ["hi"]}, "messages[0]"),
         ({"prompt": {"text": "hi"}}, "prompt"),
-        ({"prompt": [{"text": "hi"}]}, "prompt"),
+        ({"prompt": [{"text": "hi"}]}, "prompt[0]"),
     ],
 )
 def test_bad_prompt_shapes_are_400(policy: Policy, body: dict[str, Any], param: str) -> None:
@@ -388,3 +392,129 @@ def test_prompt_text_is_the_rendered_prompt_the_picker_hashes(
     request_class = run(policy, request(body={"model": "m", **body}))
     assert request_class.prompt_text == text
     assert request_class.prompt_tokens == prompt_tokens(body)
+
+
+# --------------------------------------------------------------------------- strict fields
+
+
+def invalid(policy: Policy, body: dict[str, Any], ask: str | None = None) -> tuple[str, str | None]:
+    """The (param, code) of the 400 a body's fields get (``ask``: an x-priority header)."""
+    rej = rejection(policy, request(body=body, raw_headers={"x-priority": ask} if ask else None))
+    error = error_of(rej)
+    assert (rej.status, error["type"]) == (400, "invalid_request_error")
+    assert error["param"] == rej.param
+    return error["param"], error["code"]
+
+
+@pytest.mark.parametrize("model", [3, 1.5, True, ["m"], {"a": 1}])
+def test_model_must_be_a_string(policy: Policy, model: object) -> None:
+    assert invalid(policy, {"model": model, "prompt": "x"}) == ("model", "invalid_type")
+
+
+@pytest.mark.parametrize("priority", [{"a": 1}, [1], True, False])
+def test_priority_must_be_a_number_or_a_tier_word(policy: Policy, priority: object) -> None:
+    assert invalid(policy, {"model": "m", "priority": priority}) == ("priority", "invalid_type")
+
+
+@pytest.mark.parametrize("priority", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_priority_is_refused_even_from_code(policy: Policy, priority: float) -> None:
+    """parse_body refuses these literals first; classify does not rely on it."""
+    body = {"model": "m", "priority": priority}
+    with pytest.raises(Rejection) as caught:
+        classify(policy, request(), body)
+    assert (caught.value.status, caught.value.param) == (400, "priority")
+
+
+@pytest.mark.parametrize("priority", [None, 5, -3, 2.5, 1e300, "low", " High "])
+def test_priority_may_be_absent_null_a_number_or_a_word(policy: Policy, priority: object) -> None:
+    run(policy, request(body={"model": "m", "priority": priority}))
+
+
+def test_a_body_priority_word_is_checked_even_when_the_header_asks(policy: Policy) -> None:
+    body = {"model": "m", "priority": "platinum"}
+    assert invalid(policy, body, ask="low") == ("priority", "invalid_priority")
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"max_tokens": 2**31}, "max_tokens", "invalid_value"),
+        ({"max_tokens": 10**400}, "max_tokens", "invalid_value"),
+        ({"max_completion_tokens": -1}, "max_completion_tokens", "invalid_value"),
+        ({"max_completion_tokens": "5"}, "max_completion_tokens", "invalid_type"),
+        ({"max_completion_tokens": 5, "max_tokens": True}, "max_tokens", "invalid_type"),
+        ({"max_tokens": 16.0}, "max_tokens", "invalid_type"),
+    ],
+)
+def test_max_tokens_must_be_a_usable_integer(
+    policy: Policy, body: dict[str, Any], param: str, code: str
+) -> None:
+    assert invalid(policy, {"model": "m", **body}) == (param, code)
+
+
+def test_the_largest_max_tokens_is_taken(policy: Policy) -> None:
+    body = {"model": "m", "max_tokens": 2**31 - 1, "max_completion_tokens": None}
+    assert run(policy, request(body=body)).max_tokens == 2**31 - 1
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ({"role": "user"}, "messages"),
+        ([{"role": "user", "content": "a"}, 3], "messages[1]"),
+        ([{"role": "user", "content": 3}], "messages[0].content"),
+        ([{"role": "user", "content": True}], "messages[0].content"),
+        ([{"role": "user", "content": {"text": "a"}}], "messages[0].content"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "a"}, "b"]}],
+            "messages[0].content[1]",
+        ),
+    ],
+)
+def test_messages_must_be_objects_with_string_parts_or_null_content(
+    policy: Policy, messages: object, param: str
+) -> None:
+    assert invalid(policy, {"model": "m", "messages": messages}) == (param, "invalid_type")
+
+
+def test_message_content_may_be_a_string_parts_null_or_absent(policy: Policy) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image_url"}]},
+        {"role": "assistant", "content": None, "tool_calls": []},
+        {"role": "tool", "tool_call_id": "1"},
+    ]
+    assert run(policy, request(body={"model": "m", "messages": messages})).prompt_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("prompt", "param"),
+    [
+        (3, "prompt"),
+        (True, "prompt"),
+        ([1, True], "prompt[1]"),
+        ([1.5], "prompt[0]"),
+        ([[1, 2], [3, "x"]], "prompt[1]"),
+        ([None], "prompt[0]"),
+    ],
+)
+def test_prompt_must_be_text_or_token_ids(policy: Policy, prompt: object, param: str) -> None:
+    assert invalid(policy, {"model": "m", "prompt": prompt}) == (param, "invalid_type")
+
+
+def test_a_null_prompt_or_input_is_unread(policy: Policy) -> None:
+    assert run(policy, request(body={"model": "m", "prompt": None})).prompt_tokens == 0
+    assert run(policy, request(body={"model": "m", "input": None})).prompt_tokens == 0
+
+
+def test_fields_the_gateway_does_not_read_are_not_judged(policy: Policy) -> None:
+    body = {
+        "model": "m",
+        "prompt": "x",
+        "temperature": "hot",
+        "stream": "yes",
+        "user": 42,
+        "n": {"a": 1},
+        "messages": None,
+    }
+    assert run(policy, request(body=body)).model == "m"

@@ -187,7 +187,7 @@ OWNED_BY_THE_GATEWAY = {
     "x-vllm-priority": "-100",
     "x-gateway-destination-endpoint": "127.0.0.1:1",
     "x-target-cluster": "fairlane_extproc",
-    "x-fairlane-tier": "interactive",
+    "x-fairlane-tier": "batch",
     "x-fairlane-tenant": "someone-else",
     "x-fairlane-client-authorization": "Bearer sk-chat-demo",
     "x-fairlane-anything": "1",

@@ -31,6 +31,7 @@ from types import FrameType
 from extproc.envoy.binary import envoy_argv, write_bootstrap
 from extproc.envoy.params import MAX_MESSAGE_TIMEOUT_S, EnvoyParams
 from extproc.fleet.backend import BackendSpec
+from extproc.ops.first_request import curl_lines, served_model
 from extproc.ops.processes import (
     Child,
     ProcessGroup,
@@ -334,8 +335,11 @@ def run(args: argparse.Namespace) -> int:
     with ProcessGroup(args.log_dir) as group:
         try:
             stack = Stack(config, group).start()
+            policy = load_policy(config.policy_path)
             seats = SeatWatch(f"http://127.0.0.1:{stack.metrics_port}/metrics")
-            _print_banner(stack, seats.first())
+            _print_banner(
+                stack, seats.first(), curl_lines(stack.url, policy, served_model(stack.backends))
+            )
             reported: list[Child] = []
             while (fatal := _watch(stack, reported)) is None:
                 time.sleep(0.5)
@@ -395,7 +399,7 @@ def _backend_line(spec: BackendSpec, seats: Mapping[str, SeatCount]) -> str:
     return f"backend {spec.region} {spec.address}: seats learned from the engine"
 
 
-def _print_banner(stack: Stack, seats: Mapping[str, SeatCount]) -> None:
+def _print_banner(stack: Stack, seats: Mapping[str, SeatCount], try_lines: Sequence[str]) -> None:
     lines: Sequence[str] = [
         f"fairlane is up: OpenAI API on {stack.url}",
         *[f"  {_backend_line(b, seats)}" for b in stack.backends],
@@ -403,10 +407,7 @@ def _print_banner(stack: Stack, seats: Mapping[str, SeatCount]) -> None:
         *_service_lines(stack),
         f"  logs in {stack.group.log_dir}",
         "",
-        "try:",
-        f"  curl -s {stack.url}/v1/chat/completions -H 'Authorization: Bearer sk-chat-demo' \\",
-        "    -H 'content-type: application/json' \\",
-        '    -d \'{"model": "sim-llama-8b", "messages": [{"role": "user", "content": "Hi"}]}\'',
+        *try_lines,
         "",
         "Ctrl-C stops everything.",
     ]

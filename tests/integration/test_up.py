@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from extproc.fleet.seats import FALLBACK_SEATS
-from extproc.ops.processes import ProcessGroup, free_port
+from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
 from extproc.ops.up import SeatCount, SeatWatch
 from tests.integration.conftest import SIM_ARGS, auth, chat, start_stack
 from tests.pids import alive
@@ -53,6 +53,7 @@ def test_up_serves_a_demo_key_and_sigterm_stops_every_process(processes: Process
         time.sleep(0.1)
     request = demo_request(port, max_tokens=3)
     banner = up.log_path.read_text()
+    assert "Bearer sk-chat-demo" in banner and '"model": "sim-llama-8b"' in banner, banner
     seat_lines = re.findall(r"backend (region-[ab]) 127\.0\.0\.1:\d+: seats (\d+) \((.*)\)", banner)
     # two simulators of unknown size, before any load: the fallback
     assert sorted(seat_lines) == [
@@ -72,6 +73,45 @@ def test_up_serves_a_demo_key_and_sigterm_stops_every_process(processes: Process
     while any(alive(pid) for pid in started) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in started if alive(pid)]
+
+
+def test_up_with_a_real_backend_suggests_the_model_it_serves(processes: ProcessGroup) -> None:
+    """``--backend`` names an engine started elsewhere, serving another model than the
+    simulator's default: the "try:" line names that model (read from its /v1/models), and
+    the line works as printed."""
+    engine_port, port = free_port(), free_port()
+    engine = processes.start(
+        "engine",
+        [sys.executable, "-m", "extproc", "sim", "--port", str(engine_port), "--model", "qwen-x"],
+    )
+    wait_http_ready(f"http://127.0.0.1:{engine_port}/health", engine)
+    up = processes.start(
+        "up",
+        [
+            *(sys.executable, "-m", "extproc", "up", "--port", str(port)),
+            *("--backend", f"region-a=http://127.0.0.1:{engine_port}"),
+        ],
+    )
+    deadline = time.monotonic() + 60
+    while "Ctrl-C stops everything" not in up.log_path.read_text():
+        assert up.alive(), up.log_tail()
+        assert time.monotonic() < deadline, up.log_tail()
+        time.sleep(0.1)
+    banner = up.log_path.read_text()
+    (line,) = [line for line in banner.splitlines() if '"model"' in line]
+    body = json.loads(line.strip().removeprefix("-d '").removesuffix("'"))
+    assert body["model"] == "qwen-x", banner
+    assert "sim-llama-8b" not in banner
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps({**body, "max_tokens": 2}).encode(),
+        headers={"authorization": "Bearer sk-chat-demo", "content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+        assert json.load(response)["model"] == "qwen-x"
+    os.kill(up.popen.pid, signal.SIGTERM)
+    assert up.popen.wait(timeout=20) == 0
 
 
 SEATS_POLICY = """\

@@ -304,6 +304,9 @@ def test_backends_agree_everywhere(stack: tuple[Variant, dict[str, Any]]) -> Non
     # use for them): its --backend list must declare the same, or learn them all
     declared = {b.address: b.seats for b in load_deployment(variant.deployment).params.backends}
     assert {spec.address: spec.seats for spec in specs} == declared
+    # so are the engines' keys (where the service reads them): the same as the deployment's
+    keys = {b.address: b.credential for b in load_deployment(variant.deployment).params.backends}
+    assert {spec.address: spec.credential for spec in specs} == keys
     in_envoy = endpoints(cluster(envoy_bootstrap(variant), BACKEND_CLUSTER))
     assert sorted(in_envoy, key=str) == sorted(in_service, key=str)
     assert {(address, port) for _, address, port in in_envoy} == in_compose
@@ -318,6 +321,33 @@ def test_backends_agree_everywhere(stack: tuple[Variant, dict[str, Any]]) -> Non
         if isinstance(s.get("networks"), dict) and (s["networks"].get("fairlane") or {})
     ]
     assert len(pinned) == len(set(pinned))
+
+
+def test_engine_keys_are_secrets_the_engines_and_the_service_share(
+    stack: tuple[Variant, dict[str, Any]],
+) -> None:
+    """Where the engines want a key, every replica reads it from a secret mounted in it, each
+    engine gets the same secret, and no key is written in the compose files."""
+    variant, config = stack
+    references = {
+        spec.credential
+        for replica in replicas(config).values()
+        for spec in map(parse_backend, flags(replica["command"])["backend"])
+    }
+    if references == {None}:
+        assert variant is SIMS  # the simulators want no key
+        return
+    (reference,) = references
+    assert reference is not None and reference.startswith("file:/run/secrets/")
+    secret = reference.removeprefix("file:/run/secrets/")
+    assert secret in config["secrets"]
+    for name in [*replicas(config), *variant.backend_services]:
+        service = config["services"][name]
+        assert secret in [s["source"] for s in service.get("secrets", [])], name
+    for name in variant.backend_services:  # vLLM reads VLLM_API_KEY: set from the secret
+        entrypoint = " ".join(config["services"][name]["entrypoint"])
+        assert f"cat /run/secrets/{secret}" in entrypoint and "exec vllm serve" in entrypoint
+        assert "api-key" not in " ".join(config["services"][name]["command"])
 
 
 def test_service_runs_the_deployments_policy(stack: tuple[Variant, dict[str, Any]]) -> None:

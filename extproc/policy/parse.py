@@ -42,6 +42,7 @@ from extproc.yamlfile import LocatedReader, YamlSyntaxError, compose, join_path,
 _TIER_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*")
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")
+_WHITESPACE = re.compile(r"\s")
 _TOP_KEYS = (
     "tiers",
     "tenants",
@@ -477,7 +478,7 @@ def _key_entry_digest(
     elif entry.startswith(FILE_PREFIX):
         key = _file_key(reader, node, path, entry[len(FILE_PREFIX) :], keys_dir)
     else:
-        if any(ch.isspace() for ch in entry):
+        if _WHITESPACE.search(entry):
             reader.error(node, path, "must not contain whitespace")
             return None
         advice = f"warning: plaintext API key {key_hint(entry)}: {_PLAINTEXT_ADVICE}"
@@ -485,7 +486,7 @@ def _key_entry_digest(
         return key_digest(entry)
     if key is None:
         return None
-    if not key or any(ch.isspace() for ch in key):
+    if not key or _WHITESPACE.search(key):
         # never echo the value: it is a secret, and this message may reach a log
         what = "is empty" if not key else "contains whitespace"
         reader.error(node, path, f"the key in {entry} {what}")

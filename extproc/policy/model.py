@@ -10,6 +10,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -312,6 +313,9 @@ class Policy:
     warnings: tuple[str, ...] = field(default=(), compare=False)
     """``file:line: field: message`` for what works but should change (a plain API key in
     the file); ``fairlane check`` prints them."""
+    key_files: tuple[Path, ...] = field(default=(), compare=False)
+    """The files ``file:`` API keys were read from; the store reloads when one changes, so
+    a rotated key file takes effect like an edited policy."""
 
     _tiers_by_name: dict[str, Tier] = field(init=False, repr=False, compare=False)
     _tiers_by_word: dict[str, Tier] = field(init=False, repr=False, compare=False)

@@ -150,6 +150,7 @@ def _read_policy(reader: LocatedReader, root: Node, keys_dir: Path) -> Policy | 
         rules=tuple(rules),
         source=reader.filename,
         warnings=tuple(reader.warnings),
+        key_files=_key_files(tenants, keys_dir),
         **settings,
     )
 
@@ -504,13 +505,25 @@ def _env_key(reader: LocatedReader, node: Node, path: str, name: str) -> str | N
     return value
 
 
+def _key_file_path(name: str, keys_dir: Path) -> Path:
+    return keys_dir / Path(name).expanduser()
+
+
+def _key_files(tenants: list[Tenant], keys_dir: Path) -> tuple[Path, ...]:
+    """The files the tenants' ``file:`` keys were read from: the store watches them."""
+    names = {
+        e[len(FILE_PREFIX) :] for t in tenants for e in t.api_keys if e.startswith(FILE_PREFIX)
+    }
+    return tuple(sorted({_key_file_path(name, keys_dir) for name in names}))
+
+
 def _file_key(
     reader: LocatedReader, node: Node, path: str, name: str, keys_dir: Path
 ) -> str | None:
     if not name:
         reader.error(node, path, "file: must be followed by a path")
         return None
-    file = keys_dir / Path(name).expanduser()
+    file = _key_file_path(name, keys_dir)
     try:
         return file.read_bytes().decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError:

@@ -4,6 +4,10 @@ The store only reads files and calls its listeners, so this package does no asyn
 I/O. The transport's server polls on a timer: ``load_if_changed`` (stat, read, parse and
 validate: seconds for a policy of 100,000 tenants) in a worker thread, then ``commit`` (the
 listeners and the swap) on the event loop, so a reload never stalls the requests.
+
+The files ``file:`` API keys come from are watched with the policy file: a rotated key file
+(a secret mount updated in place) reloads the policy as an edit would. ``env:`` keys are
+read at each reload; a process's environment does not change under it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ log = logging.getLogger("fairlane.policy")
 
 PolicyListener = Callable[[Policy], None]
 """Applies a new policy, or raises to refuse it (the store then rolls every listener back)."""
-_UNREADABLE = (-1, -1, -1)
+Stamp = tuple[tuple[int, int, int], ...]
+"""(inode, mtime, size) of the policy file, then of each key file (-1s: missing)."""
+_MISSING = (-1, -1, -1)
+_UNREADABLE: Stamp = (_MISSING,)
 
 
 class PolicyStore:
@@ -48,19 +55,40 @@ class PolicyStore:
         self._listeners: list[PolicyListener] = []
         self.reloads: Counter[str] = Counter()
         """ok | error -> file changes applied or refused (``fairlane_policy_reloads_total``)."""
+        self._key_files: tuple[Path, ...] = ()
         data = self.path.read_bytes()
-        self._stamp = self._stat()
-        self._digest = hashlib.sha256(data).digest()
         self.current: Policy = _parse_bytes(data, str(self.path))
+        self._watch(self.current, data)
 
     def on_change(self, callback: PolicyListener) -> None:
         """Call ``callback(new_policy)`` before each swap (queues resize their limits); it
         may raise to refuse the policy."""
         self._listeners.append(callback)
 
-    def _stat(self) -> tuple[int, int, int]:
+    def _stat(self) -> Stamp:
+        """The policy file's stat (``OSError`` when it has none), then each key file's."""
         st = self.path.stat()
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
+        return ((st.st_ino, st.st_mtime_ns, st.st_size), *map(_key_file_stat, self._key_files))
+
+    def _fingerprint(self, data: bytes) -> bytes:
+        """What the policy's meaning depends on: its bytes and its key files' bytes."""
+        digest = hashlib.sha256(data)
+        for path in self._key_files:
+            try:
+                digest.update(hashlib.sha256(path.read_bytes()).digest())
+            except OSError:
+                digest.update(b"missing")
+        return digest.digest()
+
+    def _watch(self, policy: Policy, data: bytes) -> None:
+        """Watch ``policy``'s file and key files from now on (``data``: the bytes it was
+        parsed from)."""
+        self._key_files = policy.key_files
+        try:
+            self._stamp = self._stat()
+        except OSError:
+            self._stamp = _UNREADABLE
+        self._digest = self._fingerprint(data)
 
     def reload(self) -> bool:
         """Re-read the file if it changed; return whether a new policy was swapped in.
@@ -88,14 +116,16 @@ class PolicyStore:
             self._stamp = _UNREADABLE
             return None
         self._stamp = stamp
-        digest = hashlib.sha256(data).digest()
+        digest = self._fingerprint(data)
         if digest == self._digest:
             return None
         self._digest = digest  # a bad file is reported once, not on every poll
         try:
-            return _parse_bytes(data, str(self.path))
+            policy = _parse_bytes(data, str(self.path))
         except PolicyError as exc:
             return exc
+        self._watch(policy, data)  # the key files it names now
+        return policy
 
     def commit(self, loaded: Policy | PolicyError | None) -> bool:
         """Swap in what ``load_if_changed`` returned; return whether a new policy is in force.
@@ -141,3 +171,11 @@ class PolicyStore:
                 return False
             applied.append(listener)
         return True
+
+
+def _key_file_stat(path: Path) -> tuple[int, int, int]:
+    try:
+        st = path.stat()
+    except OSError:
+        return _MISSING
+    return (st.st_ino, st.st_mtime_ns, st.st_size)

@@ -253,3 +253,36 @@ def test_parse_errors_name_the_policy_file(tmp_path: Path) -> None:
     with pytest.raises(PolicyError) as info:
         load_policy(path)
     assert info.value.errors[0].startswith(f"{path}:8: tenants[0].api_keys[0]: cannot read")
+
+
+def test_a_rotated_key_file_reloads_the_policy_without_an_edit(tmp_path: Path) -> None:
+    """A secret mount updated in place: the store watches the files ``file:`` keys name."""
+    key_file = tmp_path / "chat.key"
+    key_file.write_text("sk-first-0001\n")
+    path = tmp_path / "policy.yaml"
+    path.write_text(HEAD + tenant("chat", "file:chat.key"))
+    store = PolicyStore(path)
+    assert store.current.key_files == (key_file,)
+    assert store.reload() is False  # nothing changed
+    bump(key_file, "sk-second-0001\n")
+    assert store.reload() is True
+    assert store.current.tenant_for_key("sk-first-0001") is None
+    assert store.current.tenant_for_key("sk-second-0001") is not None
+    assert store.reload() is False
+
+
+def test_a_vanished_key_file_keeps_the_keys_in_force_until_it_is_back(tmp_path: Path) -> None:
+    key_file = tmp_path / "chat.key"
+    key_file.write_text("sk-first-0001")
+    path = tmp_path / "policy.yaml"
+    path.write_text(HEAD + tenant("chat", "file:chat.key"))
+    store = PolicyStore(path)
+    key_file.unlink()
+    assert store.reload() is False  # refused: cannot read the key file; logged once
+    assert store.reloads["error"] == 1
+    assert store.reload() is False
+    assert store.reloads["error"] == 1
+    assert store.current.tenant_for_key("sk-first-0001") is not None
+    key_file.write_text("sk-back-0001")
+    assert store.reload() is True
+    assert store.current.tenant_for_key("sk-back-0001") is not None

@@ -156,7 +156,7 @@ def _asked_tier(policy: Policy, info: RequestInfo, body: Mapping[str, Any]) -> T
     if in_body is not None and not isinstance(in_body, str):
         if not _is_number(in_body):
             raise _invalid_type("priority", "a number or a tier name", in_body)
-        if not math.isfinite(in_body):
+        if isinstance(in_body, float) and not math.isfinite(in_body):  # ints always are
             raise Rejection(
                 400, "'priority' must be a finite number.", code="invalid_value", param="priority"
             )

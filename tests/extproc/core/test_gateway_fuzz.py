@@ -126,8 +126,8 @@ def deep(body: dict[str, Any], rng: random.Random) -> tuple[bytes, str | None]:
 
 def huge_number(body: dict[str, Any], rng: random.Random) -> tuple[bytes, str | None]:
     """An integer too long to parse (Python refuses over 4,300 digits) or too big to count."""
-    field = rng.choice(("max_tokens", "max_completion_tokens", "seed"))
-    digits = 5_000 if field == "seed" else rng.choice((40, 400, 5_000))
+    field = rng.choice(("max_tokens", "max_completion_tokens", "seed", "priority"))
+    digits = 5_000 if field in ("seed", "priority") else rng.choice((40, 400, 5_000))
     body[field] = 987_654_321
     raw = json.dumps(body).replace("987654321", "9" * digits)
     return raw.encode(), field if digits < 4_300 else None

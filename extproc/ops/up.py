@@ -137,7 +137,7 @@ class Stack:
             config.service_port,
             config.metrics_port,
             config.shared_state,
-            (*config.service_args, "--host", config.bind_host),
+            self._service_args(),
         )
         first = self.services.processes[0]
         self.service_port, self.metrics_port = first.port, first.metrics_port
@@ -161,6 +161,13 @@ class Stack:
         envoy = self.group.start("envoy", envoy_argv(bootstrap, log_level=config.envoy_log_level))
         wait_http_ready(f"{self.admin_url}/ready", envoy, timeout=30)
         return self
+
+    def _service_args(self) -> tuple[str, ...]:
+        """``fairlane serve``'s extra flags; ``--host`` only off its loopback default."""
+        config = self.config
+        if config.bind_host == BIND_HOSTS[0]:
+            return config.service_args
+        return (*config.service_args, "--host", config.bind_host)
 
     def _replica_addresses(self) -> tuple[tuple[str, int], ...]:
         """Every replica's gRPC address for Envoy; empty for the one service (whose config

@@ -2,7 +2,8 @@
 
 A hint naming the simulator's model (``sim-llama-8b``) fails against real engines with a
 404 from vLLM, on the user's very first try. So the model comes from a backend's own
-``GET /v1/models`` at startup, and the key from the policy (the demo key only when the
+``GET /v1/models`` at startup (with the engine's own key when the backend names one), and
+the key from the policy (the demo key only when the
 policy accepts it). When neither can be known, the line shows a placeholder and says what
 to put there, rather than something that looks right and is not.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from extproc.fleet.backend import BackendSpec
 from extproc.policy import Policy
+from extproc.transport.credentials import CredentialError, read_secret
 
 DEMO_KEY = "sk-chat-demo"
 MODEL_PLACEHOLDER = "MODEL"
@@ -36,8 +38,11 @@ def served_model(backends: Sequence[BackendSpec], timeout_s: float = 2.0) -> Ser
     problems = []
     for spec in backends:
         url = f"{spec.url}/v1/models"
+        request = urllib.request.Request(url)
         try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            if spec.credential is not None:  # vLLM's --api-key guards /v1/models too
+                request.add_header("authorization", f"Bearer {read_secret(spec.credential)}")
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
                 data = json.load(response)
             name = data["data"][0]["id"]
             if isinstance(name, str) and name:
@@ -45,6 +50,8 @@ def served_model(backends: Sequence[BackendSpec], timeout_s: float = 2.0) -> Ser
             problems.append(f"{url}: no model id")
         except urllib.error.HTTPError as exc:
             problems.append(f"{url}: HTTP {exc.code}")
+        except CredentialError as exc:
+            problems.append(str(exc))  # names the reference, never the key
         except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
             problems.append(f"{url}: {getattr(exc, 'reason', None) or exc}")
     return ServedModel(None, "; ".join(problems) or "no backend")

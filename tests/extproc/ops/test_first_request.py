@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Iterator
@@ -34,7 +35,11 @@ class Models(BaseHTTPRequestHandler):
 
 
 class Locked(Models):
-    status = 401
+    """An engine started with ``--api-key sk-engine-0001``."""
+
+    def do_GET(self) -> None:
+        self.status = 200 if self.headers.get("authorization") == "Bearer sk-engine-0001" else 401
+        super().do_GET()
 
 
 def serve(handler: type[BaseHTTPRequestHandler]) -> Iterator[BackendSpec]:
@@ -93,3 +98,14 @@ def test_a_policy_without_the_demo_key_gets_a_key_placeholder() -> None:
     )
     text = "\n".join(curl_lines("http://x", policy, ServedModel("m")))
     assert "Bearer YOUR_API_KEY" in text and "(YOUR_API_KEY: one of the policy's api_keys)" in text
+
+
+def test_a_backend_naming_its_engine_key_is_asked_with_it(
+    locked: BackendSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ENGINE_KEY", "sk-engine-0001")
+    keyed = dataclasses.replace(locked, credential="env:ENGINE_KEY")
+    assert served_model([keyed]) == ServedModel("Qwen/Qwen3-8B")
+    monkeypatch.delenv("ENGINE_KEY")
+    model = served_model([keyed])
+    assert model.name is None and "ENGINE_KEY is not set" in model.problem

@@ -48,11 +48,12 @@ from extproc.core.peers import (
     ReplicaReport,
     most_urgent_elsewhere,
     owed_elsewhere,
+    turn,
 )
 from extproc.core.picker import PickReason, choose
 from extproc.core.prefix import PromptBlocks
 from extproc.core.priority import vllm_priority
-from extproc.core.reservations import Demand, Reservation, may_admit, reserved_seats
+from extproc.core.reservations import Demand, Reservation, headroom, reserved_seats
 from extproc.core.scheduler import BandConfig, Entry, FairnessConfig, FairScheduler, QueueFull
 from extproc.fleet.backend import Backend, BackendPool
 
@@ -92,6 +93,10 @@ class InFlight:
     grant: Grant
 
 
+ROOM_UNBOUNDED = 1 << 30
+"""``Placement.room`` of a band that seats do not bound (its gates and the cap do)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
     """Where a band's next request may go now, and as which tier (after aging).
@@ -103,6 +108,10 @@ class Placement:
     backends: list[Backend]
     tier: Tier | None
     rank: int
+    room: int = ROOM_UNBOUNDED
+    """How many requests of the band could go one after the other: bounded when seats bound
+    it (free seats, less the more urgent tiers' reserves), for taking turns with the other
+    replicas (``extproc.core.peers.turn``)."""
 
 
 class Admission:
@@ -286,16 +295,24 @@ class Admission:
 
     # ----------------------------------------------------------------- dispatch
 
-    def dispatch(self) -> list[Grant]:
+    def dispatch(self, own_seats: int = 0) -> list[Grant]:
         """Grant queued requests, in the scheduler's order, while some backend may take them.
 
         Run whenever a backend may have gained room: a completion released a slot, a scrape
         showed an engine draining, a backend recovered, the policy changed.
+
+        ``own_seats``: seats this replica's own completion just freed. Only this replica
+        knows of them yet, so it refills them without taking turns with the others
+        (``extproc.core.peers.turn``), which would leave them idle for a few exchanges;
+        room that every replica sees at once (a scrape, a lease that left) is taken in
+        turns. Deferring to a replica owed more (more urgent, or owed by VTC or by its
+        wait) still applies.
         """
         placements: dict[str, Placement | None] = {}
         grants: list[Grant] = []
         now = self._clock()
         ahead = most_urgent_elsewhere(self.peers, self._bands, now)
+        own = own_seats
 
         def placement(band: str) -> Placement | None:
             if band not in placements:
@@ -303,10 +320,14 @@ class Admission:
             return placements[band]
 
         def eligible(band: str) -> bool:
-            if placement(band) is None:
+            where = placement(band)
+            if where is None:
+                self._deferrals.stop(band)  # no room: a deferral starts afresh with the next
                 return False
-            elsewhere = (ahead is not None and self._band_key(band) > ahead) or (
-                owed_elsewhere(self.peers, self.scheduler, band, now)
+            elsewhere = (
+                (ahead is not None and self._band_key(band) > ahead)
+                or owed_elsewhere(self.peers, self.scheduler, band, now)
+                or (not own and where.room <= self._turn(band, now))
             )
             if not elsewhere:
                 self._deferrals.stop(band)
@@ -321,8 +342,13 @@ class Admission:
             where = placement(entry.band)
             assert where is not None  # pop only offers eligible bands
             grants.append(self._grant(entry, where))
+            own = max(0, own - 1)
             placements.clear()  # the grant changed loads and gates
         return grants
+
+    def _turn(self, band: str, now: float) -> int:
+        """Replicas ahead of this one for the band's next seat (``peers.turn``)."""
+        return turn(self.peers, band, self.scheduler.oldest_wait_s(band), now)
 
     def _band_key(self, band: str) -> tuple[float, int]:
         """A local band's urgency (effective rank after aging, then base rank)."""
@@ -376,7 +402,8 @@ class Admission:
         # queue) and the policy's cap bound it, as they would without seats.
         seat_bound = queue == 0 or any(r < rank and r in active for r in reserved)
         capacity = self.capacity if seat_bound else len(self.pool.backends) * limit
-        if not may_admit(rank, in_flight, capacity, reserved, active):
+        admissible = headroom(rank, in_flight, capacity, reserved, active)
+        if not admissible:
             return None
         stale = self.policy.backpressure.stale_after_s
         now = self._clock()
@@ -397,7 +424,14 @@ class Admission:
         if tier is not None and tier.reserved_share:
             seated = [b for b in candidates if b.free_seats() >= 1]
             candidates = seated or candidates
-        return Placement(candidates, tier, rank) if candidates else None
+        if not candidates:
+            return None
+        room = ROOM_UNBOUNDED
+        if seat_bound and queue is not None:
+            # Grants each candidate takes before its seats and the queue allowed are full.
+            seats = sum(max(0, math.ceil(b.free_seats() + queue)) for b in candidates)
+            room = min(admissible, seats)
+        return Placement(candidates, tier, rank, room)
 
     def _grant(self, entry: Entry, where: Placement) -> Grant:
         request: RequestClass = entry.payload
@@ -512,7 +546,7 @@ class Admission:
             self.scheduler.correct(
                 entry.flow, entry.band, entry.output_tokens_estimate, output_tokens, entry.weight
             )
-        return self.dispatch()
+        return self.dispatch(own_seats=1)
 
     def backend_of(self, request_id: str) -> Backend | None:
         """The backend an in-flight request was sent to first (None when not in flight)."""

@@ -164,15 +164,25 @@ def may_admit(
       go on until just interactive's 2 seats are free, batch's unreserved room included.
     - interactive (rank 0): owed nothing -> admitted while any seat is free (4 here).
     """
-    used = sum(in_flight_by_rank.values())
-    free_after = capacity - used - 1
-    if free_after < 0:
-        return False
+    return headroom(tier_rank, in_flight_by_rank, capacity, reserved, active_ranks) >= 1
+
+
+def headroom(
+    tier_rank: int,
+    in_flight_by_rank: Mapping[int, int],
+    capacity: int,
+    reserved: Mapping[int, int],
+    active_ranks: Collection[int],
+) -> int:
+    """How many more requests of rank ``tier_rank`` may take fleet seats now, one after the
+    other (``may_admit`` is ``headroom >= 1``): the free seats less what every more urgent
+    active rank is still owed."""
+    free = capacity - sum(in_flight_by_rank.values())
     owed = 0
     for rank, seats in reserved.items():
         if rank < tier_rank and rank in active_ranks:
             owed += max(0, seats - in_flight_by_rank.get(rank, 0))
-    return free_after >= owed
+    return max(0, free - owed)
 
 
 def validate_shares(reservations: Sequence[Reservation]) -> list[str]:

@@ -41,6 +41,9 @@ log = logging.getLogger("fairlane.state")
 PERIOD_S = 0.02
 """How often a replica exchanges: the staleness of what it knows of the others. 20 ms is
 a fraction of one engine step on a loaded GPU and costs about 50 round trips a second."""
+DEFER_PERIODS = 5
+"""Room left to another replica is taken back after this many exchange periods
+(``extproc.core.peers.DEFER_S`` at the default period)."""
 TTL_S = 2.0
 """A report's lifetime: a dead replica's leases are freed this long after its last
 exchange, at most. Many periods long, so a replica paused by a GC or a busy loop for a
@@ -161,7 +164,7 @@ class SharedState:
         self.replicas_seen = len(read.reports) + 1
         self.stats.charges_applied += len(read.charges)
         self._share_scrapes(read.reports)
-        view = PeerView.merge(read.reports, self.clock(), defer_s=3 * self.period_s)
+        view = PeerView.merge(read.reports, self.clock(), defer_s=DEFER_PERIODS * self.period_s)
         self.apply(view, list(read.charges))
 
     def _report(self) -> ReplicaReport:

@@ -8,9 +8,19 @@ from collections import Counter
 import pytest
 
 from extproc.core.errors import Rejection
-from extproc.core.peers import PeerBand, PeerView, ReplicaReport
+from extproc.core.peers import PeerBand, PeerView, ReplicaReport, turn
+from extproc.policy.model import Gate
 from tests.extproc.core.test_admission import submit
-from tests.extproc.factories import API, BATCH, INTERACTIVE, TENANT, Request, make_admission
+from tests.extproc.factories import (
+    API,
+    BATCH,
+    INTERACTIVE,
+    TENANT,
+    Request,
+    make_admission,
+    scraped,
+    with_gate,
+)
 
 BACKEND = "127.0.0.1:9000"
 
@@ -190,3 +200,66 @@ def test_room_left_to_another_replica_is_taken_back_when_it_does_not_use_it() ->
     assert not batch.granted  # r2's chat may take the seat first ...
     clock.now += urgent.defer_s + 0.001
     assert [g.request_id for g in admission.dispatch()] == ["b1"]  # ... but did not
+
+
+SEATED = with_gate(BATCH, Gate(max_waiting=0, max_kv_cache_usage=None))  # needs a free seat
+
+
+def test_turn_counts_the_replicas_whose_oldest_request_waited_longer() -> None:
+    reports = (
+        ReplicaReport("r2", waiting={"batch": PeerBand(4, 3.0)}),
+        ReplicaReport("r3", waiting={"batch": PeerBand(1, 0.5)}, age_s=1.0),  # 1.5 s by now
+        ReplicaReport("r4", waiting={"api": PeerBand(9, 60.0)}),  # another band
+    )
+    merged = PeerView.merge(reports, read_at=1000.0)
+    assert turn(merged, "batch", oldest_wait_s=5.0, now=1000.0) == 0
+    assert turn(merged, "batch", oldest_wait_s=2.0, now=1000.0) == 1
+    assert turn(merged, "batch", oldest_wait_s=1.0, now=1000.0) == 2
+    assert turn(merged, "batch", oldest_wait_s=2.0, now=1001.0) == 2  # both aged a second
+    assert turn(merged, "interactive", oldest_wait_s=0.0, now=1000.0) == 0
+
+
+def test_a_seat_every_replica_sees_goes_to_the_replica_whose_request_waited_longest() -> None:
+    admission, pool, clock = make_admission(limit=3, tiers=(INTERACTIVE, API, SEATED))
+    submit(admission, "busy", Request(SEATED))  # one seat of three
+    leased = ReplicaReport("r2", {BACKEND: {2: 2}}, waiting={"batch": PeerBand(1, 0.3)})
+    admission.apply_peers(PeerView.merge([leased], read_at=clock()))
+    scraped(pool.backends[0], clock)
+    submit(admission, "b1", Request(SEATED))
+    submit(admission, "b2", Request(SEATED))  # both wait here, just arrived
+    # r2's two requests finished: two seats every replica sees. r2's oldest request waited
+    # 0.3 s, ours 0: one seat is r2's turn, the other ours.
+    finished = ReplicaReport("r2", waiting={"batch": PeerBand(1, 0.3)})
+    grants = admission.apply_peers(PeerView.merge([finished], read_at=clock()))
+    assert [g.request_id for g in grants] == ["b1"]
+    scraped(pool.backends[0], clock)  # (a seat-bound tier fills one free seat a scrape)
+    assert admission.dispatch() == []  # the last free seat is r2's
+    # A seat our own request frees is ours to refill at once: only we know of it yet.
+    assert [g.request_id for g in admission.release("busy")] == ["b2"]
+
+
+def test_without_a_seat_for_us_we_leave_it_to_the_replica_ahead() -> None:
+    admission, _, clock = make_admission(limit=1, tiers=(INTERACTIVE, API, SEATED))
+    ahead = ReplicaReport("r2", {BACKEND: {2: 1}}, waiting={"batch": PeerBand(1, 0.3)})
+    admission.apply_peers(PeerView.merge([ahead], read_at=clock()))
+    assert not submit(admission, "b1", Request(SEATED)).granted
+    gone = ReplicaReport("r2", waiting={"batch": PeerBand(1, 0.3)})
+    assert admission.apply_peers(PeerView.merge([gone], read_at=clock())) == []
+    clock.now += 0.05  # both waited 50 ms more: r2's still longer, within the deferral
+    assert admission.dispatch() == []
+    clock.now += 0.01
+    fresh = ReplicaReport("r2", waiting={"batch": PeerBand(1, 0.01)})  # r2's next is younger
+    grants = admission.apply_peers(PeerView.merge([fresh], read_at=clock()))
+    assert [g.request_id for g in grants] == ["b1"]
+
+
+def test_a_seat_left_to_the_replica_ahead_is_taken_back_if_it_does_not_take_it() -> None:
+    admission, _, clock = make_admission(limit=1, tiers=(INTERACTIVE, API, SEATED))
+    ahead = ReplicaReport("r2", {BACKEND: {2: 1}}, waiting={"batch": PeerBand(1, 0.3)})
+    admission.apply_peers(PeerView.merge([ahead], read_at=clock()))
+    submit(admission, "b1", Request(SEATED))
+    gone = ReplicaReport("r2", waiting={"batch": PeerBand(1, 0.3)})
+    view_at = PeerView.merge([gone], read_at=clock())
+    assert admission.apply_peers(view_at) == []  # r2's turn
+    clock.now += view_at.defer_s + 0.001
+    assert [g.request_id for g in admission.dispatch()] == ["b1"]

@@ -324,3 +324,33 @@ async def test_fault_flags_delay_headers_and_break_metrics(tmp_path: Path) -> No
         await runner.cleanup()
     with pytest.raises(ValueError):
         SimConfig(fault_metrics="slow")
+
+
+async def test_api_key_guards_the_v1_paths_as_vllm_does() -> None:
+    """``--api-key``: without ``Bearer KEY`` every /v1 path is 401; probes and scrapers
+    (``/health``, ``/metrics``) need no key."""
+    port = free_port()
+    runner = await start(SimConfig(model="tiny", api_key="sk-engine-key"), "127.0.0.1", port)
+    base = f"http://127.0.0.1:{port}"
+    chat = {"model": "tiny", "messages": CHAT, "max_tokens": 2}
+    try:
+        async with aiohttp.ClientSession() as session:
+            for headers in (
+                {},
+                {"Authorization": "Bearer wrong"},
+                {"Authorization": "sk-engine-key"},
+            ):
+                async with session.post(
+                    f"{base}/v1/chat/completions", json=chat, headers=headers
+                ) as r:
+                    assert (r.status, await r.json()) == (401, {"error": "Unauthorized"})
+            async with session.get(f"{base}/v1/models") as r:
+                assert r.status == 401
+            good = {"Authorization": "Bearer sk-engine-key"}
+            async with session.post(f"{base}/v1/chat/completions", json=chat, headers=good) as r:
+                assert r.status == 200
+            for path in ("/health", "/metrics"):
+                async with session.get(base + path) as r:
+                    assert r.status == 200, path
+    finally:
+        await runner.cleanup()

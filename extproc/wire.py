@@ -58,9 +58,18 @@ CLIENT_AUTHORIZATION_HEADER = "x-fairlane-client-authorization"
 that a request the service never processed (a fail-open route) cannot carry a tenant key to
 a backend; the codec hands it to the service as ``authorization``."""
 
+RATELIMIT_METADATA: dict[str, str] = {
+    f"x-ratelimit-{what}-{kind}": f"ratelimit_{what}_{kind}"
+    for what in ("limit", "remaining", "reset")
+    for kind in ("requests", "tokens")
+}
+"""OpenAI's rate-limit headers on an admitted response of a tenant with a budget
+(``extproc.core.budgets``) -> the ``fairlane`` metadata key each is copied from."""
+
 RESPONSE_METADATA_HEADERS: dict[str, str] = {
     TIER_HEADER: TIER_KEY,
     QUEUE_MS_HEADER: QUEUE_MS_KEY,
+    **RATELIMIT_METADATA,
 }
 """Response header -> key in the :data:`FAIRLANE_NAMESPACE` metadata the route copies it from."""
 

@@ -39,6 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from extproc.core.budgets import Budgets
 from extproc.core.errors import Rejection
 from extproc.core.gates import passes
 from extproc.core.peers import (
@@ -138,12 +139,16 @@ class Admission:
         self.peers = PeerView()
         """The other replicas' state (``extproc.core.peers``); empty when alone."""
         self._deferrals = Deferrals()
+        self.budgets = Budgets()
+        """Tenants' and users' token budgets (``extproc.core.budgets``): checked and charged
+        at submission, settled at release."""
         self.configure(policy)
 
     def configure(self, policy: Policy) -> list[Grant]:
         """Apply a (re)loaded policy; queued and in-flight requests are kept. Returns the
         grants the new limits allowed at once."""
         self.policy = policy
+        self.budgets.configure(policy)
         self._bands = {
             t.name: BandConfig(t.name, t.rank, t.queue_limit, t.aging_rate, t.aging_cap)
             for t in policy.tiers
@@ -224,9 +229,13 @@ class Admission:
         and any other that time (aging, a reservation lapsing) let go meanwhile.
         """
         tier = request.tier
-        self._last_arrival[tier.name] = self._clock()
-        self._maybe_shed_early(tier)
+        now = self._clock()
         fairness = self.policy.fairness
+        estimate = request.max_tokens or fairness.default_output_tokens
+        # Over its budget, a request is refused before it counts as an arrival or a slot.
+        claim = self.budgets.check(request, request.prompt_tokens + estimate, now, self.peers.share)
+        self._last_arrival[tier.name] = now
+        self._maybe_shed_early(tier)
         flow = request.tenant.name
         if fairness.flow == "user":
             flow = f"{request.tenant.name}/{request.user}"
@@ -236,8 +245,8 @@ class Admission:
             flow=flow,
             weight=request.tenant.weight,
             input_tokens=request.prompt_tokens,
-            output_tokens_estimate=request.max_tokens or fairness.default_output_tokens,
-            enqueued_at=self._clock(),
+            output_tokens_estimate=estimate,
+            enqueued_at=now,
             payload=request,
         )
         peer = self.peers.waiting.get(tier.name)
@@ -262,6 +271,8 @@ class Admission:
                 headers={"retry-after": "1"},
                 tier=tier.name,
             ) from None
+        if claim is not None:
+            self.budgets.charge(request_id, claim, request.prompt_tokens, estimate, now)
         return self.dispatch()
 
     def _fleet_depth(self, tier: Tier) -> int:
@@ -513,6 +524,7 @@ class Admission:
         entry = self.scheduler.find(request_id)
         if entry is not None:
             self.scheduler.remove(entry)
+            self.budgets.finish(request_id, self._clock(), served=False)
             return []
         return self.release(request_id)
 
@@ -522,16 +534,20 @@ class Admission:
         a JSON error beats one whose stream is cut when the process exits (Envoy's bare
         500)."""
         entries = self.scheduler.entries()
+        now = self._clock()
         for entry in entries:
             self.scheduler.remove(entry)
+            self.budgets.finish(entry.request_id, now, served=False)
         return entries
 
     def release(self, request_id: str, output_tokens: int | None = None) -> list[Grant]:
         """The request finished (or will never reach a backend): free its slot, and return
         the grants the freed slot allowed (none when the request was not in flight).
 
-        ``output_tokens``, when known, settles the flow's charge for the estimate.
+        ``output_tokens``, when known, settles the flow's charge for the estimate, and the
+        budgets' (``extproc.core.budgets``).
         """
+        self.budgets.finish(request_id, self._clock(), output_tokens)
         record = self._in_flight.pop(request_id, None)
         if record is None:
             return []
@@ -569,6 +585,7 @@ class Admission:
     def expire(self, max_age_s: float) -> list[Grant]:
         """Reclaim slots whose completion never arrived (a lost access-log event); returns
         the grants the reclaimed slots allowed."""
+        self.budgets.prune(self._clock())  # periodic: forget users gone quiet
         cutoff = self._clock() - max_age_s
         stale = [rid for rid, f in self._in_flight.items() if f.admitted_at < cutoff]
         grants: list[Grant] = []

@@ -34,6 +34,7 @@ from extproc.wire import (
     MAX_RETRIES_HEADER,
     PER_TRY_TIMEOUT_HEADER,
     QUEUE_MS_KEY,
+    RATELIMIT_METADATA,
     TIER_HEADER,
     TIER_KEY,
 )
@@ -263,12 +264,20 @@ class Gateway:
         self.stats.admit(
             request.tier.name, request.model, grant.flow, grant.queued_s, request.prompt_tokens
         )
+        metadata = {TIER_KEY: request.tier.name, QUEUE_MS_KEY: str(round(grant.queued_s * 1000))}
+        tenant = request.tenant
+        if tenant.budget is not None or tenant.user_budget is not None:
+            # OpenAI's x-ratelimit-* on the response: Envoy copies them from the metadata.
+            admission = self.admission
+            now, share = admission.pool.clock(), admission.peers.share
+            for header, value in admission.budgets.headers(request_id, now, share).items():
+                metadata[RATELIMIT_METADATA[header]] = value
         return Forward(
             body=json.dumps(body, separators=(",", ":")).encode(),
             endpoints=grant.endpoints,
             set_headers=set_headers,
             remove_headers=strip,
-            metadata={TIER_KEY: request.tier.name, QUEUE_MS_KEY: str(round(grant.queued_s * 1000))},
+            metadata=metadata,
         )
 
     def completed(self, completion: Completion) -> list[Grant]:

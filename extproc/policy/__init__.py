@@ -17,6 +17,7 @@ from extproc.policy.keys import hashed_form, key_hint, key_label
 from extproc.policy.model import (
     DEFAULT_MAX_BODY_BYTES,
     Backpressure,
+    Budget,
     Condition,
     EscalationMode,
     Fairness,
@@ -41,6 +42,7 @@ __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_POLICY_PATH",
     "Backpressure",
+    "Budget",
     "Condition",
     "EscalationMode",
     "Fairness",

@@ -111,6 +111,34 @@ class Tier:
 
 
 @dataclass(frozen=True, slots=True)
+class Budget:
+    """A rate budget (``extproc.core.budgets``): each limit optional, None for no limit.
+
+    Tokens are a request's input plus its output (estimated as ``max_tokens`` or the
+    fairness default when it is admitted, corrected when it completes), counted over the
+    last minute; requests are counted over the last minute when they arrive; ``concurrent``
+    counts requests submitted and not yet finished (queued or in flight)."""
+
+    tokens_per_minute: int | None = None
+    requests_per_minute: int | None = None
+    concurrent: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_minute", "requests_per_minute", "concurrent"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    @property
+    def empty(self) -> bool:
+        return (
+            self.tokens_per_minute is None
+            and self.requests_per_minute is None
+            and self.concurrent is None
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Tenant:
     """Who is calling, as identified by an API key, and which tiers that caller may use."""
 
@@ -123,6 +151,10 @@ class Tenant:
     default_tier: str
     weight: float = 1.0
     """Fair-share weight of this tenant's flows within a band."""
+    budget: Budget | None = None
+    """The tenant's rate budget, over all its users (None: none)."""
+    user_budget: Budget | None = None
+    """The budget of each of the tenant's end users (``RequestClass.user``; None: none)."""
     key_digests: tuple[bytes, ...] = field(default=(), repr=False, compare=False)
     """The SHA-256 of each key, what requests are checked against. The parser passes them
     (it resolves ``env:`` and ``file:`` entries); left empty, they are computed from plain

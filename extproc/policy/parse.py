@@ -24,6 +24,7 @@ from extproc.policy.keys import (
 )
 from extproc.policy.model import (
     Backpressure,
+    Budget,
     Condition,
     Fairness,
     Gate,
@@ -81,7 +82,8 @@ _TIER_KEYS = (
     "gate",
     "early_shed_from",
 )
-_TENANT_KEYS = ("name", "api_keys", "tiers", "default_tier", "weight")
+_TENANT_KEYS = ("name", "api_keys", "tiers", "default_tier", "weight", "budget", "user_budget")
+_BUDGET_KEYS = ("tokens_per_minute", "requests_per_minute", "concurrent")
 _RULE_KEYS = ("name", "match", "tier", "workload", "strip_path_prefix", "add_path_prefix")
 _MATCH_KEYS = ("path_prefix", "path_regex", "headers", "body")
 _HEADER_OPS = ("equals", "in", "present", "regex")
@@ -417,6 +419,11 @@ def _read_tenant(
                 f"{default!r} is not one of this tenant's tiers ({', '.join(tiers)})",
             )
     weight = reader.positive(items["weight"], f"{path}.weight") if "weight" in items else 1.0
+    budgets = {
+        key: _read_budget(reader, items[key], f"{path}.{key}")
+        for key in ("budget", "user_budget")
+        if key in items
+    }
     if len(reader.errors) != errors_before or name is None or default is None or weight is None:
         return None
     return Tenant(
@@ -426,7 +433,26 @@ def _read_tenant(
         default,
         weight,
         key_digests=tuple(digest for _, digest in keys),
+        **budgets,
     )
+
+
+def _read_budget(reader: LocatedReader, node: Node, path: str) -> Budget | None:
+    """``{tokens_per_minute: N, requests_per_minute: N, concurrent: N}``, each optional
+    (left out or ``null``: no such limit) but at least one set; ``budget: null`` is none."""
+    if _is_null(node):
+        return None
+    items = reader.mapping(node, path, _BUDGET_KEYS)
+    values = {
+        key: reader.integer(item, f"{path}.{key}", 1)
+        for key, item in items.items()
+        if not _is_null(item)
+    }
+    if isinstance(node, MappingNode) and not values:
+        reader.error(node, path, f"sets no limit (give {', '.join(_BUDGET_KEYS)})")
+    if None in values.values():
+        return None
+    return Budget(**values) if values else None
 
 
 def _read_api_keys(

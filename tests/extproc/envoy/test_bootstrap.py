@@ -282,6 +282,12 @@ def test_route_retries_and_response_headers() -> None:
     assert added == {
         "x-fairlane-tier": "%DYNAMIC_METADATA(fairlane:tier)%",
         "x-fairlane-queue-ms": "%DYNAMIC_METADATA(fairlane:queue_ms)%",
+        # OpenAI's rate-limit headers of a tenant with a budget (extproc.core.budgets)
+        **{
+            f"x-ratelimit-{what}-{kind}": f"%DYNAMIC_METADATA(fairlane:ratelimit_{what}_{kind})%"
+            for what in ("limit", "remaining", "reset")
+            for kind in ("requests", "tokens")
+        },
     }
 
 

@@ -15,6 +15,7 @@ import pytest
 import extproc
 from extproc.policy import (
     DEFAULT_POLICY_PATH,
+    Budget,
     Policy,
     PolicyError,
     PolicyStore,
@@ -660,3 +661,35 @@ def test_routing_weights_and_hedging_are_read_and_checked() -> None:
     assert any(e.startswith("r.yaml:2: routing.prefix_weight") for e in errors), errors
     errors = errors_of(text.replace("hedge_after_ms: 400", "hedge_after_ms: 0"), "r.yaml")
     assert any("tiers[0].hedge_after_ms" in e for e in errors), errors
+
+
+# --------------------------------------------------------------------------- budgets
+
+
+def test_budgets_are_read_per_tenant_and_per_user() -> None:
+    text = MINIMAL + (
+        "    budget: {tokens_per_minute: 60000, requests_per_minute: 100, concurrent: 8}\n"
+        "    user_budget:\n      tokens_per_minute: 10000\n      concurrent: null\n"
+    )
+    (alice,) = parse_policy(text, "p.yaml").tenants
+    assert alice.budget == Budget(tokens_per_minute=60000, requests_per_minute=100, concurrent=8)
+    assert alice.user_budget == Budget(tokens_per_minute=10000)
+    (plain,) = parse_policy(MINIMAL + "    budget: null\n", "p.yaml").tenants
+    assert plain.budget is None and plain.user_budget is None
+
+
+def test_budget_errors_name_the_line_and_field() -> None:
+    text = MINIMAL + (
+        "    budget: {tokens_per_minute: 0, requests: 5}\n"
+        "    user_budget: {}\n"
+        "  - name: bob\n    api_keys: [sk-bob-0001]\n    tiers: [slow]\n"
+        "    budget: {concurrent: 2.5}\n"
+    )
+    assert errors_of(text) == [
+        "p.yaml:15: tenants[0].budget.requests: unknown field (expected one of: "
+        "tokens_per_minute, requests_per_minute, concurrent)",
+        "p.yaml:15: tenants[0].budget.tokens_per_minute: must be >= 1, not 0",
+        "p.yaml:16: tenants[0].user_budget: sets no limit (give tokens_per_minute, "
+        "requests_per_minute, concurrent)",
+        "p.yaml:20: tenants[1].budget.concurrent: must be an integer, not a number",
+    ]

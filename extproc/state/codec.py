@@ -4,7 +4,10 @@ A report is ``{"i": {backend: {rank: n}}, "w": {band: [n, oldest_wait_s, head_co
 "a": {tier: idle_s}, "s": {backend: [scraped_at, age_s, ok, waiting, running, kv_cache_usage,
 itl_sum_s, itl_count, block_size, num_gpu_blocks]}}`` (``s``: the engines this replica scrapes
 for the fleet, ``extproc.fleet.shared_scrape``; ``scraped_at`` is on the scraper's clock and
-only tells its scrapes apart); charges are ``[[band, flow, cost], ...]``. JSON
+only tells its scrapes apart), and ``"b": [[tenant, user|null, n], ...]``, the requests it
+has in progress per budgeted key (``extproc.core.budgets``); charges are
+``[[band, flow, cost], ...]``, budget charges ``[[tenant, user|null, age_slots, tokens,
+requests], ...]``. JSON
 because every replica of any version can read it and ``redis-cli`` shows it; the reports are
 a few hundred bytes.
 Anything malformed (another version, a hand-edited key) is skipped, never raised into the
@@ -19,6 +22,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from extproc.core.budgets import Key, LedgerRow
 from extproc.core.peers import PeerBand, ReplicaReport
 from extproc.fleet.shared_scrape import SharedScrape
 from extproc.fleet.vllm_metrics import EngineMetrics
@@ -29,8 +33,9 @@ Charge = tuple[str, str, float]
 """(band, flow, cost in counter units) charged on one replica."""
 
 
-def encode_report(report: ReplicaReport) -> str:
-    body = {
+def encode_report(report: ReplicaReport, active: Mapping[Key, int] | None = None) -> str:
+    """``active``: the requests in progress per budgeted key (``Budgets.active``)."""
+    body: dict[str, Any] = {
         "i": {
             addr: {str(r): n for r, n in ranks.items()} for addr, ranks in report.in_flight.items()
         },
@@ -39,11 +44,21 @@ def encode_report(report: ReplicaReport) -> str:
     }
     if report.scrapes:
         body["s"] = {addr: _scrape(shared) for addr, shared in report.scrapes.items()}
+    if active:
+        body["b"] = [[tenant, user, n] for (tenant, user), n in active.items()]
     return json.dumps(body, separators=(",", ":"))
 
 
 def decode_report(replica: str, text: str, age_s: float) -> ReplicaReport | None:
     """The report ``replica`` wrote ``age_s`` ago, or None if it cannot be read."""
+    return decode_report_and_active(replica, text, age_s)[0]
+
+
+def decode_report_and_active(
+    replica: str, text: str, age_s: float
+) -> tuple[ReplicaReport | None, dict[Key, int]]:
+    """The report and the requests in progress per budgeted key it carries ({} when it
+    carries none, or cannot be read)."""
     try:
         body = _mapping(json.loads(text))
         in_flight = {
@@ -53,10 +68,15 @@ def decode_report(replica: str, text: str, age_s: float) -> ReplicaReport | None
         waiting = {str(band): _peer_band(row) for band, row in _mapping(body.get("w")).items()}
         idle = {str(tier): float(s) for tier, s in _mapping(body.get("a")).items()}
         scrapes = {str(addr): _shared(row) for addr, row in _mapping(body.get("s")).items()}
+        active = {_key(tenant, user): int(n) for tenant, user, n in body.get("b") or ()}
     except (ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
         log.warning("skipping an unreadable report from replica %s: %s", replica, exc)
-        return None
-    return ReplicaReport(replica, in_flight, waiting, idle, max(0.0, age_s), scrapes)
+        return None, {}
+    return ReplicaReport(replica, in_flight, waiting, idle, max(0.0, age_s), scrapes), active
+
+
+def _key(tenant: object, user: object) -> Key:
+    return (str(tenant), None if user is None else str(user))
 
 
 def _scrape(shared: SharedScrape) -> list[float | int | bool | None]:
@@ -124,6 +144,35 @@ def decode_charges(text: str) -> list[Charge]:
     except (ValueError, TypeError) as exc:
         log.warning("skipping unreadable charges: %s", exc)
         return []
+
+
+def encode_budget_charges(rows: Iterable[LedgerRow]) -> str:
+    """This replica's budget charges since the last exchange ('' when there are none)."""
+    rows = list(rows)
+    return json.dumps(rows, separators=(",", ":")) if rows else ""
+
+
+def decode_budget_charges(text: str) -> list[LedgerRow]:
+    if not text:
+        return []
+    try:
+        return [
+            (*_key(tenant, user), int(age), int(tokens), int(requests))
+            for tenant, user, age, tokens, requests in json.loads(text)
+        ]
+    except (ValueError, TypeError) as exc:
+        log.warning("skipping unreadable budget charges: %s", exc)
+        return []
+
+
+def merge_budget_charges(
+    into: dict[tuple[str, str | None, int], list[int]], rows: Iterable[LedgerRow]
+) -> None:
+    """Add budget charges to those waiting to be sent (an exchange that failed keeps them)."""
+    for tenant, user, age, tokens, requests in rows:
+        row = into.setdefault((tenant, user, age), [0, 0])
+        row[0] += tokens
+        row[1] += requests
 
 
 def merge_charges(into: dict[tuple[str, str], float], charges: Iterable[Charge]) -> None:

@@ -13,8 +13,9 @@ different prefixes):
 - ``{PREFIX}replicas``: a sorted set, replica -> Redis time (ms) of its last exchange;
   members older than the TTL are pruned by the next exchange of any replica.
 - ``{PREFIX}charges``: a stream of VTC charges, one entry per exchange that had any
-  (``r`` = replica, ``c`` = charges), capped at about ``STREAM_MAX`` entries. Each replica
-  reads the entries after the last one it saw and skips its own.
+  (``r`` = replica, ``c`` = charges, and ``b`` = budget charges when it made any:
+  ``extproc.core.budgets``), capped at about ``STREAM_MAX`` entries. Each replica reads the
+  entries after the last one it saw and skips its own.
 
 Time is Redis's (``TIME`` inside the script), so the replicas' clocks need not agree.
 The set and the stream expire ``IDLE_EXPIRY_MS`` after the last exchange of any replica,
@@ -24,15 +25,22 @@ the next exchange of every replica: reports are whole states, never deltas.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from extproc.core.budgets import Key, LedgerRow
 from extproc.core.peers import ReplicaReport
-from extproc.state.codec import Charge, decode_charges, decode_report
+from extproc.state.codec import (
+    Charge,
+    decode_budget_charges,
+    decode_charges,
+    decode_report_and_active,
+)
 
 PREFIX = "fairlane:"
 STREAM_MAX = 10_000
@@ -58,8 +66,13 @@ for _, member in ipairs(redis.call('ZRANGE', replicas, 0, -1)) do
     end
   end
 end
-if ARGV[5] ~= '' then
-  redis.call('XADD', charges, 'MAXLEN', '~', ARGV[8], '*', 'r', me, 'c', ARGV[5])
+if ARGV[5] ~= '' or ARGV[9] ~= '' then
+  local c = ARGV[5] ~= '' and ARGV[5] or '[]'
+  if ARGV[9] ~= '' then
+    redis.call('XADD', charges, 'MAXLEN', '~', ARGV[8], '*', 'r', me, 'c', c, 'b', ARGV[9])
+  else
+    redis.call('XADD', charges, 'MAXLEN', '~', ARGV[8], '*', 'r', me, 'c', c)
+  end
   redis.call('PEXPIRE', charges, ARGV[7])
 end
 local last = ARGV[6]
@@ -72,7 +85,10 @@ out[2] = last
 for _, entry in ipairs(redis.call('XRANGE', charges, '(' .. last, '+', 'COUNT', 1000)) do
   out[2] = entry[1]
   local fields = entry[2]
-  if fields[2] ~= me then table.insert(out, fields[4]) end
+  if fields[2] ~= me then
+    table.insert(out, fields[4])
+    table.insert(out, fields[6] or '')
+  end
 end
 return out
 """
@@ -86,6 +102,10 @@ class Exchanged:
     charges: tuple[Charge, ...]
     last_charge_id: str
     """The id of the last charges entry read: where the next exchange goes on from."""
+    budget_charges: tuple[LedgerRow, ...] = ()
+    """The others' budget charges since the last exchange (``Budgets.charge_elsewhere``)."""
+    active: dict[Key, int] = field(default_factory=dict)
+    """Requests in progress on the other replicas per budgeted key, summed."""
 
 
 class RedisExchange:
@@ -116,9 +136,12 @@ class RedisExchange:
         )
         self._script = self._client.register_script(EXCHANGE)
 
-    async def exchange(self, report: str, charges: str, last_charge_id: str) -> Exchanged:
-        """Write ``report`` (and ``charges``), read the others'. ``last_charge_id`` '' on
-        the first call: charges from before this replica joined are not replayed."""
+    async def exchange(
+        self, report: str, charges: str, last_charge_id: str, budget_charges: str = ""
+    ) -> Exchanged:
+        """Write ``report`` (and ``charges``, ``budget_charges``), read the others'.
+        ``last_charge_id`` '' on the first call: charges from before this replica joined
+        are not replayed."""
         args: list[str | int] = [
             self.prefix,
             self.replica,
@@ -128,20 +151,30 @@ class RedisExchange:
             last_charge_id,
             IDLE_EXPIRY_MS,
             STREAM_MAX,
+            budget_charges,
         ]
         reply = await self._script(keys=[], args=args)
         now_ms, last, count = int(reply[0]), str(reply[1]), int(reply[2])
         reports: list[ReplicaReport] = []
+        active: Counter[Key] = Counter()
         for i in range(count):
             member, value = str(reply[3 + 2 * i]), str(reply[4 + 2 * i])
             written, _, body = value.partition(" ")
-            decoded = decode_report(member, body, (now_ms - int(written)) / 1000)
+            decoded, in_progress = decode_report_and_active(
+                member, body, (now_ms - int(written)) / 1000
+            )
             if decoded is not None:
                 reports.append(decoded)
+                active.update(in_progress)
         charges_read: list[Charge] = []
-        for text in reply[3 + 2 * count :]:
+        budget_read: list[LedgerRow] = []
+        rest = reply[3 + 2 * count :]
+        for text, budget in zip(rest[::2], rest[1::2], strict=True):
             charges_read.extend(decode_charges(str(text)))
-        return Exchanged(tuple(reports), tuple(charges_read), last)
+            budget_read.extend(decode_budget_charges(str(budget)))
+        return Exchanged(
+            tuple(reports), tuple(charges_read), last, tuple(budget_read), dict(active)
+        )
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -33,7 +33,13 @@ from extproc.core.admission import Admission
 from extproc.core.peers import PeerView, ReplicaReport
 from extproc.fleet.backend import Backend
 from extproc.fleet.shared_scrape import SharedScrape, scraper_of, takeover_s
-from extproc.state.codec import encode_charges, encode_report, merge_charges
+from extproc.state.codec import (
+    encode_budget_charges,
+    encode_charges,
+    encode_report,
+    merge_budget_charges,
+    merge_charges,
+)
 from extproc.state.exchange import Exchanged, RedisExchange
 
 log = logging.getLogger("fairlane.state")
@@ -87,6 +93,8 @@ class SharedState:
     replicas_seen: int = 1
     _last_id: str = ""
     _unsent: dict[tuple[str, str], float] = field(default_factory=dict)
+    _unsent_budget: dict[tuple[str, str | None, int], list[int]] = field(default_factory=dict)
+    """Budget charges not sent yet (``extproc.core.budgets``), kept across failed exchanges."""
     _last_ok: float = float("-inf")
     _scraping: frozenset[str] = frozenset()
     """The engines this replica scrapes for the fleet, as of the last exchange."""
@@ -111,6 +119,7 @@ class SharedState:
     async def run(self) -> None:
         """Exchange forever (cancel to stop)."""
         self.admission.scheduler.take_ledger()  # start recording this replica's charges
+        self.admission.budgets.take_ledger(self.admission.pool.clock())  # and budget charges
         try:
             while True:
                 try:
@@ -126,15 +135,21 @@ class SharedState:
 
     async def exchange_once(self) -> bool:
         """One exchange; False (and cut off, when it lasts) if Redis did not answer."""
-        report = encode_report(self._report())
+        budgets = self.admission.budgets
+        report = encode_report(self._report(), budgets.active())
         merge_charges(
             self._unsent,
             ((b, f, c) for (b, f), c in self.admission.scheduler.take_ledger().items()),
         )
         charges = encode_charges(self._unsent)
+        merge_budget_charges(self._unsent_budget, budgets.take_ledger(self.admission.pool.clock()))
+        budget_charges = encode_budget_charges(
+            (t, u, age, tokens, requests)
+            for (t, u, age), (tokens, requests) in self._unsent_budget.items()
+        )
         started = time.perf_counter()
         try:
-            read = await self.store.exchange(report, charges, self._last_id)
+            read = await self.store.exchange(report, charges, self._last_id, budget_charges)
         except (RedisError, OSError, TimeoutError) as exc:
             self.stats.failures += 1
             self._failed(exc)
@@ -144,6 +159,7 @@ class SharedState:
         self.stats.exchanges += 1
         self.stats.charges_sent += len(self._unsent)
         self._unsent.clear()
+        self._unsent_budget.clear()
         self._succeeded(read)
         return True
 
@@ -164,6 +180,9 @@ class SharedState:
         self.replicas_seen = len(read.reports) + 1
         self.stats.charges_applied += len(read.charges)
         self._share_scrapes(read.reports)
+        budgets = self.admission.budgets  # fleet-wide: the others' charges and requests
+        budgets.charge_elsewhere(read.budget_charges, self.admission.pool.clock())
+        budgets.set_active_elsewhere(read.active)
         view = PeerView.merge(read.reports, self.clock(), defer_s=DEFER_PERIODS * self.period_s)
         self.apply(view, list(read.charges))
 
@@ -231,6 +250,7 @@ class SharedState:
         self.cut_off, self.shared = True, False
         self.stats.cut_offs += 1
         self._scrape_everything()
+        self.admission.budgets.set_active_elsewhere({})  # cut off: its share of each limit
         log.warning(
             "replica %s: cannot reach %s (%s); scheduling alone on 1/%d of each backend "
             "until it answers",

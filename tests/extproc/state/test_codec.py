@@ -6,8 +6,11 @@ from extproc.core.peers import PeerBand, ReplicaReport
 from extproc.fleet.shared_scrape import SharedScrape
 from extproc.fleet.vllm_metrics import EngineMetrics
 from extproc.state.codec import (
+    decode_budget_charges,
     decode_charges,
     decode_report,
+    decode_report_and_active,
+    encode_budget_charges,
     encode_charges,
     encode_report,
     merge_charges,
@@ -71,3 +74,17 @@ def test_charges_round_trip_and_accumulate() -> None:
         ("api", "acme", 15.0),
         ("batch", "b", 1.0),
     ]
+
+
+def test_budget_charges_and_requests_in_progress_round_trip() -> None:
+    rows = [("acme", None, 0, 150, 1), ("acme", "alice", 2, -40, 0)]
+    assert decode_budget_charges(encode_budget_charges(rows)) == rows
+    assert encode_budget_charges([]) == "" and decode_budget_charges("") == []
+    assert decode_budget_charges('[["acme", null, "x", 1, 1]]') == []  # unreadable: skipped
+    report = ReplicaReport("r1", {})
+    text = encode_report(report, {("acme", None): 2, ("acme", "bob"): 1})
+    decoded, active = decode_report_and_active("r1", text, 0.0)
+    assert decoded == report
+    assert active == {("acme", None): 2, ("acme", "bob"): 1}
+    assert decode_report_and_active("r1", encode_report(report), 0.0)[1] == {}
+    assert decode_report_and_active("r1", '{"b": [["acme"]]}', 0.0) == (None, {})

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc.core.decisions import Forward, Respond
 from extproc.core.events import Completion
 from extproc.core.peers import PeerView, ReplicaReport
-from extproc.policy import DEFAULT_POLICY_PATH
+from extproc.policy import DEFAULT_POLICY_PATH, Budget
 from extproc.state.exchange import RedisExchange
 from extproc.state.replica import SharedState
 from extproc.transport.prometheus import GatewayCollector
@@ -88,6 +88,23 @@ def _drive() -> str:
         policy_file.write_text("tiers: [\n")
         _bump_mtime(policy_file)
         assert not store.reload()
+
+        # A tenant with a budget: one request admitted, the next refused (429).
+        spent = dataclasses.replace(
+            store.current,
+            tenants=tuple(
+                dataclasses.replace(t, budget=Budget(requests_per_minute=1))
+                if t.name == "chat-app"
+                else t
+                for t in store.current.tenants
+            ),
+        )
+        store.current = spent
+        gateway.admission.configure(spent)
+        within = gateway.handle(request("sk-chat-demo", request_id="budget-1")).answer
+        assert isinstance(within, Forward), within
+        over = gateway.handle(request("sk-chat-demo", request_id="budget-2")).answer
+        assert isinstance(over, Respond) and over.status == 429, over
 
         # As one of two replicas (never connected: the exchange is not run, its view is
         # applied by hand), so the shared-state families are exported too.

@@ -80,6 +80,7 @@ class GatewayCollector(Collector):
         yield from self._outcomes()
         yield from self._latencies()
         yield from self._overload()
+        yield from self._budgets()
         yield from self._replicas()
 
     def _queues(self) -> Iterable[Metric]:
@@ -308,6 +309,30 @@ class GatewayCollector(Collector):
             "event loop's lag and how old requests were when it decided them.",
             value=self.overload.last_lag_s,
         )
+
+    def _budgets(self) -> Iterable[Metric]:
+        """Tenants' budgets (``extproc.core.budgets``): only tenants that have one."""
+        budgets = self.admission.budgets
+        yield _counter(
+            "fairlane_budget_rejections",
+            "Requests refused with 429 rate_limit_exceeded because a budget was spent, per "
+            "tenant and limit (tokens_per_minute, requests_per_minute, concurrent; user_... "
+            "for a user_budget's).",
+            ["tenant", "limit"],
+            budgets.rejections.items(),
+        )
+        used = GaugeMetricFamily(
+            "fairlane_budget_used_ratio",
+            "Share of a budgeted tenant's limit in use, fleet-wide: over the last minute for "
+            "tokens_per_minute and requests_per_minute, now for concurrent; user_... limits: "
+            "the tenant's most used user.",
+            labels=["tenant", "limit"],
+        )
+        for (tenant, limit), ratio in sorted(
+            budgets.used_ratios(self.admission.pool.clock()).items()
+        ):
+            used.add_metric([tenant, limit], ratio)
+        yield used
 
     def _replicas(self) -> Iterable[Metric]:
         """Shared state (``--state``); nothing when the service runs alone."""

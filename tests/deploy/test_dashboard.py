@@ -398,7 +398,13 @@ def test_every_panel_shows_data_from_a_live_stack(tmp_path: Path, processes: Any
     policy = tmp_path / "policy.yaml"
     text = Path(DEFAULT_POLICY_PATH).read_text()
     assert "queue_limit: 100000" in text
-    policy.write_text(text.replace("queue_limit: 100000", "queue_limit: 4"))  # batch sheds
+    text = text.replace("queue_limit: 100000", "queue_limit: 4")  # batch sheds
+    # Each api user may send 30 requests a minute: the budget panels have data.
+    assert "    tiers: [api]\n" in text
+    text = text.replace(
+        "    tiers: [api]\n", "    tiers: [api]\n    user_budget: {requests_per_minute: 30}\n"
+    )
+    policy.write_text(text)
     # Two replicas sharing a Redis, so the replicas' panels have data too.
     stack = Stack(StackConfig(port=free_port(), policy_path=policy, replicas=2), processes).start()
 

@@ -60,6 +60,18 @@ async def replicas(redis_server: RedisServer) -> AsyncIterator[tuple[Replica, Re
         await replica.state.store.close()
 
 
+@pytest.fixture
+async def fleet_of_six(redis_server: RedisServer) -> AsyncIterator[tuple[Replica, Replica]]:
+    """Two replicas over six engines: enough for each to scrape some of them."""
+    pair = (
+        Replica("s1", redis_server.url, backends=6),
+        Replica("s2", redis_server.url, backends=6),
+    )
+    yield pair
+    for replica in pair:
+        await replica.state.store.close()
+
+
 async def round_trip(*replicas: Replica) -> None:
     """Every replica exchanges twice: each has then read what the others wrote."""
     for _ in range(2):
@@ -161,65 +173,51 @@ async def test_redis_lost_cuts_off_then_the_replica_rejoins_by_itself(
 
 
 async def test_each_engine_is_scraped_by_one_replica_and_adopted_by_the_others(
-    redis_server: RedisServer,
+    fleet_of_six: tuple[Replica, Replica],
 ) -> None:
-    r1, r2 = (
-        Replica("s1", redis_server.url, backends=6),
-        Replica("s2", redis_server.url, backends=6),
-    )
-    try:
-        await round_trip(r1, r2)
-        for b1, b2 in zip(r1.pool.backends, r2.pool.backends, strict=True):
-            assert [b1.scrape_here, b2.scrape_here].count(True) == 1, b1.address
-        assert r1.state._scraping and r2.state._scraping  # six engines: both scrape some
-        # r1 scrapes one of its engines (as its poller would); r2 adopts what r1 read.
-        scraper, reader = r1.pool.backends[0], r2.pool.backends[0]
-        if not scraper.scrape_here:
-            scraper, reader = r2.pool.backends[0], r1.pool.backends[0]
-        owner = r1 if scraper in r1.pool.backends else r2
-        other = r2 if owner is r1 else r1
-        # The scrape is 0.2 s old when r1 reports it; the reader granted after its last
-        # mark, so the scrape (taken before that) cannot have seen the grant.
-        owner.clock.now += 0.1
-        scraper.record_scrape(EngineMetrics(2, 3, 0.4, 0.5, 50, owner.clock.now), 0)
-        owner.clock.now += 0.2
-        other.clock.now += 0.3
-        await other.exchange()
-        reader.note_grant()
-        await round_trip(owner, other)
-        metrics = reader.metrics
-        assert metrics is not None and (metrics.waiting, metrics.running) == (2, 3)
-        assert metrics.scraped_at == pytest.approx(other.clock.now - 0.2, abs=0.01)
-        assert reader.granted_since_scrape == 1 and not reader.scrape_here
-        # The scraper's scrapes stop coming (hung): past the takeover age the reader scrapes.
-        other.clock.now += 1.0
-        await other.exchange()
-        assert reader.scrape_here
-    finally:
-        for replica in (r1, r2):
-            await replica.state.store.close()
+    r1, r2 = fleet_of_six
+    await round_trip(r1, r2)
+    for b1, b2 in zip(r1.pool.backends, r2.pool.backends, strict=True):
+        assert [b1.scrape_here, b2.scrape_here].count(True) == 1, b1.address
+    assert r1.state._scraping and r2.state._scraping  # six engines: both scrape some
+    # r1 scrapes one of its engines (as its poller would); r2 adopts what r1 read.
+    scraper, reader = r1.pool.backends[0], r2.pool.backends[0]
+    if not scraper.scrape_here:
+        scraper, reader = r2.pool.backends[0], r1.pool.backends[0]
+    owner = r1 if scraper in r1.pool.backends else r2
+    other = r2 if owner is r1 else r1
+    # The scrape is 0.2 s old when r1 reports it; the reader granted after its last
+    # mark, so the scrape (taken before that) cannot have seen the grant.
+    owner.clock.now += 0.1
+    scraper.record_scrape(EngineMetrics(2, 3, 0.4, 0.5, 50, owner.clock.now), 0)
+    owner.clock.now += 0.2
+    other.clock.now += 0.3
+    await other.exchange()
+    reader.note_grant()
+    await round_trip(owner, other)
+    metrics = reader.metrics
+    assert metrics is not None and (metrics.waiting, metrics.running) == (2, 3)
+    assert metrics.scraped_at == pytest.approx(other.clock.now - 0.2, abs=0.01)
+    assert reader.granted_since_scrape == 1 and not reader.scrape_here
+    # The scraper's scrapes stop coming (hung): past the takeover age the reader scrapes.
+    other.clock.now += 1.0
+    await other.exchange()
+    assert reader.scrape_here
 
 
 async def test_while_redis_is_unreachable_late_scrapes_are_taken_over_before_any_cut_off(
-    redis_server: RedisServer,
+    redis_server: RedisServer, fleet_of_six: tuple[Replica, Replica]
 ) -> None:
-    r1, r2 = (
-        Replica("s1", redis_server.url, backends=6),
-        Replica("s2", redis_server.url, backends=6),
-    )
-    try:
-        await round_trip(r1, r2)
-        assert not all(b.scrape_here for b in r1.pool.backends)
-        redis_server.stop()
-        assert not await r1.exchange()
-        assert not r1.state.cut_off and not all(b.scrape_here for b in r1.pool.backends)
-        r1.clock.now += 1.0  # the scraper's scrapes stopped coming with the exchanges
-        assert not await r1.exchange()
-        assert not r1.state.cut_off  # still within the grace: the last view holds
-        assert all(b.scrape_here for b in r1.pool.backends)
-    finally:
-        for replica in (r1, r2):
-            await replica.state.store.close()
+    r1, r2 = fleet_of_six
+    await round_trip(r1, r2)
+    assert not all(b.scrape_here for b in r1.pool.backends)
+    redis_server.stop()
+    assert not await r1.exchange()
+    assert not r1.state.cut_off and not all(b.scrape_here for b in r1.pool.backends)
+    r1.clock.now += 1.0  # the scraper's scrapes stopped coming with the exchanges
+    assert not await r1.exchange()
+    assert not r1.state.cut_off  # still within the grace: the last view holds
+    assert all(b.scrape_here for b in r1.pool.backends)
 
 
 async def test_an_unexpected_error_does_not_end_the_exchange_loop(

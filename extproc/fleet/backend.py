@@ -164,6 +164,19 @@ def parse_backend(text: str) -> BackendSpec:
         raise ValueError(f"backend {text!r}: {exc}") from None
 
 
+def backend_argument(spec: BackendSpec) -> str:
+    """``spec`` as ``--backend`` takes it (``parse_backend`` reads it back unchanged), so
+    ``fairlane up`` and the rendered Kubernetes workload hand the service its backends with
+    their declared seats and key references."""
+    options = []
+    if spec.seats is not None:
+        options.append(f"seats={spec.seats}")
+    if spec.credential is not None:
+        options.append(f"key={spec.credential}")
+    fragment = f"#{','.join(options)}" if options else ""
+    return f"{spec.region}={spec.url}{fragment}"
+
+
 def _backend_options(text: str, options: str) -> tuple[int | None, str | None]:
     """The seat count and the key reference of a backend's ``#seats=N,key=REF`` (each
     optional, in any order)."""

@@ -17,10 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from extproc.fleet.backend import BackendSpec
+from extproc.fleet.backend import BackendSpec, backend_argument
 from extproc.ops.processes import Child, ProcessGroup, free_port, wait_port_open
 from extproc.ops.redis_server import redis_url, require_redis_server, start_redis
-from extproc.transport.server import backend_argument
 
 SINGLE = "service"
 """The process name of the one service (its log is ``service.log``)."""

@@ -260,18 +260,6 @@ def add_backend_argument(parser: argparse.ArgumentParser, required: bool, help: 
     )
 
 
-def backend_argument(spec: BackendSpec) -> str:
-    """``spec`` as ``--backend`` takes it (``parse_backend`` reads it back unchanged), so
-    ``fairlane up`` hands the service its backends with their declared seats."""
-    options = []
-    if spec.seats is not None:
-        options.append(f"seats={spec.seats}")
-    if spec.credential is not None:
-        options.append(f"key={spec.credential}")
-    fragment = f"#{','.join(options)}" if options else ""
-    return f"{spec.region}={spec.url}{fragment}"
-
-
 def add_region_key_argument(parser: argparse.ArgumentParser) -> None:
     """``--region-key REGION=env:NAME|file:PATH`` (repeatable), shared by ``serve`` and
     ``up``."""

@@ -23,6 +23,7 @@ from typing import Any
 from extproc.envoy.mesh import FAIRLANE_IMAGE, METRICS_PORT, KubeNames
 from extproc.envoy.params import EnvoyParams
 from extproc.envoy.replicas import pod_service_host
+from extproc.fleet.backend import backend_argument
 
 POD_NAME_LABEL = "statefulset.kubernetes.io/pod-name"
 """The label Kubernetes sets on each StatefulSet pod, to its pod name."""
@@ -60,12 +61,35 @@ def _args(params: EnvoyParams) -> list[str]:
         "--host=0.0.0.0",
         f"--port={params.extproc_port}",
         f"--metrics-port={METRICS_PORT}",
-        *(f"--backend={b.region}={b.url}" for b in params.backends),
+        *(f"--backend={backend_argument(b)}" for b in params.backends),
     ]
     if params.replicated:
         # $(POD_NAME) is expanded by Kubernetes from the container's env (below)
         args += [f"--state={params.state_url}", "--replica-id=$(POD_NAME)"]
     return args
+
+
+def engine_keys_secret(names: KubeNames) -> str:
+    """The Secret the engines' API keys are read from: one key per ``env:NAME`` the
+    backends name (the operator creates it; the keys never pass through the renderer)."""
+    return f"{names.service}-engine-keys"
+
+
+def _engine_key_env(params: EnvoyParams, names: KubeNames) -> list[dict[str, Any]]:
+    """The container's environment for the backends' ``env:NAME`` keys, from the Secret
+    ``engine_keys_secret``; a ``file:PATH`` key is the operator's own volume mount."""
+    wanted = sorted(
+        {
+            b.credential.removeprefix("env:")
+            for b in params.backends
+            if b.credential is not None and b.credential.startswith("env:")
+        }
+    )
+    secret = engine_keys_secret(names)
+    return [
+        {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": name}}}
+        for name in wanted
+    ]
 
 
 def _pod_template(params: EnvoyParams, names: KubeNames) -> dict[str, Any]:
@@ -78,10 +102,13 @@ def _pod_template(params: EnvoyParams, names: KubeNames) -> dict[str, Any]:
             {"name": "metrics", "containerPort": METRICS_PORT},
         ],
     }
+    env = _engine_key_env(params, names)
     if params.replicated:
-        container["env"] = [
-            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
-        ]
+        env.insert(
+            0, {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+        )
+    if env:
+        container["env"] = env
     return {
         "metadata": {
             "labels": _labels(names),

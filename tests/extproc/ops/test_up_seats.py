@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.fleet.backend import BackendSpec, parse_backend
+from extproc.fleet.backend import BackendSpec, backend_argument, parse_backend
 from extproc.ops import cli
 from extproc.ops.seat_watch import FALLBACK_REPORT_S, SeatCount, SeatWatch, parse_seats
 from extproc.ops.up import _backend_line
-from extproc.transport.server import backend_argument, backends_from_args
+from extproc.transport.server import backends_from_args
 from tests.extproc.factories import FakeClock
 
 EXPOSITION = """\

@@ -68,3 +68,27 @@ def test_a_mesh_needs_replicas_by_count_and_their_redis() -> None:
     no_state = EnvoyParams(extproc_host=HOST, extproc_replicas=statefulset_replicas(HOST, 50051, 2))
     with pytest.raises(EnvoyConfigError, match=r"service\.state"):
         kube_names(no_state)
+
+
+def test_the_service_gets_each_backends_seats_and_key_reference_and_env_keys_from_a_secret() -> (
+    None
+):
+    backends = (
+        BackendSpec("10.0.0.11", 8000, "a", seats=64, credential="env:VLLM_KEY_A"),
+        BackendSpec("10.0.0.12", 8000, "b", credential="file:/keys/b"),
+        BackendSpec("10.0.0.13", 8000, "a", credential="env:VLLM_KEY_A"),
+    )
+    params = EnvoyParams(extproc_host=HOST, backends=backends)
+    (container,) = workload(params, kube_names(params))[0]["spec"]["template"]["spec"]["containers"]
+    assert [a for a in container["args"] if a.startswith("--backend")] == [
+        "--backend=a=http://10.0.0.11:8000#seats=64,key=env:VLLM_KEY_A",
+        "--backend=b=http://10.0.0.12:8000#key=file:/keys/b",
+        "--backend=a=http://10.0.0.13:8000#key=env:VLLM_KEY_A",
+    ]
+    # The key itself is never rendered: the variable comes from a Secret the operator made.
+    assert container["env"] == [
+        {
+            "name": "VLLM_KEY_A",
+            "valueFrom": {"secretKeyRef": {"name": "fairlane-engine-keys", "key": "VLLM_KEY_A"}},
+        }
+    ]

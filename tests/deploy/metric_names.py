@@ -210,7 +210,7 @@ def exported_labels() -> dict[str, dict[str, set[str]]]:
 
 
 # Series Prometheus makes itself: a rule may read them without anything exporting them.
-PROMETHEUS_SYNTHETIC = frozenset({"ALERTS", "ALERTS_FOR_STATE"})
+PROMETHEUS_SYNTHETIC = frozenset({"ALERTS", "ALERTS_FOR_STATE", "up"})
 
 # -- PromQL -------------------------------------------------------------------------------
 

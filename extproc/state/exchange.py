@@ -7,9 +7,11 @@ one per ``period_s`` per replica, whatever the request rate.
 Keys (``PREFIX`` is ``fairlane:`` by default; one Redis DB may hold several fleets with
 different prefixes):
 
-- ``{PREFIX}report:{replica}``: the replica's report (``extproc.state.codec``), a string
-  that expires after ``ttl_ms``: the **lease** on its in-flight requests. A replica that
-  dies stops renewing it; its seats come back within the TTL.
+- ``{PREFIX}report:{replica}``: ``WRITTEN_MS INSTANCE REPORT``, the replica's report
+  (``extproc.state.codec``) after Redis's time and the writing process's random instance
+  token, a string that expires after ``ttl_ms``: the **lease** on its in-flight requests. A
+  replica that dies stops renewing it; its seats come back within the TTL. A report held by
+  another instance makes the exchange refuse (``DuplicateReplica``).
 - ``{PREFIX}replicas``: a sorted set, replica -> Redis time (ms) of its last exchange;
   members older than the TTL are pruned by the next exchange of any replica.
 - ``{PREFIX}charges``: a stream of VTC charges, one entry per exchange that had any
@@ -25,6 +27,7 @@ the next exchange of every replica: reports are whole states, never deltas.
 
 from __future__ import annotations
 
+import secrets
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -51,7 +54,13 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local prefix, me, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local replicas, charges = prefix .. 'replicas', prefix .. 'charges'
-redis.call('SET', prefix .. 'report:' .. me, now .. ' ' .. ARGV[4], 'PX', ttl)
+local mine = prefix .. 'report:' .. me
+local held = redis.call('GET', mine)
+if held then
+  local holder = string.match(held, '^%d+ (%x+) ')
+  if holder and holder ~= ARGV[10] then return {'duplicate', holder} end
+end
+redis.call('SET', mine, now .. ' ' .. ARGV[10] .. ' ' .. ARGV[4], 'PX', ttl)
 redis.call('ZADD', replicas, now, me)
 redis.call('ZREMRANGEBYSCORE', replicas, '-inf', now - ttl)
 redis.call('PEXPIRE', replicas, ARGV[7])
@@ -94,6 +103,19 @@ return out
 """
 
 
+class DuplicateReplica(Exception):
+    """Another live process writes reports under this replica's id: two replicas started
+    with the same ``--replica-id`` would overwrite each other's leases every period, and
+    the fleet would count only half of their requests in flight. The exchange refuses
+    until the other's report expires (a restarted replica waits out its old self's TTL)."""
+
+    def __init__(self, replica: str, holder: str) -> None:
+        super().__init__(
+            f"replica id {replica!r} is in use by another live process (instance {holder}); "
+            "give every replica its own --replica-id"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Exchanged:
     """What one exchange read: the other live replicas' reports and their new charges."""
@@ -123,6 +145,8 @@ class RedisExchange:
         self.replica = replica
         self.ttl_ms = max(1, round(ttl_s * 1000))
         self.prefix = prefix
+        self.instance = secrets.token_hex(6)
+        """This process among any that claim the same replica id (``DuplicateReplica``)."""
         self._client = aioredis.Redis.from_url(
             url,
             socket_timeout=timeout_s,
@@ -152,14 +176,19 @@ class RedisExchange:
             IDLE_EXPIRY_MS,
             STREAM_MAX,
             budget_charges,
+            self.instance,
         ]
         reply = await self._script(keys=[], args=args)
+        if reply[0] == "duplicate":
+            raise DuplicateReplica(self.replica, str(reply[1]))
         now_ms, last, count = int(reply[0]), str(reply[1]), int(reply[2])
         reports: list[ReplicaReport] = []
         active: Counter[Key] = Counter()
         for i in range(count):
             member, value = str(reply[3 + 2 * i]), str(reply[4 + 2 * i])
             written, _, body = value.partition(" ")
+            if not body.startswith("{"):  # the writer's instance token comes first
+                body = body.partition(" ")[2]
             decoded, in_progress = decode_report_and_active(
                 member, body, (now_ms - int(written)) / 1000
             )

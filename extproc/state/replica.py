@@ -40,7 +40,7 @@ from extproc.state.codec import (
     merge_budget_charges,
     merge_charges,
 )
-from extproc.state.exchange import Exchanged, RedisExchange
+from extproc.state.exchange import DuplicateReplica, Exchanged, RedisExchange
 
 log = logging.getLogger("fairlane.state")
 
@@ -96,6 +96,8 @@ class SharedState:
     _unsent_budget: dict[tuple[str, str | None, int], list[int]] = field(default_factory=dict)
     """Budget charges not sent yet (``extproc.core.budgets``), kept across failed exchanges."""
     _last_ok: float = float("-inf")
+    _duplicate: bool = False
+    """The last exchange found our replica id held by another process (logged once)."""
     _scraping: frozenset[str] = frozenset()
     """The engines this replica scrapes for the fleet, as of the last exchange."""
     _adopted: dict[str, tuple[str, float]] = field(default_factory=dict)
@@ -150,6 +152,13 @@ class SharedState:
         started = time.perf_counter()
         try:
             read = await self.store.exchange(report, charges, self._last_id, budget_charges)
+        except DuplicateReplica as exc:
+            self.stats.failures += 1
+            if not self._duplicate:
+                log.error("replica %s: %s; not sharing state until it does", self.replica, exc)
+            self._duplicate = True
+            self._failed(exc)
+            return False
         except (RedisError, OSError, TimeoutError) as exc:
             self.stats.failures += 1
             self._failed(exc)
@@ -164,6 +173,7 @@ class SharedState:
         return True
 
     def _succeeded(self, read: Exchanged) -> None:
+        self._duplicate = False
         self._last_id = read.last_charge_id
         self._last_ok = self.clock()
         if not self.shared:

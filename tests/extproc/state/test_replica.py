@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
@@ -218,6 +218,35 @@ async def test_while_redis_is_unreachable_late_scrapes_are_taken_over_before_any
     assert not await r1.exchange()
     assert not r1.state.cut_off  # still within the grace: the last view holds
     assert all(b.scrape_here for b in r1.pool.backends)
+
+
+async def test_a_second_process_with_the_same_replica_id_is_refused_until_the_first_is_gone(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = Replica("twin", redis_server.url, ttl_s=0.5)
+    second = Replica("twin", redis_server.url, ttl_s=0.5)
+    try:
+        assert await first.exchange()
+        assert not await second.exchange()  # would overwrite the first's leases
+        assert not await second.exchange()
+        assert [r.message for r in caplog.records].count(
+            "replica twin: replica id 'twin' is in use by another live process (instance "
+            f"{first.state.store.instance}); give every replica its own --replica-id; not "
+            "sharing state until it does"
+        ) == 1
+        assert await first.exchange()  # the first is untouched
+        await first.state.store.close()  # the first dies: its report expires with its TTL
+        await wait_for_async(second.exchange, timeout_s=2.0)
+        assert second.state.shared
+    finally:
+        await second.state.store.close()
+
+
+async def wait_for_async(attempt: Callable[[], Awaitable[bool]], timeout_s: float) -> None:
+    started = time.monotonic()
+    while not await attempt():
+        assert time.monotonic() - started < timeout_s, "condition not met in time"
+        await asyncio.sleep(0.05)
 
 
 async def test_an_unexpected_error_does_not_end_the_exchange_loop(

@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -61,6 +62,11 @@ class RequestRecord:
     queue_ms: float | None = None
     """``x-fairlane-queue-ms`` as sent by the gateway (wall milliseconds)."""
     served_tier: str | None = None
+    rate_limited: bool = False
+    """A 429 ``rate_limit_exceeded``: the tenant's budget was spent (``extproc.core.budgets``)."""
+    rate_limit_headers: bool | None = None
+    """For a rate-limited request: whether it carried ``retry-after`` (whole seconds) and
+    OpenAI's six ``x-ratelimit-*`` headers."""
     error: str | None = None
     conversation: int | None = None
     """Shared-prefix groups: the client's conversation number, and the turn in it."""
@@ -68,6 +74,35 @@ class RequestRecord:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+RATE_LIMIT_HEADERS = tuple(
+    f"x-ratelimit-{what}-{kind}"
+    for what in ("limit", "remaining", "reset")
+    for kind in ("requests", "tokens")
+)
+_RESET = re.compile(r"^(\d+h)?(\d+m)?\d+(ms|s)$")
+
+
+def rate_limit_headers_ok(headers: Mapping[str, str]) -> bool:
+    """A 429 ``rate_limit_exceeded`` as OpenAI sends it: ``retry-after`` in whole seconds,
+    the limits and what remains as integers, the resets as durations (``20ms``, ``6m0s``)."""
+    try:
+        if int(headers["retry-after"]) < 1:
+            return False
+        present = [h for h in RATE_LIMIT_HEADERS if h in headers]
+        if len(present) not in (3, 6):  # one kind (requests or tokens) or both
+            return False
+        for name in present:
+            value = headers[name]
+            if "-reset-" in name:
+                if not _RESET.match(value):
+                    return False
+            elif int(value) < 0:
+                return False
+    except (KeyError, ValueError):
+        return False
+    return True
 
 
 class LoadRun:
@@ -270,6 +305,9 @@ class LoadRun:
                 if resp.status != 200:
                     text = await resp.text()
                     record.error = text[:200]
+                    if resp.status == 429 and '"rate_limit_exceeded"' in text:
+                        record.rate_limited = True
+                        record.rate_limit_headers = rate_limit_headers_ok(resp.headers)
                 elif group.stream:
                     await self._read_stream(resp, record)
                 else:

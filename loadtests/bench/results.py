@@ -53,6 +53,16 @@ class Figures:
     """Tenants only: the tenant's share of the service (input + 2 x output tokens)."""
     plain_share: float | None = None
     """Tenants only: the same share counted in plain input + output tokens."""
+    tokens_per_wall_min: float = 0.0
+    """Plain input + output tokens of the requests completed in the window, per **wall**
+    minute: what a budget (``tokens_per_minute``, on the gateway's wall clock) bounds."""
+    rate_limited: int = 0
+    """Requests refused with 429 ``rate_limit_exceeded`` (a budget spent)."""
+    rate_limit_headers_ok: float | None = None
+    """Of those, the share that carried ``retry-after`` and OpenAI's ``x-ratelimit-*``
+    headers (None: none was refused)."""
+    error_share: float = 0.0
+    """Requests that failed (any status but 200, unfinished ones left out), per sent."""
 
     def metric(self, name: str) -> Any:
         """A figure by the name a target or a report row uses (None: not one of these)."""

@@ -96,6 +96,7 @@ def selection_stats(records: Sequence[RequestRecord], window: Window, speedup: f
     waits = [w for r in records if (w := wait_s(r)) is not None]
     queue = [r.queue_ms * speedup / 1000.0 for r in records if r.queue_ms is not None]
     errors = Counter(str(r.status) for r in records if not r.ok and not r.unfinished)
+    limited = [r for r in records if r.rate_limited]
     return Figures(
         sent=len(records),
         ok=sum(r.ok for r in records),
@@ -112,6 +113,13 @@ def selection_stats(records: Sequence[RequestRecord], window: Window, speedup: f
         wait_p99=percentile(waits, 99),
         queue_wait_max=max(queue) if queue else None,
         queue_wait_p99=percentile(queue, 99),
+        tokens_per_wall_min=sum(r.prompt_tokens + r.completion_tokens for r in done)
+        / (window.length_s / speedup / 60.0),
+        rate_limited=len(limited),
+        rate_limit_headers_ok=(
+            sum(bool(r.rate_limit_headers) for r in limited) / len(limited) if limited else None
+        ),
+        error_share=sum(errors.values()) / len(records) if records else 0.0,
     )
 
 

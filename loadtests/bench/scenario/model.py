@@ -43,7 +43,20 @@ LATENCY_METRICS = (
     "queue_wait_p99",
 )
 # ``throughput``: completed requests per simulated second (goodput is output tokens/s).
-METRICS = (*LATENCY_METRICS, "goodput", "throughput", "share", "jain", "prefix_hit_rate")
+# ``tokens_per_wall_min``: plain tokens completed per wall minute (what a budget bounds);
+# ``rate_limit_headers_ok``: the share of 429 rate_limit_exceeded with OpenAI's headers;
+# ``error_share``: failed requests per sent.
+METRICS = (
+    *LATENCY_METRICS,
+    "goodput",
+    "throughput",
+    "share",
+    "jain",
+    "prefix_hit_rate",
+    "tokens_per_wall_min",
+    "rate_limit_headers_ok",
+    "error_share",
+)
 # Metrics of the whole arm (the fleet), not of a tier, tenant or group: they take no selector.
 ARM_METRICS = ("prefix_hit_rate",)
 # Flags the harness sets itself, per arm; a scenario setting them would break the A/B.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.bench import cpu, report, stats, targets
+from loadtests.bench import client, cpu, report, stats, targets
 from loadtests.bench.client import RequestRecord
 from loadtests.bench.results import ArmResult, ArmSummary, BenchResults
 from loadtests.bench.scenario import Target, load_scenario
@@ -92,6 +92,32 @@ def test_selection_stats_window_goodput_waits_and_counts() -> None:
     # the unfinished request waited 45 s without a token: it is the maximum wait
     assert figures.wait_max == 45.0
     assert figures.queue_wait_max == pytest.approx(0.1 * 20)  # wall ms x speedup
+    # the window is 90 simulated s = 4.5 wall s at speedup 20: tokens per wall minute
+    assert figures.tokens_per_wall_min == pytest.approx((3 * 100 + 50 + 60 + 40) / (4.5 / 60))
+    assert figures.error_share == pytest.approx(1 / 6)
+    assert figures.rate_limited == 0 and figures.rate_limit_headers_ok is None
+
+
+def test_rate_limited_answers_and_their_headers_are_counted() -> None:
+    good = {
+        "retry-after": "7",
+        "x-ratelimit-limit-tokens": "20000",
+        "x-ratelimit-remaining-tokens": "0",
+        "x-ratelimit-reset-tokens": "58s",
+    }
+    assert client.rate_limit_headers_ok(good)
+    both = {**good, "x-ratelimit-limit-requests": "5", "x-ratelimit-remaining-requests": "0"}
+    assert client.rate_limit_headers_ok({**both, "x-ratelimit-reset-requests": "1m0s"})
+    assert not client.rate_limit_headers_ok(both)  # half of the requests headers
+    assert not client.rate_limit_headers_ok({**good, "retry-after": "0.5"})
+    assert not client.rate_limit_headers_ok({**good, "x-ratelimit-reset-tokens": "soon"})
+    assert not client.rate_limit_headers_ok({k: v for k, v in good.items() if k != "retry-after"})
+    limited = [rec(start=20, ok=False, status=429) for _ in range(4)]
+    for i, record in enumerate(limited):
+        record.rate_limited, record.rate_limit_headers = True, i > 0
+    figures = selection_stats([*limited, rec(start=20)], Window(10, 100), speedup=20)
+    assert figures.rate_limited == 4 and figures.rate_limit_headers_ok == 0.75
+    assert figures.error_share == 0.8
 
 
 def test_arm_summary_shares_and_targets() -> None:

@@ -6,8 +6,8 @@ itl_sum_s, itl_count, block_size, num_gpu_blocks]}}`` (``s``: the engines this r
 for the fleet, ``extproc.fleet.shared_scrape``; ``scraped_at`` is on the scraper's clock and
 only tells its scrapes apart), and ``"b": [[tenant, user|null, n], ...]``, the requests it
 has in progress per budgeted key (``extproc.core.budgets``); charges are
-``[[band, flow, cost], ...]``, budget charges ``[[tenant, user|null, age_slots, tokens,
-requests], ...]``. JSON
+``[[band, flow, cost], ...]``, budget charges ``[[tenant, user|null, tokens, requests],
+...]``. JSON
 because every replica of any version can read it and ``redis-cli`` shows it; the reports are
 a few hundred bytes.
 Anything malformed (another version, a hand-edited key) is skipped, never raised into the
@@ -157,20 +157,18 @@ def decode_budget_charges(text: str) -> list[LedgerRow]:
         return []
     try:
         return [
-            (*_key(tenant, user), int(age), int(tokens), int(requests))
-            for tenant, user, age, tokens, requests in json.loads(text)
+            (*_key(tenant, user), int(tokens), int(requests))
+            for tenant, user, tokens, requests in json.loads(text)
         ]
     except (ValueError, TypeError) as exc:
         log.warning("skipping unreadable budget charges: %s", exc)
         return []
 
 
-def merge_budget_charges(
-    into: dict[tuple[str, str | None, int], list[int]], rows: Iterable[LedgerRow]
-) -> None:
+def merge_budget_charges(into: dict[Key, list[int]], rows: Iterable[LedgerRow]) -> None:
     """Add budget charges to those waiting to be sent (an exchange that failed keeps them)."""
-    for tenant, user, age, tokens, requests in rows:
-        row = into.setdefault((tenant, user, age), [0, 0])
+    for tenant, user, tokens, requests in rows:
+        row = into.setdefault((tenant, user), [0, 0])
         row[0] += tokens
         row[1] += requests
 

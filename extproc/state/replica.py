@@ -93,7 +93,7 @@ class SharedState:
     replicas_seen: int = 1
     _last_id: str = ""
     _unsent: dict[tuple[str, str], float] = field(default_factory=dict)
-    _unsent_budget: dict[tuple[str, str | None, int], list[int]] = field(default_factory=dict)
+    _unsent_budget: dict[tuple[str, str | None], list[int]] = field(default_factory=dict)
     """Budget charges not sent yet (``extproc.core.budgets``), kept across failed exchanges."""
     _last_ok: float = float("-inf")
     _duplicate: bool = False
@@ -121,7 +121,7 @@ class SharedState:
     async def run(self) -> None:
         """Exchange forever (cancel to stop)."""
         self.admission.scheduler.take_ledger()  # start recording this replica's charges
-        self.admission.budgets.take_ledger(self.admission.pool.clock())  # and budget charges
+        self.admission.budgets.take_ledger()  # and its budget charges
         try:
             while True:
                 try:
@@ -144,10 +144,9 @@ class SharedState:
             ((b, f, c) for (b, f), c in self.admission.scheduler.take_ledger().items()),
         )
         charges = encode_charges(self._unsent)
-        merge_budget_charges(self._unsent_budget, budgets.take_ledger(self.admission.pool.clock()))
+        merge_budget_charges(self._unsent_budget, budgets.take_ledger())
         budget_charges = encode_budget_charges(
-            (t, u, age, tokens, requests)
-            for (t, u, age), (tokens, requests) in self._unsent_budget.items()
+            (t, u, tokens, requests) for (t, u), (tokens, requests) in self._unsent_budget.items()
         )
         started = time.perf_counter()
         try:

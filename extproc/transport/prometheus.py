@@ -323,9 +323,9 @@ class GatewayCollector(Collector):
         )
         used = GaugeMetricFamily(
             "fairlane_budget_used_ratio",
-            "Share of a budgeted tenant's limit in use, fleet-wide: over the last minute for "
-            "tokens_per_minute and requests_per_minute, now for concurrent; user_... limits: "
-            "the tenant's most used user.",
+            "Share of a budgeted tenant's limit in use, fleet-wide: tokens and requests used, "
+            "draining at the per-minute rate; requests in progress for concurrent; user_... "
+            "limits: the tenant's most used user.",
             labels=["tenant", "limit"],
         )
         for (tenant, limit), ratio in sorted(

@@ -77,10 +77,10 @@ def test_charges_round_trip_and_accumulate() -> None:
 
 
 def test_budget_charges_and_requests_in_progress_round_trip() -> None:
-    rows = [("acme", None, 0, 150, 1), ("acme", "alice", 2, -40, 0)]
+    rows = [("acme", None, 150, 1), ("acme", "alice", -40, 0)]
     assert decode_budget_charges(encode_budget_charges(rows)) == rows
     assert encode_budget_charges([]) == "" and decode_budget_charges("") == []
-    assert decode_budget_charges('[["acme", null, "x", 1, 1]]') == []  # unreadable: skipped
+    assert decode_budget_charges('[["acme", null, "x", 1]]') == []  # unreadable: skipped
     report = ReplicaReport("r1", {})
     text = encode_report(report, {("acme", None): 2, ("acme", "bob"): 1})
     decoded, active = decode_report_and_active("r1", text, 0.0)

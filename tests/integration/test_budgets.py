@@ -76,7 +76,7 @@ async def test_over_budget_is_a_429_with_openais_headers_and_others_are_served(
     used = await metric(
         stack, "fairlane_budget_used_ratio", limit="requests_per_minute", tenant="chat-app"
     )
-    assert used == 1
+    assert 0.9 < used <= 1  # three requests of three, draining at three a minute since
 
 
 async def test_a_request_larger_than_the_token_budget_never_fits(stack: Stack) -> None:

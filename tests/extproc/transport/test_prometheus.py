@@ -40,7 +40,8 @@ def exposition(gateway: Gateway) -> str:
 
 def test_every_outcome_is_counted_where_an_operator_looks_for_it() -> None:
     text = gateway_exposition()
-    assert value(text, "fairlane_requests_admitted_total", tier="interactive", model="m") == 1
+    # one chat request, and one more within chat-app's budget (the next is refused)
+    assert value(text, "fairlane_requests_admitted_total", tier="interactive", model="m") == 2
     assert value(text, "fairlane_requests_shed_total", tier="batch", reason="queue_full") == 1
     assert (
         value(text, "fairlane_requests_rejected_total", status="401", reason="invalid_api_key") == 1

@@ -1,4 +1,4 @@
-"""The server's background work that has no socket: the policy file watch."""
+"""The server's background work that has no socket: the policy file watch, the bounded stop."""
 
 import asyncio
 import time
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from extproc.policy import PolicyStore, parse_policy
-from extproc.transport.server import watch_policy
+from extproc.transport.server import stop_within, watch_policy
 from tests.extproc.policy.test_policy import MINIMAL, many_tenants, rewrite
 
 
@@ -72,3 +72,16 @@ async def test_a_slow_reload_does_not_stall_the_loop(tmp_path: Path) -> None:
     assert len(lags) >= 20, f"the timer woke {len(lags)} times in a {reload_s:.2f} s reload"
     worst = max(lags)
     assert worst < parse_s / 3, f"the loop stalled {worst:.3f} s during a {parse_s:.3f} s parse"
+
+
+async def test_a_stop_that_hangs_ends_the_process_after_its_time() -> None:
+    exits: list[str] = []
+    hang = asyncio.Event()  # never set: a stop that awaits something that never comes
+    await stop_within(hang.wait(), 0.05, exit=exits.append)  # type: ignore[arg-type]
+    assert exits == ["the stop did not finish within 0.05s"]
+
+
+async def test_a_stop_that_finishes_in_time_exits_nothing() -> None:
+    exits: list[str] = []
+    await stop_within(asyncio.sleep(0.01), 1.0, exit=exits.append)
+    assert exits == []

@@ -328,33 +328,15 @@ class Budgets:
     def _headers(self, claim: Claim, now: float, share: float) -> dict[str, str]:
         """OpenAI's six headers, each kind from the budget with the least left of it;
         reset: the time for what is used to drain away."""
-        headers: dict[str, str] = {}
-        requests: tuple[float, int, float] | None = None
-        tokens: tuple[float, int, float] | None = None
+        requests: _Left | None = None
+        tokens: _Left | None = None
         for _, budget, usage in claim:
             usage.drain(budget, now)
-            limit = budget.requests_per_minute
-            if limit is not None:
-                allowed = _share(limit, share)
-                left = allowed - usage.requests
-                if requests is None or left < requests[0]:
-                    requests = (left, allowed, usage.requests * WINDOW_S / allowed)
-            limit = budget.tokens_per_minute
-            if limit is not None:
-                allowed = _share(limit, share)
-                left = allowed - usage.tokens
-                if tokens is None or left < tokens[0]:
-                    tokens = (left, allowed, usage.tokens * WINDOW_S / allowed)
-        if requests is not None:
-            left, allowed, reset = requests
-            headers["x-ratelimit-limit-requests"] = str(allowed)
-            headers["x-ratelimit-remaining-requests"] = str(max(0, math.floor(left + 1e-9)))
-            headers["x-ratelimit-reset-requests"] = go_duration(reset)
-        if tokens is not None:
-            left, allowed, reset = tokens
-            headers["x-ratelimit-limit-tokens"] = str(allowed)
-            headers["x-ratelimit-remaining-tokens"] = str(max(0, math.floor(left + 1e-9)))
-            headers["x-ratelimit-reset-tokens"] = go_duration(reset)
+            requests = _tighter(requests, budget.requests_per_minute, usage.requests, share)
+            tokens = _tighter(tokens, budget.tokens_per_minute, usage.tokens, share)
+        headers: dict[str, str] = {}
+        _put_headers(headers, "requests", requests)
+        _put_headers(headers, "tokens", tokens)
         return headers
 
     # ------------------------------------------------------------------ replicas
@@ -452,6 +434,31 @@ class Budgets:
 
 def _budgeted(tenant: Tenant) -> bool:
     return tenant.budget is not None or tenant.user_budget is not None
+
+
+_Left = tuple[float, int, float]
+"""(what is left, the limit as allowed here, seconds until what is used drains away)."""
+
+
+def _tighter(best: _Left | None, limit: int | None, used: float, share: float) -> _Left | None:
+    """``best``, or this budget's figures for one kind when it has less left."""
+    if limit is None:
+        return best
+    allowed = _share(limit, share)
+    left = allowed - used
+    if best is not None and left >= best[0]:
+        return best
+    return (left, allowed, used * WINDOW_S / allowed)
+
+
+def _put_headers(headers: dict[str, str], kind: str, figures: _Left | None) -> None:
+    """``x-ratelimit-{limit,remaining,reset}-KIND`` from ``_tighter``'s figures."""
+    if figures is None:
+        return
+    left, allowed, reset = figures
+    headers[f"x-ratelimit-limit-{kind}"] = str(allowed)
+    headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(left + 1e-9)))
+    headers[f"x-ratelimit-reset-{kind}"] = go_duration(reset)
 
 
 def _share(limit: int, share: float) -> int:

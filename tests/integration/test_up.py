@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from extproc.fleet.seats import FALLBACK_SEATS
-from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
+from extproc.ops.processes import Child, ProcessGroup, free_port, wait_http_ready
 from extproc.ops.up import SeatCount, SeatWatch
 from tests.integration.conftest import SIM_ARGS, auth, chat, start_stack
 from tests.pids import alive
@@ -28,6 +28,17 @@ pytestmark = pytest.mark.integration
 def children_of(pid: int) -> list[int]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def wait_for_log(child: Child, text: str, timeout_s: float) -> str:
+    """``child``'s log once it holds ``text``; fails with the log's tail if the child exits
+    first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while text not in (log := child.log_path.read_text()):
+        assert child.alive(), child.log_tail()
+        assert time.monotonic() < deadline, child.log_tail()
+        time.sleep(0.1)
+    return log
 
 
 def demo_request(port: int, max_tokens: int) -> urllib.request.Request:
@@ -47,11 +58,7 @@ def demo_request(port: int, max_tokens: int) -> urllib.request.Request:
 def test_up_serves_a_demo_key_and_sigterm_stops_every_process(processes: ProcessGroup) -> None:
     port = free_port()
     up = processes.start("up", [sys.executable, "-m", "extproc", "up", "--port", str(port)])
-    deadline = time.monotonic() + 60
-    while "fairlane is up" not in up.log_path.read_text():
-        assert up.alive(), up.log_tail()
-        assert time.monotonic() < deadline, up.log_tail()
-        time.sleep(0.1)
+    wait_for_log(up, "fairlane is up", timeout_s=60)
     request = demo_request(port, max_tokens=3)
     banner = up.log_path.read_text()
     assert "Bearer sk-chat-demo" in banner and '"model": "sim-llama-8b"' in banner, banner
@@ -93,11 +100,7 @@ def test_up_with_a_real_backend_suggests_the_model_it_serves(processes: ProcessG
             *("--backend", f"region-a=http://127.0.0.1:{engine_port}"),
         ],
     )
-    deadline = time.monotonic() + 60
-    while "Ctrl-C stops everything" not in up.log_path.read_text():
-        assert up.alive(), up.log_tail()
-        assert time.monotonic() < deadline, up.log_tail()
-        time.sleep(0.1)
+    wait_for_log(up, "Ctrl-C stops everything", timeout_s=60)
     banner = up.log_path.read_text()
     (line,) = [line for line in banner.splitlines() if '"model"' in line]
     body = json.loads(line.strip().removeprefix("-d '").removesuffix("'"))
@@ -177,11 +180,7 @@ def test_up_with_replicas_survives_a_dead_replica_and_stops_everything(
     up = processes.start(
         "up", [sys.executable, "-m", "extproc", "up", "--port", str(port), "--replicas", "2"]
     )
-    deadline = time.monotonic() + 60
-    while "fairlane is up" not in up.log_path.read_text():
-        assert up.alive(), up.log_tail()
-        assert time.monotonic() < deadline, up.log_tail()
-        time.sleep(0.1)
+    wait_for_log(up, "fairlane is up", timeout_s=60)
     banner = up.log_path.read_text()
     assert re.search(r"2 replicas sharing state in redis://127\.0\.0\.1:\d+/0", banner), banner
     for replica in ("r1", "r2"):
@@ -203,11 +202,7 @@ def test_up_with_replicas_survives_a_dead_replica_and_stops_everything(
     assert len(started) == 6  # two simulators, Redis, two replicas, Envoy
     (r2,) = [pid for pid in started if command_line(pid)[-2:] == ["--replica-id", "r2"]]
     os.kill(r2, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while "service-r2 exited" not in up.log_path.read_text():
-        assert time.monotonic() < deadline, up.log_tail()
-        time.sleep(0.1)
-    assert "the other replicas carry on" in up.log_path.read_text()
+    assert "the other replicas carry on" in wait_for_log(up, "service-r2 exited", timeout_s=10)
     # Until Envoy's health checks mark r2 down, a request may still reach it and get 503
     # (test_replicas.py holds that to its target): wait for that, then r1 serves alone.
     deadline = time.monotonic() + 15

@@ -83,7 +83,7 @@ class Poller:
                             pending[index] = loop.create_task(self._scrape(session, backend))
                     next_round += interval_s
                     delay = next_round - loop.time()
-                    if delay > 0:
+                    if delay > 0 and pending:  # none pending: every engine scraped elsewhere
                         await asyncio.wait(pending.values(), timeout=delay)
                     finished = [i for i, task in pending.items() if task.done()]
                     for index in finished:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -111,6 +110,10 @@ class Service:
         )
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         self._tasks: list[asyncio.Task[None]] = []
+        self.failed: asyncio.Future[str] | None = None
+        """Set to why, when a background loop (scraping, health, shared state...) ended with
+        an error: the service would go on answering but blind or cut off, so ``serve`` stops
+        it and exits non-zero for its supervisor to restart (crash-only)."""
         self._scrape: asyncio.Task[None] | None = None
         self._scrape_interval_s = 0.0
         self._metrics: web.AppRunner | None = None
@@ -144,13 +147,22 @@ class Service:
         ]
         if self.state is not None:
             self._tasks.append(asyncio.create_task(self.state.run(), name="shared-state"))
+        self.failed = asyncio.get_running_loop().create_future()
+        for task in self._tasks:
+            task.add_done_callback(self._background_ended)
         self._scrape = self._start_scraping()
         log.info("fairlane ext_proc service on %s:%d", self.config.host, self.port)
 
     def _start_scraping(self) -> asyncio.Task[None]:
         interval = self.policies.current.backpressure.scrape_interval_s
         self._scrape_interval_s = interval
-        return asyncio.create_task(self.poller.watch_metrics(interval), name="scrape")
+        task = asyncio.create_task(self.poller.watch_metrics(interval), name="scrape")
+        task.add_done_callback(self._background_ended)
+        return task
+
+    def _background_ended(self, task: asyncio.Task[None]) -> None:
+        if self.failed is not None:
+            record_failure(task, self.failed)
 
     def _policy_changed(self, policy: Policy) -> None:
         self.held.configure(policy)
@@ -184,9 +196,8 @@ class Service:
             self._tasks.append(self._scrape)
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # A loop that failed was logged when it did (``_background_ended``).
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._metrics is not None:
             await self._metrics.cleanup()
 
@@ -217,6 +228,18 @@ async def watch_policy(store: PolicyStore) -> None:
         loader.shutdown(wait=False, cancel_futures=True)
 
 
+def record_failure(task: asyncio.Task[None], failed: asyncio.Future[str]) -> None:
+    """A background loop's done-callback. Every such loop runs forever, so one that ended
+    with an error is logged now, with its traceback, and ``failed`` learns why (the first
+    failure wins); a cancelled one is a stop. Logged at once, not at shutdown: a scrape loop
+    once died silently and its replica held requests until their deadline."""
+    if task.cancelled() or (error := task.exception()) is None:
+        return
+    log.error("background task %r failed", task.get_name(), exc_info=error)
+    if not failed.done():
+        failed.set_result(f"background task {task.get_name()!r} failed: {error!r}")
+
+
 STOP_MARGIN_S = 15.0
 """How much longer than its drain a stop may take (the gRPC server's own grace is the
 drain plus 5 s) before the process exits regardless."""
@@ -230,11 +253,16 @@ async def serve(config: ServiceConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    assert service.failed is not None
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((stopping, service.failed), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
     log.info("stopping: draining held requests for up to %gs", config.drain_s)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: exit_now("a second signal while stopping"))
     await stop_within(service.stop(config.drain_s), config.drain_s + STOP_MARGIN_S)
+    if service.failed.done():
+        exit_now(service.failed.result())
 
 
 async def stop_within(

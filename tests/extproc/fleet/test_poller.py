@@ -266,3 +266,31 @@ async def test_an_engine_another_replica_scrapes_is_not_scraped_here() -> None:
         await asyncio.gather(watch, return_exceptions=True)
         for runner, _ in servers:
             await runner.cleanup()
+
+
+async def test_a_replica_that_scrapes_no_engine_keeps_polling_and_takes_one_over() -> None:
+    """Every engine scraped by another replica leaves nothing to wait on in a round; the
+    loop must sleep, not die (it raised ``ValueError`` from ``asyncio.wait`` of nothing, and
+    a takeover then never scraped: held requests waited out their deadline)."""
+    hits = 0
+
+    async def metrics(_: web.Request) -> web.Response:
+        nonlocal hits
+        hits += 1
+        return web.Response(text=METRICS_PAGE.format(running=1, waiting=0, count=1, itl_sum=0))
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner, port = await _serve(app)
+    pool = BackendPool([BackendSpec("127.0.0.1", port)])
+    pool.backends[0].scrape_here = False
+    watch = asyncio.create_task(Poller(pool).watch_metrics(interval_s=0.01, timeout_s=1.0))
+    try:
+        await asyncio.sleep(0.1)  # ten rounds with nothing to scrape
+        assert not watch.done() and hits == 0
+        pool.backends[0].scrape_here = True  # its scraper died: take it over
+        await _until(lambda: pool.backends[0].metrics is not None)
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        await runner.cleanup()

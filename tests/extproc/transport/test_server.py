@@ -1,13 +1,15 @@
-"""The server's background work that has no socket: the policy file watch, the bounded stop."""
+"""The server's background work that has no socket: the policy file watch, the bounded stop,
+the report of a background loop that died."""
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 
 import pytest
 
 from extproc.policy import PolicyStore, parse_policy
-from extproc.transport.server import stop_within, watch_policy
+from extproc.transport.server import record_failure, stop_within, watch_policy
 from tests.extproc.policy.test_policy import MINIMAL, many_tenants, rewrite
 
 
@@ -85,3 +87,30 @@ async def test_a_stop_that_finishes_in_time_exits_nothing() -> None:
     exits: list[str] = []
     await stop_within(asyncio.sleep(0.01), 1.0, exit=exits.append)
     assert exits == []
+
+
+async def test_a_background_loop_that_dies_is_logged_at_once_and_fails_the_service(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    failed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def scrape_forever() -> None:
+        await asyncio.sleep(0)
+        raise ValueError("Set of Tasks/Futures is empty.")
+
+    task = asyncio.create_task(scrape_forever(), name="scrape")
+    task.add_done_callback(lambda t: record_failure(t, failed))
+    with caplog.at_level(logging.ERROR, logger="fairlane.server"):
+        why = await asyncio.wait_for(failed, 1.0)
+    assert why == "background task 'scrape' failed: ValueError('Set of Tasks/Futures is empty.')"
+    assert caplog.records[0].exc_info is not None  # the traceback, where it happened
+
+
+async def test_a_cancelled_background_loop_is_a_stop_not_a_failure() -> None:
+    failed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(asyncio.sleep(10), name="health")
+    task.add_done_callback(lambda t: record_failure(t, failed))
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert not failed.done()

@@ -55,6 +55,7 @@ from extproc.core.picker import PickReason, choose
 from extproc.core.prefix import PromptBlocks
 from extproc.core.priority import vllm_priority
 from extproc.core.reservations import Demand, Reservation, headroom, reserved_seats
+from extproc.core.sampling import LARGE_FLEET, FleetSample
 from extproc.core.scheduler import BandConfig, Entry, FairnessConfig, FairScheduler, QueueFull
 from extproc.fleet.backend import Backend, BackendPool
 
@@ -142,6 +143,8 @@ class Admission:
         self.budgets = Budgets()
         """Tenants' and users' token budgets (``extproc.core.budgets``): checked and charged
         at submission, settled at release."""
+        self._sample = FleetSample()
+        """Placement above ``LARGE_FLEET`` backends (``extproc.core.sampling``)."""
         self.configure(policy)
 
     def configure(self, policy: Policy) -> list[Grant]:
@@ -163,6 +166,8 @@ class Admission:
             Reservation(t.name, t.rank, t.reserved_share) for t in policy.tiers if t.reserved_share
         ]
         self._windows = {t.rank: t.reserved_idle_s * DEMAND_WINDOW_SHARE for t in policy.tiers}
+        self._refresh_s = policy.backpressure.scrape_interval_s
+        self._sample.forget()
         return self.dispatch()
 
     @property
@@ -175,7 +180,15 @@ class Admission:
         ``max_in_flight_per_backend``): what reservations are kept out of. A replica cut
         off from the others counts only its share of them."""
         limit = self.policy.max_in_flight_per_backend
-        seats = sum(min(b.seats.count, limit) for b in self.pool.backends if b.healthy)
+        backends = self.pool.backends
+
+        def total() -> int:
+            return sum(min(b.seats.count, limit) for b in backends if b.healthy)
+
+        if len(backends) > LARGE_FLEET:
+            seats = self._sample.capacity(total, self._clock(), self._refresh_s)
+        else:
+            seats = total()
         share = self.peers.share
         return seats if share >= 1.0 else max(1, math.floor(seats * share))
 
@@ -418,14 +431,20 @@ class Admission:
             return None
         stale = self.policy.backpressure.stale_after_s
         now = self._clock()
-        candidates = [
-            b
-            for b in self.pool.backends
-            if b.fleet_in_flight < limit
-            and b.healthy
-            and (not seat_bound or queue is None or b.free_seats() > -queue)
-            and (tier is None or passes(tier.gate, b, now, stale, rank))
-        ]
+
+        def admits(b: Backend) -> bool:
+            return (
+                b.fleet_in_flight < limit
+                and b.healthy
+                and (not seat_bound or queue is None or b.free_seats() > -queue)
+                and (tier is None or passes(tier.gate, b, now, stale, rank))
+            )
+
+        backends = self.pool.backends
+        if len(backends) > LARGE_FLEET:  # a sample, and a full fleet remembered
+            candidates = self._sample.candidates(band, backends, admits, now, self._refresh_s)
+        else:
+            candidates = [b for b in backends if admits(b)]
         # vLLM never preempts a running request to seat a waiting one: a request sent to a
         # full engine waits for someone else's request to finish. For a tier that keeps
         # seats (chat), a free seat anywhere beats a better score on a full engine, the
@@ -450,12 +469,14 @@ class Admission:
         base = where.tier.priority if where.tier is not None else request.tier.priority
         priority = vllm_priority(base, self._pending[user])
         prompt = PromptBlocks(request.prompt_text, request.model or "")
+        fleet = self.pool.backends
         pick = choose(
             where.backends,
-            self.pool.backends,
+            fleet,
             prompt,
             self.policy.routing,
             self.backend_limit,
+            self._sample.spread(fleet) if len(fleet) > LARGE_FLEET else None,
         )
         assert pick is not None  # _place lists healthy candidates only
         backend = pick.chosen
@@ -490,6 +511,7 @@ class Admission:
         for backend in self.pool.backends:
             backend.note_peers(view.in_flight_by_backend.get(backend.address, Counter()))
         self.peers = view
+        self._sample.forget()
         return self.dispatch()
 
     def report(self, replica: str) -> ReplicaReport:
@@ -552,6 +574,7 @@ class Admission:
         if record is None:
             return []
         record.backend.note_completion(record.rank)
+        self._sample.freed(record.backend)
         self._pending[record.user] -= 1
         if self._pending[record.user] <= 0:
             del self._pending[record.user]

@@ -73,12 +73,14 @@ def choose(
     prompt: PromptBlocks | None,
     routing: Routing,
     slot_limit: int,
+    alternates_from: Sequence[Backend] | None = None,
 ) -> Pick | None:
     """The best healthy candidate for ``prompt`` and alternates from the healthy ``fleet``.
 
     ``candidates`` are the backends that may take the request now (gates passed, room
     left), in configured order; ties go to the earlier one, so the local region wins a tie.
-    None when no candidate is healthy.
+    None when no candidate is healthy. ``alternates_from``: a sample of the fleet to take
+    the alternates from instead of all of it (a large fleet: ``core.sampling``).
     """
     usable = [b for b in candidates if b.healthy]
     if not usable:
@@ -92,7 +94,8 @@ def choose(
         best, reason = _best(usable, loads, prompt, routing)
     if best.region != local:
         reason = "failover"
-    return Pick([best, *alternates(best, fleet, routing, slot_limit, local)], reason)
+    pool = fleet if alternates_from is None else alternates_from
+    return Pick([best, *alternates(best, pool, routing, slot_limit, local)], reason)
 
 
 def _best(

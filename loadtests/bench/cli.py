@@ -284,6 +284,8 @@ def run(args: argparse.Namespace) -> int:
         arms = args.arms.split(",") if args.arms else None
         if document.kind == "overhead":
             return _run_overhead(args, document, arms)
+        if document.kind == "des":
+            return _run_des(args, document)
         scenario = load_scenario(args.scenario).with_overrides(
             duration_s=args.duration,
             speedup=args.speedup,
@@ -363,6 +365,32 @@ def external_backends(urls: list[str], timeout: float = 5.0) -> tuple[BackendSpe
             raise BackendError(f"--backend {url}: not reachable ({exc})") from None
         specs.append(spec)
     return tuple(specs)
+
+
+def _run_des(args: argparse.Namespace, document: Document) -> int:
+    """A ``kind: des`` scenario: fairlane's core and the engines on a virtual clock, in this
+    process (:mod:`loadtests.des`); no arm, no process started."""
+    from loadtests.des.model import parse_des
+    from loadtests.des.run import bench as run_des
+
+    scenario = parse_des(document)
+    if args.duration is not None:
+        scenario = dataclasses.replace(scenario, duration_s=args.duration)
+    out = args.out or Path(tempfile.gettempdir()) / "fairlane-bench" / (
+        f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    _log(f"{scenario.name}: discrete-event simulation, {scenario.fleet.engines} engines")
+    results = run_des(scenario, out)
+    run = results["run"]
+    print(f"{scenario.name}: {run['sent']:,} requests, {run['wall_s']:.1f} s wall")
+    for tier, t in run["ttft_s"].items():
+        print(f"  {tier}: TTFT p50 {t['p50']:.3f} s, p90 {t['p90']:.3f} s, p99 {t['p99']:.3f} s")
+    print(f"  jain_backlogged {results['jain_backlogged']}, max_batch_wait_s "
+          f"{results['max_batch_wait_s']:.1f}")
+    for key, us in results["decision_us_per_request"].items():
+        print(f"  decision cost {key}: {us:.0f} µs per request")
+    print(f"report: {out / 'report.md'}\nresults: {out / 'results.json'}")
+    return 0
 
 
 def _run_overhead(args: argparse.Namespace, document: Document, arms: list[str] | None) -> int:

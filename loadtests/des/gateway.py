@@ -1,0 +1,148 @@
+"""fairlane's real core, as the simulation drives it, and what each of its calls costs.
+
+Nothing here is a model of the gateway: the policy is parsed from a real file (the default
+policy's tiers, rules and settings, with the scenario's generated tenants), and every
+request goes through ``Gateway.handle`` (body parsing, classification, queueing, the
+picker, the vLLM priority), ``Gateway.resume`` and ``Gateway.completed`` exactly as the
+servicer calls them. Scrapes reach ``Backend.record_scrape`` and then ``Admission.dispatch``
+as the poller's do. Only the transport (gRPC, protobuf) is left out.
+
+**Decision cost** is the CPU time of those calls (``time.thread_time_ns``: the
+simulation is one thread, so other processes on the machine do not count), summed per kind
+of call; per request it is the request-path total over the requests handled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from extproc.core.admission import Admission, Grant
+from extproc.core.decisions import Decision, Forward, Hold
+from extproc.core.events import Completion, RequestInfo
+from extproc.core.gateway import Gateway
+from extproc.fleet.backend import Backend, BackendPool, BackendSpec
+from extproc.fleet.vllm_metrics import EngineMetrics
+from extproc.policy import DEFAULT_POLICY_PATH, PolicyStore
+
+_clock_ns = time.thread_time_ns
+
+
+def tenant_yaml(names: Sequence[tuple[str, str]]) -> str:
+    """The ``tenants:`` section for ``(name, tier)`` pairs; each key is ``sk-NAME``."""
+    lines = ["tenants:"]
+    for name, tier in names:
+        lines.append(f"  - name: {name}\n    api_keys: [sk-{name}]\n    tiers: [{tier}]")
+    return "\n".join(lines) + "\n"
+
+
+def write_policy(base: Path, tenants: Sequence[tuple[str, str]], out: Path) -> Path:
+    """``base`` (the default policy) with its ``tenants:`` section replaced by ``tenants``."""
+    text = base.read_text()
+    start = text.index("\ntenants:")
+    rest = text[start + 1 :]
+    end = rest.find("\nrules:")
+    tail = rest[end + 1 :] if end >= 0 else ""
+    out.write_text(text[: start + 1] + tenant_yaml(tenants) + "\n" + tail)
+    return out
+
+
+class Core:
+    """The gateway core over a pool of simulated backends, with its CPU cost counted."""
+
+    def __init__(
+        self,
+        policy_path: Path,
+        backends: Sequence[BackendSpec],
+        clock: Callable[[], float],
+    ) -> None:
+        self.store = PolicyStore(policy_path)
+        self.pool = BackendPool(backends, clock=clock)
+        self.admission = Admission(self.pool, self.store.current)
+        ids = itertools.count()
+        self.gateway = Gateway(self.store, self.admission, new_request_id=lambda: f"g{next(ids)}")
+        self.cpu_ns: Counter[str] = Counter()
+        """Kind of call -> CPU nanoseconds spent in it."""
+        self.calls: Counter[str] = Counter()
+
+    # The request path ---------------------------------------------------------------
+
+    def handle(self, info: RequestInfo) -> Decision:
+        started = _clock_ns()
+        decision = self.gateway.handle(info)
+        self.cpu_ns["handle"] += _clock_ns() - started
+        self.calls["handle"] += 1
+        return decision
+
+    def resume(self, hold: Hold, grant: Grant) -> Forward:
+        started = _clock_ns()
+        forward = self.gateway.resume(hold, grant)
+        self.cpu_ns["resume"] += _clock_ns() - started
+        self.calls["resume"] += 1
+        return forward
+
+    def give_up(self, hold: Hold) -> Decision:
+        started = _clock_ns()
+        decision = self.gateway.give_up(hold)
+        self.cpu_ns["give_up"] += _clock_ns() - started
+        self.calls["give_up"] += 1
+        return decision
+
+    def completed(self, completion: Completion) -> list[Grant]:
+        started = _clock_ns()
+        grants = self.gateway.completed(completion)
+        self.cpu_ns["completed"] += _clock_ns() - started
+        self.calls["completed"] += 1
+        return grants
+
+    # The poller's side ----------------------------------------------------------------
+
+    def scraped(self, backend: Backend, metrics: EngineMetrics | None) -> None:
+        """A scrape's outcome, as the poller records it (None: it failed)."""
+        started = _clock_ns()
+        if metrics is None:
+            backend.scrape_ok = False
+        else:
+            backend.record_scrape(
+                metrics,
+                backend.granted_since_scrape,
+                backend.completed_since_scrape,
+                backend.kv_tokens_since_scrape,
+            )
+        self.cpu_ns["scrape"] += _clock_ns() - started
+        self.calls["scrape"] += 1
+
+    def dispatch(self) -> list[Grant]:
+        """After a scrape round, as the poller's ``on_change``: held requests may go."""
+        started = _clock_ns()
+        grants = self.admission.dispatch()
+        self.cpu_ns["dispatch"] += _clock_ns() - started
+        self.calls["dispatch"] += 1
+        return grants
+
+    def request_path_us(self) -> float:
+        """CPU microseconds of the request path per request handled: handling, resuming,
+        giving up, completing, and the dispatches scrapes trigger (they grant requests)."""
+        handled = self.calls["handle"]
+        if not handled:
+            return 0.0
+        kinds = ("handle", "resume", "give_up", "completed", "dispatch")
+        return sum(self.cpu_ns[k] for k in kinds) / handled / 1000
+
+
+DEFAULT_BASE_POLICY = DEFAULT_POLICY_PATH
+
+
+def chat_body(model: str, prompt: str, max_tokens: int, stream: bool) -> bytes:
+    """An OpenAI chat body as a client sends it."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+    return json.dumps(body, separators=(",", ":")).encode()

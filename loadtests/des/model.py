@@ -1,0 +1,333 @@
+"""A ``kind: des`` scenario file: the fleet, the tenants, the load and the models' knobs.
+
+Read with the bench's located reader, so every mistake is ``FILE:LINE: field: message``
+and the whole file is checked at once. Example: ``loadtests/scenarios/scale-smoke.yaml``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loadtests.bench.scenario.document import Document
+from loadtests.bench.scenario.fields import (
+    Field,
+    FieldReader,
+    Section,
+    choice,
+    integer_at_least,
+    non_negative,
+    positive,
+    read_whole,
+    string,
+    text,
+)
+from loadtests.des.workload import ClosedLoop, OpenLoop, Sizes
+from loadtests.sim.profiles import PROFILES
+
+
+@dataclass(frozen=True)
+class Fleet:
+    engines: int
+    regions: int = 3
+    profile: str = "llama-8b-l4"
+    max_num_seqs: int = 16
+    num_gpu_blocks: int = 2500
+    declare_seats: bool = True
+    """Tell the gateway each engine's seats (``#seats=N``), as a deployment file would."""
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The parts that are models, not fairlane: how stale a scrape is, how late feedback."""
+
+    scrape_interval_s: float | None = None
+    """None: the policy's ``backpressure.scrape_interval_s``."""
+    scrape_delay_s: float = 0.005
+    """From a scrape's send to its record (the engine renders /metrics meanwhile)."""
+    feedback_delay_s: float = 0.02
+    """From a request's last token to its completion in the gateway (Envoy's access log)."""
+    health_delay_s: float = 1.0
+    """How long a dead engine still looks healthy (the health check's interval)."""
+
+
+@dataclass(frozen=True)
+class Outage:
+    region: str
+    at_s: float
+    for_s: float
+
+
+@dataclass(frozen=True)
+class DesScenario:
+    name: str
+    description: str
+    seed: int
+    duration_s: float
+    warmup_s: float
+    max_requests: int
+    fleet: Fleet
+    open_loop: OpenLoop
+    closed_loops: tuple[ClosedLoop, ...]
+    knobs: Knobs = Knobs()
+    outage: Outage | None = None
+    sweep: tuple[tuple[int, int], ...] = ()
+    """(engines, tenants) points of the decision-cost curve."""
+    sweep_requests: int = 20_000
+    path: Path | None = None
+
+    def scaled(self, engines: int, tenants: int, max_requests: int) -> DesScenario:
+        """The same load per engine on ``engines`` engines with ``tenants`` tenants."""
+        factor = engines / self.fleet.engines
+        closed = tuple(
+            ClosedLoop(
+                c.name, c.tier, c.count, max(1, round(c.concurrency * factor)), c.sizes, c.stream
+            )
+            for c in self.closed_loops
+        )
+        o = self.open_loop
+        open_loop = OpenLoop(
+            tenants,
+            o.rate_per_s * factor,
+            o.zipf_s,
+            o.chat_every,
+            o.amplitude,
+            o.day_s,
+            o.chat,
+            o.api,
+            o.stream_chat,
+        )
+        fleet = Fleet(
+            engines,
+            min(self.fleet.regions, engines),
+            self.fleet.profile,
+            self.fleet.max_num_seqs,
+            self.fleet.num_gpu_blocks,
+            self.fleet.declare_seats,
+        )
+        return DesScenario(
+            f"{self.name}-{engines}x{tenants}",
+            self.description,
+            self.seed,
+            self.duration_s,
+            self.warmup_s,
+            max_requests,
+            fleet,
+            open_loop,
+            closed,
+            self.knobs,
+            None,
+            (),
+            0,
+            self.path,
+        )
+
+
+TOP = (
+    "kind",
+    "name",
+    "description",
+    "seed",
+    "duration_s",
+    "warmup_s",
+    "max_requests",
+    "fleet",
+    "open_loop",
+    "closed_loops",
+    "knobs",
+    "outage",
+    "sweep",
+    "sweep_requests",
+)
+
+
+def parse_des(document: Document) -> DesScenario:
+    """The scenario in ``document``; ``ScenarioError`` listing every problem."""
+    return read_whole(document, lambda r, root: _read(r, root, document.path))
+
+
+def _read(r: FieldReader, root: Field, path: Path) -> DesScenario | None:
+    top = r.section(root, TOP)
+    if top is None:
+        return None
+    count = integer_at_least(1)
+    fleet = _fleet(r, top)
+    open_loop = _open_loop(r, top)
+    closed = _closed(r, top)
+    knobs = _knobs(r, top)
+    outage = _outage(r, top)
+    sweep = _sweep(r, top)
+    scenario = DesScenario(
+        name=r.get(top, "name", string, "a string"),
+        description=r.get(top, "description", text, "text", ""),
+        seed=r.get(top, "seed", integer_at_least(0), "an integer >= 0", 1),
+        duration_s=r.get(top, "duration_s", positive, "simulated seconds > 0"),
+        warmup_s=r.get(top, "warmup_s", non_negative, "simulated seconds >= 0", 0.0),
+        max_requests=r.get(top, "max_requests", count, "an integer >= 1"),
+        fleet=fleet,  # type: ignore[arg-type]
+        open_loop=open_loop,  # type: ignore[arg-type]
+        closed_loops=closed,
+        knobs=knobs,
+        outage=outage,
+        sweep=sweep,
+        sweep_requests=r.get(top, "sweep_requests", count, "an integer >= 1", 20_000),
+        path=path,
+    )
+    if fleet is None or open_loop is None or r.errors:
+        return None
+    return scenario
+
+
+def _fleet(r: FieldReader, top: Section) -> Fleet | None:
+    field = top.get("fleet")
+    allowed = ("engines", "regions", "profile", "max_num_seqs", "num_gpu_blocks", "declare_seats")
+    s = r.section(field, allowed) if field is not None else None
+    if s is None:
+        r.error_in(top, "fleet", "required (a mapping with engines)") if field is None else None
+        return None
+    count = integer_at_least(1)
+    return Fleet(
+        engines=r.get(s, "engines", count, "an integer >= 1"),
+        regions=r.get(s, "regions", count, "an integer >= 1", 3),
+        profile=r.get(
+            s, "profile", choice(*PROFILES), f"one of {', '.join(PROFILES)}", "llama-8b-l4"
+        ),
+        max_num_seqs=r.get(s, "max_num_seqs", count, "an integer >= 1", 16),
+        num_gpu_blocks=r.get(s, "num_gpu_blocks", count, "an integer >= 1", 2500),
+        declare_seats=r.get(s, "declare_seats", _bool, "true or false", True),
+    )
+
+
+def _bool(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+def _sizes(r: FieldReader, s: Section, default: Sizes) -> Sizes:
+    def pair(key: str, low: int, high: int) -> tuple[int, int]:
+        value = r.get(s, key, _range, "[min, max] integers with 1 <= min <= max", None)
+        return value if value is not None else (low, high)
+
+    prompt = pair("prompt_tokens", default.prompt_min, default.prompt_max)
+    output = pair("output_tokens", default.output_min, default.output_max)
+    return Sizes(prompt[0], prompt[1], output[0], output[1])
+
+
+def _range(value: Any) -> tuple[int, int] | None:
+    ok = (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        and 1 <= value[0] <= value[1]
+    )
+    return (value[0], value[1]) if ok else None
+
+
+def _open_loop(r: FieldReader, top: Section) -> OpenLoop | None:
+    field = top.get("open_loop")
+    allowed = (
+        "tenants",
+        "rate_per_s",
+        "zipf_s",
+        "chat_every",
+        "amplitude",
+        "day_s",
+        "chat",
+        "api",
+        "stream_chat",
+    )
+    s = r.section(field, allowed) if field is not None else None
+    if s is None:
+        r.error_in(top, "open_loop", "required (a mapping with tenants)") if field is None else None
+        return None
+    base = OpenLoop(tenants=1, rate_per_s=0.0)
+    sizes = {}
+    for key, default in (("chat", base.chat), ("api", base.api)):
+        sub = s.get(key)
+        inner = r.section(sub, ("prompt_tokens", "output_tokens")) if sub is not None else None
+        sizes[key] = _sizes(r, inner, default) if inner is not None else default
+    return OpenLoop(
+        tenants=r.get(s, "tenants", integer_at_least(1), "an integer >= 1"),
+        rate_per_s=r.get(s, "rate_per_s", non_negative, "requests per second >= 0"),
+        zipf_s=r.get(s, "zipf_s", non_negative, "a number >= 0", base.zipf_s),
+        chat_every=r.get(s, "chat_every", integer_at_least(0), "an integer >= 0", base.chat_every),
+        amplitude=r.get(s, "amplitude", _fraction, "a number in [0, 1)", 0.0),
+        day_s=r.get(s, "day_s", positive, "seconds > 0", base.day_s),
+        chat=sizes["chat"],
+        api=sizes["api"],
+        stream_chat=r.get(s, "stream_chat", _bool, "true or false", True),
+    )
+
+
+def _fraction(value: Any) -> float | None:
+    number = non_negative(value)
+    return number if number is not None and number < 1 else None
+
+
+def _closed(r: FieldReader, top: Section) -> tuple[ClosedLoop, ...]:
+    loops = []
+    allowed = ("name", "tier", "count", "concurrency", "prompt_tokens", "output_tokens", "stream")
+    for item in r.items(top.get("closed_loops")) or []:
+        s = r.section(item, allowed)
+        if s is None:
+            continue
+        loops.append(
+            ClosedLoop(
+                name=r.get(s, "name", string, "a string"),
+                tier=r.get(
+                    s, "tier", choice("interactive", "api", "batch"), "a tier of the default policy"
+                ),
+                count=r.get(s, "count", integer_at_least(1), "an integer >= 1"),
+                concurrency=r.get(s, "concurrency", integer_at_least(1), "an integer >= 1"),
+                sizes=_sizes(r, s, Sizes(128, 512, 64, 256)),
+                stream=r.get(s, "stream", _bool, "true or false", False),
+            )
+        )
+    return tuple(loops)
+
+
+def _knobs(r: FieldReader, top: Section) -> Knobs:
+    field = top.get("knobs")
+    if field is None:
+        return Knobs()
+    allowed = ("scrape_interval_s", "scrape_delay_s", "feedback_delay_s", "health_delay_s")
+    s = r.section(field, allowed)
+    if s is None:
+        return Knobs()
+    d = Knobs()
+    return Knobs(
+        scrape_interval_s=r.get(s, "scrape_interval_s", positive, "seconds > 0", None),
+        scrape_delay_s=r.get(s, "scrape_delay_s", non_negative, "seconds >= 0", d.scrape_delay_s),
+        feedback_delay_s=r.get(
+            s, "feedback_delay_s", non_negative, "seconds >= 0", d.feedback_delay_s
+        ),
+        health_delay_s=r.get(s, "health_delay_s", non_negative, "seconds >= 0", d.health_delay_s),
+    )
+
+
+def _outage(r: FieldReader, top: Section) -> Outage | None:
+    field = top.get("outage")
+    if field is None:
+        return None
+    s = r.section(field, ("region", "at_s", "for_s"))
+    if s is None:
+        return None
+    return Outage(
+        region=r.get(s, "region", string, "a region name (r0, r1, ...)"),
+        at_s=r.get(s, "at_s", non_negative, "simulated seconds >= 0"),
+        for_s=r.get(s, "for_s", positive, "simulated seconds > 0"),
+    )
+
+
+def _sweep(r: FieldReader, top: Section) -> tuple[tuple[int, int], ...]:
+    points = []
+    for item in r.items(top.get("sweep")) or []:
+        value = r.value(item)
+        ok = isinstance(value, list) and len(value) == 2
+        if not ok or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value
+        ):
+            r.error(item, f"must be [engines, tenants] integers >= 1, got {value!r}")
+            continue
+        points.append((value[0], value[1]))
+    return tuple(points)

@@ -1,0 +1,177 @@
+"""What a ``kind: des`` run reports: ``results.json`` (the contract), ``report.md``, a plot.
+
+``results.json`` always holds ``decision_us_per_request`` (``"ENGINESxTENANTS"`` -> mean
+CPU microseconds of the core's request-path calls per request), ``jain_backlogged`` and
+``max_batch_wait_s``; the rest is there to read the run by.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtests.bench.stats import jain_index
+from loadtests.des.model import DesScenario
+from loadtests.des.run import Measured
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentile(sorted_values: Sequence[float], p: float) -> float | None:
+    if not sorted_values:
+        return None
+    index = min(len(sorted_values) - 1, max(0, math.ceil(p / 100 * len(sorted_values)) - 1))
+    return sorted_values[index]
+
+
+def aging_bound_s(policy_tiers: Sequence[Any]) -> float | None:
+    """How long a batch request waits at most before aging ranks it with the tier above:
+    ``seconds_per_rank * max_ranks`` of the least urgent tier (None: it does not age)."""
+    batch = policy_tiers[-1]
+    aging = getattr(batch, "aging", None)
+    if aging is None:
+        return None
+    return float(aging.seconds_per_rank * aging.max_ranks)
+
+
+def run_summary(scenario: DesScenario, measured: Measured, aging_s: float | None) -> dict[str, Any]:
+    stats = measured.stats
+    ttft = {}
+    for tier, values in sorted(stats.ttft.items()):
+        ordered = sorted(values)
+        ttft[tier] = {"n": len(ordered), **{f"p{p}": percentile(ordered, p) for p in PERCENTILES}}
+    backlogged = sorted(stats.served)
+    served = [float(stats.served[t]) for t in backlogged]
+    jain = jain_index(served) if served else None
+    mean = sum(served) / len(served) if served else 0.0
+    worst = min(served) / mean if served and mean else None
+    statuses: dict[str, dict[str, int]] = {}
+    for (tier, status), n in sorted(stats.statuses.items()):
+        statuses.setdefault(tier, {})[str(status)] = n
+    return {
+        "name": scenario.name,
+        "engines": scenario.fleet.engines,
+        "tenants": scenario.open_loop.tenants + sum(c.count for c in scenario.closed_loops),
+        "sent": stats.sent,
+        "measured": stats.measured,
+        "ttft_s": ttft,
+        "statuses": statuses,
+        "max_wait_s": dict(stats.wait_max),
+        "max_batch_wait_s": stats.wait_max.get("batch", 0.0),
+        "aging_bound_s": aging_s,
+        "backlogged_tokens": dict(zip(backlogged, served, strict=True)),
+        "jain_backlogged": jain,
+        "worst_share_of_fair": worst,
+        "decision_us": measured.decision_us,
+        "cpu_us_per_call": {
+            k: measured.cpu_ns[k] / 1000 / measured.calls[k]
+            for k in measured.cpu_ns
+            if measured.calls.get(k)
+        },
+        "calls": measured.calls,
+        "tracked_flows_at_end": measured.flows,
+        "wall_s": measured.wall_s,
+        "events": measured.events,
+        "engine_steps": measured.engine_steps,
+    }
+
+
+def write(
+    out: Path,
+    scenario: DesScenario,
+    main: dict[str, Any],
+    sweep: Mapping[str, dict[str, Any]],
+    memory: Mapping[str, float],
+) -> dict[str, Any]:
+    """``out/results.json``, ``out/report.md`` and ``out/decision-cost.png``."""
+    out.mkdir(parents=True, exist_ok=True)
+    results = {
+        "scenario": scenario.name,
+        "kind": "des",
+        "decision_us_per_request": {key: run["decision_us"] for key, run in sweep.items()},
+        "jain_backlogged": main["jain_backlogged"],
+        "max_batch_wait_s": main["max_batch_wait_s"],
+        "memory_bytes": dict(memory),
+        "run": main,
+        "sweep": dict(sweep),
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    (out / "report.md").write_text(markdown(results))
+    plot(out / "decision-cost.png", sweep)
+    return results
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f} ms" if value < 10 else f"{value:.1f} s"
+
+
+def markdown(results: Mapping[str, Any]) -> str:
+    run = results["run"]
+    lines = [
+        f"# `{results['scenario']}` (discrete-event simulation)",
+        "",
+        f"{run['engines']} engines, {run['tenants']:,} tenants, {run['sent']:,} requests sent "
+        f"({run['measured']:,} after the warm-up); {run['wall_s']:.1f} s of wall time, "
+        f"{run['events']:,} events, {run['engine_steps']:,} engine steps.",
+        "",
+        "| tier | requests | TTFT p50 | p90 | p99 | longest gateway wait |",
+        "|---|---|---|---|---|---|",
+    ]
+    for tier, t in run["ttft_s"].items():
+        lines.append(
+            f"| {tier} | {t['n']:,} | {_ms(t['p50'])} | {_ms(t['p90'])} | {_ms(t['p99'])} "
+            f"| {_ms(run['max_wait_s'].get(tier))} |"
+        )
+    jain = run["jain_backlogged"]
+    worst = run["worst_share_of_fair"]
+    lines += [
+        "",
+        f"Backlogged equal tenants: Jain's index **{jain:.4f}**, the worst one got "
+        f"{worst:.1%} of its fair share."
+        if jain is not None and worst is not None
+        else "No backlogged tenants.",
+        f"Longest batch wait: {_ms(run['max_batch_wait_s'])} (aging bound "
+        f"{_ms(run['aging_bound_s'])}).",
+        "",
+        "## Decision cost (CPU of the core's request path, per request)",
+        "",
+        "| engines x tenants | µs per request | handle | completed | dispatch calls | wall |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, s in results["sweep"].items():
+        per = s["cpu_us_per_call"]
+        lines.append(
+            f"| {key} | **{s['decision_us']:.0f}** | {per.get('handle', 0):.0f} "
+            f"| {per.get('completed', 0):.0f} | {s['calls'].get('dispatch', 0):,} "
+            f"| {s['wall_s']:.0f} s |"
+        )
+    memory = results["memory_bytes"]
+    lines += ["", "## Memory", ""]
+    for key, value in memory.items():
+        lines.append(f"- {key}: {value:,.0f} bytes")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot(path: Path, sweep: Mapping[str, dict[str, Any]]) -> None:
+    """Decision cost against fleet size and tenant count (one point per sweep run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+    keys = list(sweep)
+    values = [sweep[k]["decision_us"] for k in keys]
+    ax.plot(range(len(keys)), values, marker="o")
+    ax.set_xticks(range(len(keys)), keys)
+    ax.set_xlabel("engines x tenants")
+    ax.set_ylabel("CPU µs per request (core's calls)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,448 @@
+"""One simulation: the workload, fairlane's real core and the engines on one virtual clock.
+
+A request's way, as in the real stack: the client's body reaches ``Gateway.handle``; a
+``Forward`` goes through the Envoy model to the listed engine, a ``Hold`` waits until a
+grant (``Gateway.resume``) or its deadline (``Gateway.give_up``), a ``Respond`` is the
+client's answer. The engine's last token schedules the completion feedback
+(``Gateway.completed``) ``feedback_delay_s`` later, and every grant that frees is
+forwarded. Scrape rounds read every engine every ``scrape_interval_s`` and hand the
+numbers to ``Backend.record_scrape`` ``scrape_delay_s`` later, then dispatch, as the
+poller does. Everything is measured in virtual seconds except the core's CPU cost.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import tracemalloc
+from array import array
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from extproc.core.admission import Grant
+from extproc.core.decisions import Forward, Hold, Respond
+from extproc.core.events import Completion, RequestInfo
+from extproc.core.feedback import BODY_BYTES_PER_TOKEN, BODY_ENVELOPE_BYTES, STREAM_BYTES_PER_TOKEN
+from extproc.fleet.backend import BackendSpec
+from extproc.fleet.vllm_metrics import EngineMetrics
+from extproc.policy import DEFAULT_POLICY_PATH
+from loadtests.des.clock import EventLoop
+from loadtests.des.engines import EngineNode
+from loadtests.des.envoy import next_endpoint
+from loadtests.des.gateway import Core, chat_body, write_policy
+from loadtests.des.model import DesScenario
+from loadtests.des.workload import Ask, ClosedLoop, Workload
+from loadtests.sim.engine import EngineConfig, EngineRequest, Policy
+from loadtests.sim.profiles import get_profile
+
+MODEL = "sim-model"
+PRIORITY_HEADER = "x-vllm-priority"
+TEMPLATE_TOKENS = 4
+"""Tokens the chat template adds around one user message (``core.prompt.render_chat``)."""
+
+
+@dataclass(slots=True)
+class Flight:
+    """One request on its way; the engine request's ``sink``."""
+
+    ask: Ask
+    request_id: str
+    arrival: float
+    loop_of: tuple[ClosedLoop, str] | None = None
+    hold: Hold | None = None
+    forward: Forward | None = None
+    tried: int = 0
+    node: EngineNode | None = None
+    forwarded_at: float | None = None
+    first_at: float | None = None
+    done: bool = False
+
+
+@dataclass
+class Stats:
+    """What the run measured, over requests that arrived after the warm-up."""
+
+    warmup_s: float
+    ttft: dict[str, array] = field(default_factory=lambda: defaultdict(lambda: array("d")))
+    wait_max: dict[str, float] = field(default_factory=dict)
+    statuses: Counter[tuple[str, int]] = field(default_factory=Counter)
+    served: Counter[str] = field(default_factory=Counter)
+    """Closed-loop tenant -> tokens (prompt + output) of its requests finished in window."""
+    sent: int = 0
+    measured: int = 0
+
+
+class Simulation:
+    def __init__(self, scenario: DesScenario, workdir: Path) -> None:
+        self.scenario = scenario
+        self.loop = EventLoop()
+        self.workload = Workload(scenario.open_loop, scenario.closed_loops, scenario.seed)
+        tenants = self.workload.open_tenants() + self.workload.closed_tenants()
+        workdir.mkdir(parents=True, exist_ok=True)
+        policy_path = write_policy(DEFAULT_POLICY_PATH, tenants, workdir / "policy.yaml")
+        fleet = scenario.fleet
+        config = EngineConfig(
+            profile=get_profile(fleet.profile),
+            max_num_seqs=fleet.max_num_seqs,
+            num_gpu_blocks=fleet.num_gpu_blocks,
+            policy=Policy.PRIORITY,
+        )
+        specs, self.nodes = [], {}
+        for i in range(fleet.engines):
+            region = f"r{i % fleet.regions}"
+            spec = BackendSpec(
+                f"10.{i // 250}.{i % 250}.1",
+                8000,
+                region=region,
+                seats=fleet.max_num_seqs if fleet.declare_seats else None,
+            )
+            specs.append(spec)
+            self.nodes[spec.address] = EngineNode(self.loop, spec.address, region, config)
+        # Regions interleaved, so the first backend (the local region) is r0's.
+        self.core = Core(policy_path, specs, self.loop)
+        self.block_size = config.block_size
+        policy = self.core.store.current
+        self.scrape_interval_s = (
+            scenario.knobs.scrape_interval_s or policy.backpressure.scrape_interval_s
+        )
+        self.held: dict[str, Flight] = {}
+        self.flights: dict[str, Flight] = {}
+        self.stats = Stats(scenario.warmup_s)
+        self._ids = 0
+        self.stopped_sending = False
+        self.in_progress = 0
+        """Requests sent whose client has no answer yet: once sending stopped, the run
+        ends when this reaches zero."""
+
+    # Driving ----------------------------------------------------------------------------
+
+    def run(self) -> Stats:
+        loop, scenario = self.loop, self.scenario
+        loop.at(self.workload.next_arrival(0.0), self._open_arrival)
+        for closed in scenario.closed_loops:
+            for i in range(closed.count):
+                tenant = f"{closed.name}{i}"
+                for k in range(closed.concurrency):
+                    # Spread the first sends over a second, not one instant.
+                    loop.at(k / closed.concurrency, self._closed_send, (closed, tenant))
+        loop.at(0.0, self._scrape_round)
+        if scenario.outage is not None:
+            loop.at(scenario.outage.at_s, self._outage_start)
+        loop.run_until(scenario.duration_s)
+        return self.stats
+
+    def _next_id(self) -> str:
+        self._ids += 1
+        return f"r{self._ids}"
+
+    def _may_send(self) -> bool:
+        if self.stats.sent >= self.scenario.max_requests:
+            self.stopped_sending = True
+        return not self.stopped_sending
+
+    def _open_arrival(self, _: Any) -> None:
+        if not self._may_send():
+            return
+        self._send(self.workload.open_ask(), None)
+        self.loop.at(self.workload.next_arrival(self.loop.now), self._open_arrival)
+
+    def _closed_send(self, event: tuple[ClosedLoop, str]) -> None:
+        if not self._may_send():
+            return
+        closed, tenant = event
+        self._send(self.workload.closed_ask(closed, tenant), event)
+
+    # A request ---------------------------------------------------------------------------
+
+    def _send(self, ask: Ask, loop_of: tuple[ClosedLoop, str] | None) -> None:
+        now = self.loop.now
+        request_id = self._next_id()
+        flight = Flight(ask, request_id, now, loop_of)
+        self.stats.sent += 1
+        self.in_progress += 1
+        info = RequestInfo(
+            method="POST",
+            path="/v1/chat/completions",
+            headers={
+                ":path": "/v1/chat/completions",
+                "authorization": f"Bearer sk-{ask.tenant}",
+                "content-type": "application/json",
+            },
+            body=chat_body(MODEL, ask.prompt, ask.max_tokens, ask.stream),
+            request_id=request_id,
+        )
+        decision = self.core.handle(info)
+        answer = decision.answer
+        if isinstance(answer, Forward):
+            self._forward(flight, answer)
+        elif isinstance(answer, Hold):
+            flight.hold = answer
+            self.held[answer.request_id] = flight
+            self.loop.at(now + answer.deadline_s, self._deadline, flight)
+        elif isinstance(answer, Respond):
+            self._end(flight, answer.status, 0)
+        self._wake(decision.grants)
+
+    def _wake(self, grants: tuple[Grant, ...] | list[Grant]) -> None:
+        for grant in grants:
+            flight = self.held.pop(grant.request_id, None)
+            if flight is None or flight.hold is None:
+                continue
+            self._forward(flight, self.core.resume(flight.hold, grant))
+
+    def _deadline(self, flight: Flight) -> None:
+        if flight.hold is None or self.held.pop(flight.hold.request_id, None) is None:
+            return
+        decision = self.core.give_up(flight.hold)
+        status = decision.answer.status if isinstance(decision.answer, Respond) else 503
+        self._end(flight, status, 0)
+        self._wake(decision.grants)
+
+    def _forward(self, flight: Flight, forward: Forward) -> None:
+        now = self.loop.now
+        flight.forward = forward
+        flight.forwarded_at = now
+        wait = now - flight.arrival
+        stats = self.stats
+        if flight.arrival >= stats.warmup_s and wait > stats.wait_max.get(flight.ask.tier, 0.0):
+            stats.wait_max[flight.ask.tier] = wait
+        self._try(flight)
+
+    def _try(self, flight: Flight) -> None:
+        """Envoy sends the request to the next listed endpoint that is up (``envoy``)."""
+        forward = flight.forward
+        assert forward is not None
+        found = next_endpoint(forward.endpoints, flight.tried, self.nodes)
+        if found is None:
+            self._complete(flight, 503, "", 0)
+            return
+        index, node = found
+        flight.tried = index + 1
+        flight.node = node
+        ask = flight.ask
+        prompt_len = ask.prompt_tokens + TEMPLATE_TOKENS
+        size = self.block_size
+        shared = ask.prefix_tokens // size
+        hashes: list[Any] = [f"{ask.tenant}/{k}".encode() for k in range(shared)]
+        hashes += [f"{flight.request_id}/{k}".encode() for k in range(shared, prompt_len // size)]
+        req = EngineRequest(
+            request_id=flight.request_id,
+            prompt_len=prompt_len,
+            block_hashes=hashes,
+            max_tokens=ask.max_tokens,
+            output_len=ask.output_tokens,
+            priority=int(forward.set_headers.get(PRIORITY_HEADER, "0")),
+            params_max_tokens=ask.max_tokens,
+            sink=flight,
+        )
+        # Bound to the flight: the engine calls back first_token/finished on its sink.
+        req.sink = _Sink(self, flight)
+        node.submit(req)
+
+    def first_token(self, flight: Flight, at: float) -> None:
+        flight.first_at = at
+        if flight.arrival >= self.stats.warmup_s:
+            self.stats.ttft[flight.ask.tier].append(at - flight.arrival)
+
+    def finished(self, flight: Flight, req: EngineRequest, at: float) -> None:
+        ask = flight.ask
+        output = req.num_output
+        if ask.stream:
+            size = round(output * STREAM_BYTES_PER_TOKEN)
+        else:
+            size = round(BODY_ENVELOPE_BYTES + output * BODY_BYTES_PER_TOKEN)
+        if flight.loop_of is not None and flight.arrival >= self.stats.warmup_s:
+            self.stats.served[ask.tenant] += ask.prompt_tokens + output
+        node = flight.node
+        self.loop.at(
+            at + self.scenario.knobs.feedback_delay_s,
+            self._feedback,
+            (flight, 200, node.address if node else "", size),
+        )
+        self._end(flight, 200, output)
+
+    def lost(self, flight: Flight) -> None:
+        """Its engine died: Envoy retries it if nothing reached the client yet."""
+        if flight.first_at is not None and flight.ask.stream:
+            node = flight.node
+            self._complete(flight, 0, node.address if node else "", 1)
+            return
+        self._try(flight)
+
+    def _complete(self, flight: Flight, status: int, upstream: str, size: int) -> None:
+        """A failed request: the client's answer now, the access log's feedback later."""
+        self.loop.at(
+            self.loop.now + self.scenario.knobs.feedback_delay_s,
+            self._feedback,
+            (flight, status, upstream, size),
+        )
+        self._end(flight, status if status else 502, 0)
+
+    def _feedback(self, event: tuple[Flight, int, str, int]) -> None:
+        flight, status, upstream, size = event
+        now = self.loop.now
+        first = None if flight.first_at is None else flight.first_at - flight.arrival
+        completion = Completion(
+            flight.request_id, status, upstream, now - flight.arrival, size, first
+        )
+        self._wake(self.core.completed(completion))
+
+    def _end(self, flight: Flight, status: int, output: int) -> None:
+        """The client has its answer: count it; a closed-loop client sends its next."""
+        if flight.done:
+            return
+        flight.done = True
+        self.in_progress -= 1
+        if self.in_progress == 0 and self.stopped_sending:
+            self.loop.stop()
+        if flight.arrival >= self.stats.warmup_s:
+            self.stats.statuses[(flight.ask.tier, status)] += 1
+            self.stats.measured += 1
+        if flight.loop_of is not None:
+            # A refusal carries retry-after: a well-behaved client waits a second.
+            pause = 0.0 if 200 <= status < 300 else 1.0
+            self.loop.at(self.loop.now + pause, self._closed_send, flight.loop_of)
+
+    # The poller ----------------------------------------------------------------------------
+
+    def _scrape_round(self, _: Any) -> None:
+        now = self.loop.now
+        read = [(node, node.metrics(now) if node.alive else None) for node in self.nodes.values()]
+        self.loop.at(now + self.scenario.knobs.scrape_delay_s, self._scraped, read)
+        self.loop.at(now + self.scrape_interval_s, self._scrape_round)
+
+    def _scraped(self, read: list[tuple[EngineNode, EngineMetrics | None]]) -> None:
+        by_address = self.core.pool.by_address
+        for node, metrics in read:
+            self.core.scraped(by_address[node.address], metrics)
+        self._wake(self.core.dispatch())
+
+    # A region lost ------------------------------------------------------------------------
+
+    def _outage_start(self, _: Any) -> None:
+        outage = self.scenario.outage
+        assert outage is not None
+        lost: list[EngineRequest] = []
+        down = [n for n in self.nodes.values() if n.region == outage.region]
+        for node in down:
+            lost += node.kill()
+        delay = self.scenario.knobs.health_delay_s
+        self.loop.at(self.loop.now + delay, self._health, (down, False))
+        self.loop.at(self.loop.now + outage.for_s, self._outage_end, down)
+        for req in lost:
+            sink: _Sink = req.sink
+            sink.sim.lost(sink.flight)
+
+    def _outage_end(self, down: list[EngineNode]) -> None:
+        for node in down:
+            node.revive()
+        self.loop.at(self.loop.now + self.scenario.knobs.health_delay_s, self._health, (down, True))
+
+    def _health(self, event: tuple[list[EngineNode], bool]) -> None:
+        nodes, up = event
+        by_address = self.core.pool.by_address
+        for node in nodes:
+            by_address[node.address].health_ok = up
+        if up:
+            self._wake(self.core.dispatch())
+
+
+@dataclass(slots=True)
+class _Sink:
+    """The engine's view of a flight (``engines.Watcher``)."""
+
+    sim: Simulation
+    flight: Flight
+
+    def first_token(self, req: EngineRequest, at: float) -> None:
+        self.sim.first_token(self.flight, at)
+
+    def finished(self, req: EngineRequest, at: float) -> None:
+        self.sim.finished(self.flight, req, at)
+
+
+@dataclass(frozen=True)
+class Measured:
+    stats: Stats
+    decision_us: float
+    """CPU microseconds of the core's request path per request handled."""
+    cpu_ns: dict[str, int]
+    calls: dict[str, int]
+    wall_s: float
+    events: int
+    engine_steps: int
+    flows: int
+    """Flows the scheduler tracks at the end (bounded by the busy period's)."""
+
+
+def simulate(scenario: DesScenario, workdir: Path) -> tuple[Simulation, Measured]:
+    """Run ``scenario``; the simulation (for its state) and what was measured."""
+    started = time.perf_counter()
+    sim = Simulation(scenario, workdir)
+    gc.collect()
+    sim.run()
+    wall = time.perf_counter() - started
+    return sim, Measured(
+        stats=sim.stats,
+        decision_us=sim.core.request_path_us(),
+        cpu_ns=dict(sim.core.cpu_ns),
+        calls=dict(sim.core.calls),
+        wall_s=wall,
+        events=sim.loop.events,
+        engine_steps=sum(n.steps for n in sim.nodes.values()),
+        flows=sim.core.admission.scheduler.tracked_flows(),
+    )
+
+
+def core_bytes(scenario: DesScenario, engines: int, tenants: int, workdir: Path) -> int:
+    """Bytes the core holds right after start (policy, pool, admission) for ``engines`` and
+    ``tenants``: what ``tracemalloc`` traces while ``Core`` is built, engines and workload
+    left out."""
+    sized = scenario.scaled(engines, tenants, 1)
+    workload = Workload(sized.open_loop, sized.closed_loops, sized.seed)
+    workdir.mkdir(parents=True, exist_ok=True)
+    names = workload.open_tenants() + workload.closed_tenants()
+    path = write_policy(DEFAULT_POLICY_PATH, names, workdir / f"policy-{engines}x{tenants}.yaml")
+    specs = [
+        BackendSpec(f"10.{i // 250}.{i % 250}.1", 8000, region=f"r{i % 3}") for i in range(engines)
+    ]
+    del workload, names
+    gc.collect()
+    tracemalloc.start()
+    try:
+        core = Core(path, specs, time.monotonic)
+        size = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    del core
+    return size
+
+
+def bench(scenario: DesScenario, out: Path) -> dict[str, Any]:
+    """The scenario's run, its decision-cost sweep and the core's memory; the results."""
+    from loadtests.des import report
+
+    work = out / "work"
+    sim, measured = simulate(scenario, work)
+    aging = report.aging_bound_s(sim.core.store.current.tiers)
+    del sim
+    main = report.run_summary(scenario, measured, aging)
+    sweep: dict[str, dict[str, Any]] = {}
+    for engines, tenants in scenario.sweep:
+        sized = scenario.scaled(engines, tenants, scenario.sweep_requests)
+        _, point = simulate(sized, work / f"sweep-{engines}x{tenants}")
+        sweep[f"{engines}x{tenants}"] = report.run_summary(sized, point, aging)
+    memory: dict[str, float] = {}
+    if scenario.sweep:
+        low = min(scenario.sweep)
+        high = max(scenario.sweep)
+        base = core_bytes(scenario, low[0], low[1], work)
+        more_tenants = core_bytes(scenario, low[0], high[1], work)
+        more_engines = core_bytes(scenario, high[0], low[1], work)
+        if high[1] > low[1]:
+            memory["per_tenant"] = (more_tenants - base) / (high[1] - low[1])
+        if high[0] > low[0]:
+            memory["per_engine"] = (more_engines - base) / (high[0] - low[0])
+    return report.write(out, scenario, main, sweep, memory)

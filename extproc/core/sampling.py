@@ -10,8 +10,8 @@ alternates, and every dispatch after a scrape doing both per band.
 Above ``LARGE_FLEET`` backends, placement changes in two ways:
 
 - **A sample, not the fleet.** Candidates are collected from a cursor that walks the
-  fleet round-robin, stopping at ``SAMPLE`` that pass; the picker chooses among those by
-  load and prefix (two-choice style: among 16 with room, the least loaded is near the
+  fleet round-robin, stopping at ``SAMPLE`` (8) that pass; the picker chooses among those by
+  load and prefix (d-choice style: among 8 with room, the least loaded is near the
   best, and the cursor spreads grants over the fleet). Prefix affinity is then only
   found inside the sample: a backend holding the prompt outside it is not seen.
 - **A full fleet is remembered.** When a whole walk finds no candidate for a band, that
@@ -34,9 +34,9 @@ from extproc.fleet.backend import Backend
 
 LARGE_FLEET = 64
 """More backends than this: sample (below, every decision scans the fleet exactly)."""
-SAMPLE = 16
+SAMPLE = 8
 """Candidates a placement collects on a large fleet before it stops looking."""
-ALTERNATES_SAMPLE = 32
+ALTERNATES_SAMPLE = 8
 """Backends a large fleet's alternates (retries, hedges) are chosen from, spread evenly
 over the fleet's configured order so every region is in it."""
 

@@ -1,0 +1,90 @@
+"""The discrete-event simulation: fairlane's real core and the per-step engines on one
+virtual clock (``loadtests.des``), on a fleet small enough to run in seconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtests.bench.scenario import ScenarioError, read_document
+from loadtests.des.clock import EventLoop
+from loadtests.des.model import parse_des
+from loadtests.des.run import bench, simulate
+
+SMALL = """\
+kind: des
+name: small
+seed: 3
+duration_s: 600
+warmup_s: 20
+max_requests: 1500
+fleet: {engines: 6, regions: 2, max_num_seqs: 8}
+open_loop:
+  tenants: 300
+  rate_per_s: 3
+  chat: {prompt_tokens: [64, 256], output_tokens: [8, 32]}
+  api: {prompt_tokens: [128, 512], output_tokens: [16, 64]}
+closed_loops:
+  - {name: batch, tier: batch, count: 3, concurrency: 20,
+     prompt_tokens: [128, 512], output_tokens: [16, 64]}
+sweep: [[3, 100], [6, 300]]
+sweep_requests: 300
+"""
+
+
+def scenario(tmp_path: Path, text: str = SMALL) -> Path:
+    path = tmp_path / "small.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_the_event_loop_runs_in_time_order_and_same_time_events_in_order() -> None:
+    loop = EventLoop()
+    seen: list[tuple[float, str]] = []
+    for when, name in ((2.0, "c"), (1.0, "a"), (1.0, "b")):
+        loop.at(when, lambda n: seen.append((loop.now, n)), name)
+    loop.run_until(1.5)
+    assert seen == [(1.0, "a"), (1.0, "b")] and loop.now == 1.5
+    loop.run_until(5.0)
+    assert seen[-1] == (2.0, "c")
+
+
+def test_every_request_is_answered_and_the_backlogged_batch_jobs_share_evenly(
+    tmp_path: Path,
+) -> None:
+    sim, measured = simulate(parse_des(read_document(scenario(tmp_path))), tmp_path / "work")
+    stats = measured.stats
+    assert stats.sent == 1500 and sim.in_progress == 0  # the run ended when all were answered
+    assert sum(stats.statuses.values()) == stats.measured
+    assert all(status == 200 for _, status in stats.statuses)
+    assert {"interactive", "api", "batch"} <= set(stats.ttft)
+    # Chat is served ahead of the batch flood: its median first token beats batch's.
+    chat, batch = sorted(stats.ttft["interactive"]), sorted(stats.ttft["batch"])
+    assert chat[len(chat) // 2] < batch[len(batch) // 2]
+    served = [stats.served[f"batch{i}"] for i in range(3)]
+    assert min(served) > 0.8 * max(served), served
+    assert measured.decision_us > 0 and measured.calls["handle"] == 1500
+
+
+def test_bench_writes_the_contracted_results(tmp_path: Path) -> None:
+    results = bench(parse_des(read_document(scenario(tmp_path))), tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert written == json.loads(json.dumps(results))
+    assert set(written["decision_us_per_request"]) == {"3x100", "6x300"}
+    assert all(us > 0 for us in written["decision_us_per_request"].values())
+    assert 0.9 <= written["jain_backlogged"] <= 1.0
+    assert written["max_batch_wait_s"] >= 0
+    assert written["memory_bytes"]["per_tenant"] > 0
+    assert (tmp_path / "out" / "report.md").read_text().startswith("# `small`")
+    assert (tmp_path / "out" / "decision-cost.png").stat().st_size > 0
+
+
+def test_a_bad_scenario_names_its_lines(tmp_path: Path) -> None:
+    bad = SMALL.replace("engines: 6", "engines: 0").replace("rate_per_s: 3", "rate_per_s: fast")
+    with pytest.raises(ScenarioError) as error:
+        parse_des(read_document(scenario(tmp_path, bad)))
+    message = str(error.value)
+    assert "small.yaml:7: fleet.engines: must be an integer >= 1, got 0" in message
+    assert "small.yaml:10: open_loop.rate_per_s:" in message

@@ -385,8 +385,10 @@ def _run_des(args: argparse.Namespace, document: Document) -> int:
     print(f"{scenario.name}: {run['sent']:,} requests, {run['wall_s']:.1f} s wall")
     for tier, t in run["ttft_s"].items():
         print(f"  {tier}: TTFT p50 {t['p50']:.3f} s, p90 {t['p90']:.3f} s, p99 {t['p99']:.3f} s")
-    print(f"  jain_backlogged {results['jain_backlogged']}, max_batch_wait_s "
-          f"{results['max_batch_wait_s']:.1f}")
+    print(
+        f"  jain_backlogged {results['jain_backlogged']}, max_batch_wait_s "
+        f"{results['max_batch_wait_s']:.1f}"
+    )
     for key, us in results["decision_us_per_request"].items():
         print(f"  decision cost {key}: {us:.0f} µs per request")
     print(f"report: {out / 'report.md'}\nresults: {out / 'results.json'}")

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from extproc.core.sampling import ALTERNATES_SAMPLE, LARGE_FLEET, SAMPLE, FleetSample
 from extproc.fleet.backend import BackendPool, BackendSpec
-from tests.extproc.factories import API, BATCH, Request, make_admission, scraped
+from tests.extproc.factories import API, BATCH, Request, make_admission
 
 BACKENDS = LARGE_FLEET * 2
 
 
 def test_a_large_fleet_spreads_grants_over_every_backend_round_robin() -> None:
-    admission, pool, _ = make_admission(limit=1, backends=BACKENDS)
+    admission, _, _ = make_admission(limit=1, backends=BACKENDS)
     used = set()
     for i in range(BACKENDS):
         (grant,) = admission.submit(f"r{i}", Request(API))
@@ -21,7 +21,7 @@ def test_a_large_fleet_spreads_grants_over_every_backend_round_robin() -> None:
 
 
 def test_a_full_band_waits_for_the_backend_a_completion_frees() -> None:
-    admission, pool, clock = make_admission(limit=1, backends=BACKENDS)
+    admission, _, _ = make_admission(limit=1, backends=BACKENDS)
     for i in range(BACKENDS):
         admission.submit(f"r{i}", Request(BATCH))
     assert admission.submit("late", Request(BATCH)) == []  # full: remembered

@@ -15,7 +15,7 @@ def test_a_large_fleet_spreads_grants_over_every_backend_round_robin() -> None:
     admission, _, _ = make_admission(limit=1, backends=BACKENDS)
     used = set()
     for i in range(BACKENDS):
-        (grant,) = admission.submit(f"r{i}", Request(API))
+        (grant,) = admission.submit(f"r{i}", Request(API))  # type: ignore[arg-type]
         used.add(grant.endpoints[0])
     assert len(used) == BACKENDS  # one each: the cursor moved on, nothing was refused
 
@@ -23,8 +23,8 @@ def test_a_large_fleet_spreads_grants_over_every_backend_round_robin() -> None:
 def test_a_full_band_waits_for_the_backend_a_completion_frees() -> None:
     admission, _, _ = make_admission(limit=1, backends=BACKENDS)
     for i in range(BACKENDS):
-        admission.submit(f"r{i}", Request(BATCH))
-    assert admission.submit("late", Request(BATCH)) == []  # full: remembered
+        admission.submit(f"r{i}", Request(BATCH))  # type: ignore[arg-type]
+    assert admission.submit("late", Request(BATCH)) == []  # type: ignore[arg-type]
     first = admission.backend_of("r7")
     assert first is not None
     (grant,) = admission.release("r7")  # the freed backend is checked, not the fleet

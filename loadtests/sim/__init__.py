@@ -5,6 +5,7 @@ Layout, one concept per module:
 - ``profiles``  step-time models (how long one engine step takes on a real GPU)
 - ``blocks``    the KV block pool with prefix caching
 - ``engine``    the per-step scheduler (waiting queue, running batch, preemption); no I/O
+- ``fastforward`` runs of identical decode-only steps in closed form, exact against ``engine``
 - ``metrics``   vLLM's Prometheus metrics, fed from engine events
 - ``runner``    drives the engine on a (sped-up) wall clock
 - ``request``   request parsing and vLLM's validation errors

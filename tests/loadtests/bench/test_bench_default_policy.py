@@ -22,6 +22,7 @@ from loadtests.bench.scenario import (
     parse_scenario,
     read_document,
 )
+from loadtests.des.model import parse_des
 
 FLOOD_SCENARIOS = ("flood-4seat", "flood-8seat", "flood-32seat", "flood-256seat", "flood-kv-bound")
 
@@ -79,6 +80,9 @@ def test_every_scenario_file_loads(path: Path) -> None:
     document = read_document(path)
     if document.kind == "overhead":
         assert parse_overhead(document).name == path.stem
+    elif document.kind == "des":
+        des = parse_des(document)
+        assert des.name == path.stem and des.sweep
     else:
         scenario = load_scenario(path)
         assert scenario.name == path.stem

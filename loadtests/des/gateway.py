@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from extproc.core.admission import Admission, Grant
 from extproc.core.decisions import Decision, Forward, Hold
@@ -27,9 +28,10 @@ from extproc.core.events import Completion, RequestInfo
 from extproc.core.gateway import Gateway
 from extproc.fleet.backend import Backend, BackendPool, BackendSpec
 from extproc.fleet.vllm_metrics import EngineMetrics
-from extproc.policy import DEFAULT_POLICY_PATH, PolicyStore
+from extproc.policy import PolicyStore
 
 _clock_ns = time.thread_time_ns
+T = TypeVar("T")
 
 
 def tenant_yaml(names: Sequence[tuple[str, str]]) -> str:
@@ -69,60 +71,37 @@ class Core:
         """Kind of call -> CPU nanoseconds spent in it."""
         self.calls: Counter[str] = Counter()
 
+    def _timed(self, kind: str, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)``, its CPU time and one call added to ``kind``'s totals."""
+        started = _clock_ns()
+        result = call(*args)
+        self.cpu_ns[kind] += _clock_ns() - started
+        self.calls[kind] += 1
+        return result
+
     # The request path ---------------------------------------------------------------
 
     def handle(self, info: RequestInfo) -> Decision:
-        started = _clock_ns()
-        decision = self.gateway.handle(info)
-        self.cpu_ns["handle"] += _clock_ns() - started
-        self.calls["handle"] += 1
-        return decision
+        return self._timed("handle", self.gateway.handle, info)
 
     def resume(self, hold: Hold, grant: Grant) -> Forward:
-        started = _clock_ns()
-        forward = self.gateway.resume(hold, grant)
-        self.cpu_ns["resume"] += _clock_ns() - started
-        self.calls["resume"] += 1
-        return forward
+        return self._timed("resume", self.gateway.resume, hold, grant)
 
     def give_up(self, hold: Hold) -> Decision:
-        started = _clock_ns()
-        decision = self.gateway.give_up(hold)
-        self.cpu_ns["give_up"] += _clock_ns() - started
-        self.calls["give_up"] += 1
-        return decision
+        return self._timed("give_up", self.gateway.give_up, hold)
 
     def completed(self, completion: Completion) -> list[Grant]:
-        started = _clock_ns()
-        grants = self.gateway.completed(completion)
-        self.cpu_ns["completed"] += _clock_ns() - started
-        self.calls["completed"] += 1
-        return grants
+        return self._timed("completed", self.gateway.completed, completion)
 
     # The poller's side ----------------------------------------------------------------
 
     def scraped(self, backend: Backend, metrics: EngineMetrics | None) -> None:
         """A scrape's outcome, as the poller records it (None: it failed)."""
-        started = _clock_ns()
-        if metrics is None:
-            backend.scrape_ok = False
-        else:
-            backend.record_scrape(
-                metrics,
-                backend.granted_since_scrape,
-                backend.completed_since_scrape,
-                backend.kv_tokens_since_scrape,
-            )
-        self.cpu_ns["scrape"] += _clock_ns() - started
-        self.calls["scrape"] += 1
+        self._timed("scrape", _record_scrape, backend, metrics)
 
     def dispatch(self) -> list[Grant]:
         """After a scrape round, as the poller's ``on_change``: held requests may go."""
-        started = _clock_ns()
-        grants = self.admission.dispatch()
-        self.cpu_ns["dispatch"] += _clock_ns() - started
-        self.calls["dispatch"] += 1
-        return grants
+        return self._timed("dispatch", self.admission.dispatch)
 
     def request_path_us(self) -> float:
         """CPU microseconds of the request path per request handled: handling, resuming,
@@ -134,7 +113,17 @@ class Core:
         return sum(self.cpu_ns[k] for k in kinds) / handled / 1000
 
 
-DEFAULT_BASE_POLICY = DEFAULT_POLICY_PATH
+def _record_scrape(backend: Backend, metrics: EngineMetrics | None) -> None:
+    """What ``Poller._scrape`` records for one scrape (None: it failed)."""
+    if metrics is None:
+        backend.scrape_ok = False
+    else:
+        backend.record_scrape(
+            metrics,
+            backend.granted_since_scrape,
+            backend.completed_since_scrape,
+            backend.kv_tokens_since_scrape,
+        )
 
 
 def chat_body(model: str, prompt: str, max_tokens: int, stream: bool) -> bytes:

@@ -6,7 +6,7 @@ and the whole file is checked at once. Example: ``loadtests/scenarios/scale-smok
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -81,46 +81,20 @@ class DesScenario:
         """The same load per engine on ``engines`` engines with ``tenants`` tenants."""
         factor = engines / self.fleet.engines
         closed = tuple(
-            ClosedLoop(
-                c.name, c.tier, c.count, max(1, round(c.concurrency * factor)), c.sizes, c.stream
-            )
-            for c in self.closed_loops
+            replace(c, concurrency=max(1, round(c.concurrency * factor))) for c in self.closed_loops
         )
-        o = self.open_loop
-        open_loop = OpenLoop(
-            tenants,
-            o.rate_per_s * factor,
-            o.zipf_s,
-            o.chat_every,
-            o.amplitude,
-            o.day_s,
-            o.chat,
-            o.api,
-            o.stream_chat,
-        )
-        fleet = Fleet(
-            engines,
-            min(self.fleet.regions, engines),
-            self.fleet.profile,
-            self.fleet.max_num_seqs,
-            self.fleet.num_gpu_blocks,
-            self.fleet.declare_seats,
-        )
-        return DesScenario(
-            f"{self.name}-{engines}x{tenants}",
-            self.description,
-            self.seed,
-            self.duration_s,
-            self.warmup_s,
-            max_requests,
-            fleet,
-            open_loop,
-            closed,
-            self.knobs,
-            None,
-            (),
-            0,
-            self.path,
+        return replace(
+            self,
+            name=f"{self.name}-{engines}x{tenants}",
+            max_requests=max_requests,
+            fleet=replace(self.fleet, engines=engines, regions=min(self.fleet.regions, engines)),
+            open_loop=replace(
+                self.open_loop, tenants=tenants, rate_per_s=self.open_loop.rate_per_s * factor
+            ),
+            closed_loops=closed,
+            outage=None,
+            sweep=(),
+            sweep_requests=0,
         )
 
 

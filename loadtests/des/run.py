@@ -45,7 +45,7 @@ TEMPLATE_TOKENS = 4
 
 @dataclass(slots=True)
 class Flight:
-    """One request on its way; the engine request's ``sink``."""
+    """One request on its way (the engine hears of it through its ``_Sink``)."""
 
     ask: Ask
     request_id: str
@@ -235,10 +235,8 @@ class Simulation:
             output_len=ask.output_tokens,
             priority=int(forward.set_headers.get(PRIORITY_HEADER, "0")),
             params_max_tokens=ask.max_tokens,
-            sink=flight,
+            sink=_Sink(self, flight),  # the engine calls back first_token/finished on it
         )
-        # Bound to the flight: the engine calls back first_token/finished on its sink.
-        req.sink = _Sink(self, flight)
         node.submit(req)
 
     def first_token(self, flight: Flight, at: float) -> None:

@@ -139,6 +139,12 @@ async def _until(condition: object, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.1)
 
 
+def _failures(tasks: list[asyncio.Task[None]]) -> list[str]:
+    """What ended each flood client that stopped on its own (a client only stops on an
+    unexpected answer), so a flood that never builds says why."""
+    return [repr(t.exception()) for t in tasks if t.done() and not t.cancelled() and t.exception()]
+
+
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -173,7 +179,16 @@ async def _flood_then_chat(url: str, metrics_url: str, vllm_url: str) -> dict[st
                     "the flood to fill the engine and queue in the gateway",
                 )
             except AssertionError as exc:
-                raise AssertionError(f"{exc}; batch requests refused: {refused[0]}") from None
+                engine = f"{vllm_url}/metrics"
+                running = _gauge(engine, "vllm:num_requests_running")
+                waiting = _gauge(engine, "vllm:num_requests_waiting")
+                held_now = _gauge(metrics_url, "fairlane_queue_depth", 'tier="batch"')
+                raise AssertionError(
+                    f"{exc}; engine running {running:g}, waiting {waiting:g}; batch held in "
+                    f"the gateway {held_now:g}; batch requests finished {finished[0]}, "
+                    f"refused {refused[0]}; flood clients that failed: "
+                    f"{_failures(flood) or 'none'}"
+                ) from None
             flooded, held = [], []
             for _ in range(CHATS):
                 ttft, queued_s = await _timed(session, url, "sk-chat-demo", _body(8, 30))

@@ -60,7 +60,8 @@ def test_bench_against_existing_backends(
     assert data["scenario"]["backends"]["external"] == engines
     for name, arm in data["arms"].items():
         assert not [p for p in arm["pids"] if p.startswith("sim")], name  # none started
-        assert arm["summary"]["total"]["ok"] > 0, name
+        total = arm["summary"]["total"]
+        assert total["ok"] > 0, f"{name}: no request succeeded: {total}\n{_log_tails(out, name)}"
     report = (out / "report.md").read_text()
     assert "their scheduling policy is their own" in report
     assert ", ".join(engines) in report
@@ -96,6 +97,15 @@ def test_default_policy_against_existing_backends(
     for name, arm in data["arms"].items():
         assert arm["summary"]["by_tier"]["interactive"]["ok"] > 0, name
     assert "durations divided by 1" in (out / "report.md").read_text()
+
+
+def _log_tails(out: Path, arm: str) -> str:
+    """The last lines of each log of one arm, so a failed arm says why."""
+    tails = []
+    for log in sorted((out / "logs" / arm).glob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()[-15:]
+        tails.append(f"--- {log.name}\n" + "\n".join(lines))
+    return "\n".join(tails)
 
 
 def _get(url: str) -> str:

@@ -8,6 +8,25 @@ its tokens appear at the step's end, when the next step starts. What a scrape wo
 
 A request's ``sink`` is whoever submitted it (``Watcher``): it hears of the first token and
 of the end.
+
+**Fast-forward.** Most steps of a busy engine are alike: every running request decodes one
+token, nothing waits, nothing finishes. Such a stretch is arithmetic
+(``loadtests.sim.fastforward``), so when a step would start one, the node schedules a
+single event at the stretch's end (the step before a request finishes or runs short of KV
+blocks) instead of one event per step. Two things can happen inside the stretch, and both
+see what the per-step loop would have shown at that instant:
+
+- a new request arrives (``submit``): the stretch is applied up to the step in progress
+  (it has already taken its blocks), the tokens of the steps that ended are counted, the
+  step in progress ends at its own time and the next step admits the newcomer, exactly
+  as ``Engine.step`` would have;
+- a scrape reads ``/metrics``: it is answered from ``fastforward.view`` (running, KV use
+  after the step in progress, inter-token latency of the ended steps) and the stretch
+  goes on uncut, so scrape rounds do not bound the jump.
+
+The engine dying ends the stretch with the engine. Nothing else reaches an engine between
+its events, so a run with ``fast_forward=False`` (one event per step) gives the same
+per-request times up to float rounding (``tests/loadtests/des/test_des.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +36,10 @@ from typing import Protocol
 from extproc.fleet.vllm_metrics import EngineMetrics
 from loadtests.des.clock import EventLoop
 from loadtests.sim.engine import Engine, EngineConfig, EngineRequest, StepOutput
+from loadtests.sim.fastforward import DecodeRun, advance, decode_run, view
+
+MIN_RUN_STEPS = 2
+"""Shorter decode runs are stepped: one skipped step saves nothing over one step event."""
 
 
 class Watcher(Protocol):
@@ -28,8 +51,16 @@ class Watcher(Protocol):
 class EngineNode:
     """One engine at one address: stepping, scraping, dying and coming back."""
 
-    def __init__(self, loop: EventLoop, address: str, region: str, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        loop: EventLoop,
+        address: str,
+        region: str,
+        config: EngineConfig,
+        fast_forward: bool = True,
+    ) -> None:
         self.loop = loop
+        self.fast_forward = fast_forward
         self.address = address
         self.region = region
         self.config = config
@@ -39,10 +70,19 @@ class EngineNode:
         self.steps = 0
         self.itl_sum_s = 0.0
         self.itl_count = 0
+        self.skipped = 0
+        """Of ``steps``, those the fast-forward took without ``Engine.step``."""
         self.incarnation = 0
         """Bumped when the engine dies: a step event of a dead incarnation is ignored."""
+        self._run: DecodeRun | None = None
+        """The decode stretch in progress (fast-forward), started at ``_run_start``."""
+        self._run_start = 0.0
+        self._run_token = 0
+        """Bumped when a stretch ends early, so that its end event is ignored."""
 
     def submit(self, req: EngineRequest) -> None:
+        if self._run is not None:
+            self._cut_run()
         self.engine.add(req, self.loop.now)
         if not self.stepping:
             self._step(self.incarnation)
@@ -50,7 +90,17 @@ class EngineNode:
     def _step(self, incarnation: int) -> None:
         if incarnation != self.incarnation:
             return
-        out = self.engine.step(self.loop.now)
+        now = self.loop.now
+        if self.fast_forward:
+            run = decode_run(self.engine)
+            if run is not None and run.max_steps >= MIN_RUN_STEPS:
+                self._run, self._run_start = run, now
+                self._run_token += 1
+                self.stepping = True
+                end = run.end_of(run.max_steps, now)
+                self.loop.at(end, self._run_done, (incarnation, self._run_token))
+                return
+        out = self.engine.step(now)
         self.steps += 1
         if not out.num_scheduled_tokens:  # nothing could run (cannot happen with room)
             self.stepping = False
@@ -77,15 +127,72 @@ class EngineNode:
         else:
             self.stepping = False
 
+    def _run_done(self, event: tuple[int, int]) -> None:
+        """The stretch ran to its end uncut: apply it whole, then step as usual (the next
+        step finishes a request or needs a block the pool may not have)."""
+        incarnation, token = event
+        run = self._run
+        if incarnation != self.incarnation or token != self._run_token or run is None:
+            return
+        self._run = None
+        done = advance(self.engine, run, self._run_start, run.max_steps)
+        self._count(done.steps, done.itl_sum_s, done.itl_count)
+        self._step(incarnation)  # the running requests are still there: there is work
+
+    def _cut_run(self) -> None:
+        """End the stretch now, where the per-step loop would be: the steps that ended are
+        applied and counted, the one in progress is applied and ends at its own time."""
+        run = self._run
+        assert run is not None
+        self._run = None
+        self._run_token += 1
+        seen = view(self.engine, run, self._run_start, self.loop.now)
+        done = advance(self.engine, run, self._run_start, seen.applied)
+        self._count(seen.ended, seen.itl_sum_s, seen.itl_count)
+        tail = (
+            self.incarnation,
+            done.steps - seen.ended,
+            done.itl_sum_s - seen.itl_sum_s,
+            done.itl_count - seen.itl_count,
+        )
+        self.loop.at(done.end, self._tail_done, tail)
+
+    def _tail_done(self, event: tuple[int, int, float, int]) -> None:
+        """The step in progress when a stretch was cut has ended: its tokens are out."""
+        incarnation, steps, itl_sum, itl_count = event
+        if incarnation != self.incarnation:
+            return
+        self._count(steps, itl_sum, itl_count)
+        if self.engine.has_work:
+            self._step(incarnation)
+        else:
+            self.stepping = False
+
+    def _count(self, steps: int, itl_sum_s: float, itl_count: int) -> None:
+        """Fast-forwarded steps' tokens became visible: what ``_step_done`` counts per step."""
+        self.steps += steps
+        self.skipped += steps
+        self.itl_sum_s += itl_sum_s
+        self.itl_count += itl_count
+
     def metrics(self, now: float) -> EngineMetrics:
-        """What a scrape of ``/metrics`` at ``now`` reads."""
+        """What a scrape of ``/metrics`` at ``now`` reads (inside a fast-forwarded stretch,
+        what the per-step engine would show then, without cutting the stretch)."""
         engine = self.engine
+        pool = engine.pool
+        kv_cache_usage = pool.usage
+        itl_sum_s, itl_count = self.itl_sum_s, self.itl_count
+        if self._run is not None:
+            seen = view(engine, self._run, self._run_start, now)
+            kv_cache_usage = 1.0 - seen.num_free / pool.num_blocks
+            itl_sum_s += seen.itl_sum_s
+            itl_count += seen.itl_count
         return EngineMetrics(
             waiting=float(engine.num_waiting),
             running=float(engine.num_running),
-            kv_cache_usage=engine.pool.usage,
-            itl_sum_s=self.itl_sum_s,
-            itl_count=float(self.itl_count),
+            kv_cache_usage=kv_cache_usage,
+            itl_sum_s=itl_sum_s,
+            itl_count=float(itl_count),
             scraped_at=now,
             block_size=self.config.block_size,
             num_gpu_blocks=self.config.num_gpu_blocks,
@@ -97,6 +204,7 @@ class EngineNode:
         lost = list(engine.running) + list(engine.waiting)
         self.alive = False
         self.stepping = False
+        self._run = None
         self.incarnation += 1
         self.engine = Engine(self.config)
         self.itl_sum_s, self.itl_count = 0.0, 0

@@ -76,6 +76,7 @@ def run_summary(scenario: DesScenario, measured: Measured, aging_s: float | None
         "wall_s": measured.wall_s,
         "events": measured.events,
         "engine_steps": measured.engine_steps,
+        "engine_steps_fast_forwarded": measured.engine_steps_skipped,
     }
 
 

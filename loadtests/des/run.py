@@ -58,6 +58,9 @@ class Flight:
     forwarded_at: float | None = None
     first_at: float | None = None
     done: bool = False
+    ended_at: float | None = None
+    """When the client had its answer (its last token, or the refusal)."""
+    status: int = 0
 
 
 @dataclass
@@ -75,8 +78,18 @@ class Stats:
 
 
 class Simulation:
-    def __init__(self, scenario: DesScenario, workdir: Path) -> None:
+    def __init__(
+        self,
+        scenario: DesScenario,
+        workdir: Path,
+        fast_forward: bool = True,
+        keep_flights: bool = False,
+    ) -> None:
+        """``fast_forward=False`` steps every engine step as an event (``engines``): the
+        reference the fast-forward is tested against, and much slower. ``keep_flights``
+        keeps every answered request in ``flights`` (for tests: a day's 10 M would not fit)."""
         self.scenario = scenario
+        self.keep_flights = keep_flights
         self.loop = EventLoop()
         self.workload = Workload(scenario.open_loop, scenario.closed_loops, scenario.seed)
         tenants = self.workload.open_tenants() + self.workload.closed_tenants()
@@ -99,7 +112,9 @@ class Simulation:
                 seats=fleet.max_num_seqs if fleet.declare_seats else None,
             )
             specs.append(spec)
-            self.nodes[spec.address] = EngineNode(self.loop, spec.address, region, config)
+            self.nodes[spec.address] = EngineNode(
+                self.loop, spec.address, region, config, fast_forward
+            )
         # Regions interleaved, so the first backend (the local region) is r0's.
         self.core = Core(policy_path, specs, self.loop)
         self.block_size = config.block_size
@@ -109,6 +124,7 @@ class Simulation:
         )
         self.held: dict[str, Flight] = {}
         self.flights: dict[str, Flight] = {}
+        """Answered requests by id, when ``keep_flights``."""
         self.stats = Stats(scenario.warmup_s)
         self._ids = 0
         self.stopped_sending = False
@@ -292,6 +308,10 @@ class Simulation:
         if flight.done:
             return
         flight.done = True
+        flight.ended_at = self.loop.now
+        flight.status = status
+        if self.keep_flights:
+            self.flights[flight.request_id] = flight
         self.in_progress -= 1
         if self.in_progress == 0 and self.stopped_sending:
             self.loop.stop()
@@ -371,14 +391,18 @@ class Measured:
     wall_s: float
     events: int
     engine_steps: int
+    engine_steps_skipped: int
+    """Of ``engine_steps``, those the decode fast-forward took without ``Engine.step``."""
     flows: int
     """Flows the scheduler tracks at the end (bounded by the busy period's)."""
 
 
-def simulate(scenario: DesScenario, workdir: Path) -> tuple[Simulation, Measured]:
+def simulate(
+    scenario: DesScenario, workdir: Path, fast_forward: bool = True
+) -> tuple[Simulation, Measured]:
     """Run ``scenario``; the simulation (for its state) and what was measured."""
     started = time.perf_counter()
-    sim = Simulation(scenario, workdir)
+    sim = Simulation(scenario, workdir, fast_forward)
     gc.collect()
     sim.run()
     wall = time.perf_counter() - started
@@ -390,6 +414,7 @@ def simulate(scenario: DesScenario, workdir: Path) -> tuple[Simulation, Measured
         wall_s=wall,
         events=sim.loop.events,
         engine_steps=sum(n.steps for n in sim.nodes.values()),
+        engine_steps_skipped=sum(n.skipped for n in sim.nodes.values()),
         flows=sim.core.admission.scheduler.tracked_flows(),
     )
 

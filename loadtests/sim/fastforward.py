@@ -15,6 +15,9 @@ that change the batch, such a run is arithmetic:
   in running order), so block ids, the pool's free queue and its prefix-cache evictions end
   up exactly as after ``m`` calls of ``Engine.step``.
 
+``loadtests.des.engines`` uses it to jump each simulated engine over such stretches, and
+``view`` answers a scrape in the middle of one without cutting it.
+
 ``decode_run`` says whether such a run is possible now and how many steps may be skipped:
 strictly before any request's finishing step (that step frees blocks and changes the
 batch, so the caller runs it with ``Engine.step``), within the free blocks (a step that
@@ -138,12 +141,13 @@ def decode_run(engine: Engine) -> DecodeRun | None:
         context += computed
         # After step i, num_output is num_output + i + 1: the first finishing step's index.
         finish = min(req.output_len, max_model_len - req.prompt_len) - req.num_output - 1
+        if finish < 1:
+            return None  # the next step finishes it (the commonest refusal: say so early)
         to_finish = min(to_finish, finish)
         if len(req.block_hashes) > req.num_hashed_blocks:
             # _execute caches block k once num_computed reaches (k + 1) * block_size; the
             # prompt's blocks are hashed before it decodes, so this is only a safeguard.
             uncached = min(uncached, (req.num_hashed_blocks + 1) * block_size - computed - 1)
-    to_finish = max(to_finish, 0)
     limit = _within_blocks(engine, min(to_finish, uncached))
     if limit < 1:
         return None
@@ -156,6 +160,50 @@ def decode_run(engine: Engine) -> DecodeRun | None:
         steps_to_finish=to_finish,
         first_step_s=profile.step_seconds(0, num_seqs, context),
         step_growth_s=profile.kv_read_per_token_s * num_seqs,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeView:
+    """What the per-step loop shows at a time ``t`` inside a run, the engine left unchanged.
+
+    An event-driven caller (``loadtests.des.engines``) runs ``Engine.step`` at a step's
+    start and publishes its tokens at its end, so at ``t`` the step in progress has already
+    taken its blocks but its inter-token gaps are not counted yet. A scrape in the middle of
+    a run reads this instead of cutting the run short.
+    """
+
+    ended: int
+    """Steps of the run whose end is ``<= t`` (their tokens are out)."""
+    applied: int
+    """Steps the per-step engine has executed by ``t``: the ended ones and the one running."""
+    num_free: int
+    """The pool's free blocks after ``applied`` steps (``kv_cache_usage_perc`` reads it)."""
+    itl_sum_s: float
+    """Inter-token gaps of the ``ended`` steps' tokens (``advance``'s arithmetic)."""
+    itl_count: int
+
+
+def view(engine: Engine, run: DecodeRun, start: float, t: float) -> DecodeView:
+    """The run started at ``start`` as the per-step loop would show it at ``t`` (O(D))."""
+    ended = run.steps_done_by(start, t)
+    applied = min(ended + 1, run.max_steps)
+    itl_sum = 0.0
+    itl_count = 0
+    if ended:
+        first_end = run.end_of(1, start)
+        for req in engine.running:
+            if req.last_token_at is not None:
+                itl_sum += first_end - req.last_token_at
+                itl_count += 1
+        itl_sum += run.num_seqs * (run.end_of(ended, start) - first_end)
+        itl_count += run.num_seqs * (ended - 1)
+    return DecodeView(
+        ended=ended,
+        applied=applied,
+        num_free=engine.pool.num_free - _blocks_needed(engine, applied),
+        itl_sum_s=itl_sum,
+        itl_count=itl_count,
     )
 
 

@@ -4,14 +4,18 @@ virtual clock (``loadtests.des``), on a fleet small enough to run in seconds."""
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from extproc.fleet.vllm_metrics import EngineMetrics
 from loadtests.bench.scenario import ScenarioError, read_document
 from loadtests.des.clock import EventLoop
+from loadtests.des.engines import EngineNode
 from loadtests.des.model import parse_des
-from loadtests.des.run import bench, simulate
+from loadtests.des.run import Simulation, bench, simulate
 
 SMALL = """\
 kind: des
@@ -88,3 +92,70 @@ def test_a_bad_scenario_names_its_lines(tmp_path: Path) -> None:
     message = str(error.value)
     assert "small.yaml:7: fleet.engines: must be an integer >= 1, got 0" in message
     assert "small.yaml:10: open_loop.rate_per_s:" in message
+
+
+@pytest.mark.parametrize("outage", ["", "outage: {region: r1, at_s: 40, for_s: 20}\n"])
+def test_the_decode_fast_forward_changes_no_request_and_no_scrape(
+    tmp_path: Path, outage: str
+) -> None:
+    """The same run stepped one event per engine step and fast-forwarded over decode
+    stretches: every request ends at the same time with the same status, and every scrape
+    reads the same numbers (float rounding aside: the fast-forward sums a series in closed
+    form). With an outage, engines die in the middle of stretches too."""
+    path = scenario(tmp_path, SMALL + outage)
+    runs: dict[bool, tuple[Simulation, list[tuple[str, float, EngineMetrics]]]] = {}
+    for fast_forward in (False, True):
+        sim = Simulation(
+            parse_des(read_document(path)), tmp_path / f"w{fast_forward}", fast_forward, True
+        )
+        scraped: list[tuple[str, float, EngineMetrics]] = []
+        for node in sim.nodes.values():
+            node.metrics = _recording(node, scraped)  # type: ignore[method-assign,assignment]
+        sim.run()
+        runs[fast_forward] = (sim, scraped)
+    (plain, plain_scrapes), (fast, fast_scrapes) = runs[False], runs[True]
+    assert sum(n.skipped for n in plain.nodes.values()) == 0
+    skipped = sum(n.skipped for n in fast.nodes.values())
+    assert skipped > 0.4 * sum(n.steps for n in fast.nodes.values())
+    assert plain.flights.keys() == fast.flights.keys() and len(plain.flights) == 1500
+    for request_id, p in plain.flights.items():
+        f = fast.flights[request_id]
+        assert (p.status, p.tried, p.node and p.node.address) == (
+            f.status,
+            f.tried,
+            f.node and f.node.address,
+        ), request_id
+        for a, b in ((p.forwarded_at, f.forwarded_at), (p.first_at, f.first_at)):
+            assert a is b is None or (a is not None and b is not None and close(a, b))
+        assert p.ended_at is not None and f.ended_at is not None
+        assert close(p.ended_at, f.ended_at), (request_id, p.ended_at, f.ended_at)
+    assert len(plain_scrapes) == len(fast_scrapes) > 1000
+    for (pa, pt, pm), (fa, ft, fm) in zip(plain_scrapes, fast_scrapes, strict=True):
+        assert (pa, pm.waiting, pm.running, pm.itl_count) == (
+            fa,
+            fm.waiting,
+            fm.running,
+            fm.itl_count,
+        )
+        assert close(pt, ft) and close(pm.kv_cache_usage, fm.kv_cache_usage)
+        assert close(pm.itl_sum_s, fm.itl_sum_s)
+    if outage:
+        assert any(f.tried > 1 for f in fast.flights.values())  # retried after the loss
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def _recording(
+    node: EngineNode, seen: list[tuple[str, float, EngineMetrics]]
+) -> Callable[[float], EngineMetrics]:
+    """``node.metrics``, each reading also appended to ``seen``."""
+    read = node.metrics
+
+    def metrics(now: float) -> EngineMetrics:
+        result = read(now)
+        seen.append((node.address, now, result))
+        return result
+
+    return metrics

@@ -52,6 +52,7 @@ from extproc.core.peers import (
     turn,
 )
 from extproc.core.picker import PickReason, choose
+from extproc.core.preemption import Cancellable
 from extproc.core.prefix import PromptBlocks
 from extproc.core.priority import vllm_priority
 from extproc.core.reservations import Demand, Reservation, headroom, reserved_seats
@@ -145,6 +146,11 @@ class Admission:
         at submission, settled at release."""
         self._sample = FleetSample()
         """Placement above ``LARGE_FLEET`` backends (``extproc.core.sampling``)."""
+        self._cancellable = Cancellable()
+        """In-flight requests the transport can cancel for a more urgent one
+        (``extproc.core.preemption``)."""
+        self._preempted: list[str] = []
+        """Requests cancelled by the latest grants, for the transport to answer."""
         self.configure(policy)
 
     def configure(self, policy: Policy) -> list[Grant]:
@@ -426,7 +432,8 @@ class Admission:
         # queue) and the policy's cap bound it, as they would without seats.
         seat_bound = queue == 0 or any(r < rank and r in active for r in reserved)
         capacity = self.capacity if seat_bound else len(self.pool.backends) * limit
-        admissible = headroom(rank, in_flight, capacity, reserved, active)
+        spare = self._cancellable.spare(rank) if self._cancellable else 0
+        admissible = headroom(rank, in_flight, capacity, reserved, active, spare)
         if not admissible:
             return None
         stale = self.policy.backpressure.stale_after_s
@@ -452,7 +459,7 @@ class Admission:
         # shared-prefix, free seats first for every tier cut throughput to 0.8 x
         # least-request's, from 1.5 x).
         if tier is not None and tier.reserved_share:
-            seated = [b for b in candidates if b.free_seats() >= 1]
+            seated = [b for b in candidates if b.free_seats() >= 1 or self._can_cancel(b, rank)]
             candidates = seated or candidates
         if not candidates:
             return None
@@ -480,6 +487,8 @@ class Admission:
         )
         assert pick is not None  # _place lists healthy candidates only
         backend = pick.chosen
+        if backend.free_seats() < 1:
+            self._preempt_for(backend, where.rank)
         backend.prefix_cache.record(prompt.blocks(backend.block_size))
         self.picks[(backend.address, pick.reason)] += 1
         backend.note_grant(entry.input_tokens + entry.output_tokens_estimate, where.rank)
@@ -496,6 +505,42 @@ class Admission:
         )
         self._in_flight[entry.request_id] = InFlight(backend, user, entry, where.rank, now, grant)
         return grant
+
+    # ----------------------------------------------------------------- preemption
+
+    def cancellable(self, request_id: str) -> None:
+        """The transport can cancel this in-flight request (it holds its stream open):
+        a more urgent request may take its seat (``extproc.core.preemption``)."""
+        record = self._in_flight.get(request_id)
+        if record is not None:
+            self._cancellable.add(record.backend.address, request_id, record.rank)
+
+    def not_cancellable(self, request_id: str) -> None:
+        """Its answer has started (or its stream ended): it runs to the end."""
+        self._cancellable.discard(request_id)
+
+    def take_preempted(self) -> list[str]:
+        """The requests cancelled since the last call: the transport answers each with
+        ``Gateway.preempted``. Their seats are already free here."""
+        preempted, self._preempted = self._preempted, []
+        return preempted
+
+    def _can_cancel(self, backend: Backend, rank: int) -> bool:
+        cancellable = self._cancellable
+        return bool(cancellable) and cancellable.victim(backend.address, rank) is not None
+
+    def _preempt_for(self, backend: Backend, rank: int) -> None:
+        """A request of ``rank`` goes to ``backend``, which has no free seat: cancel the
+        newest less urgent request there that can be, so vLLM seats this one at once."""
+        if not self._cancellable:
+            return
+        victim = self._cancellable.victim(backend.address, rank)
+        if victim is None:
+            return
+        record = self._in_flight[victim]
+        log.debug("preempting %s (%s) on %s", victim, record.entry.band, backend.address)
+        self._free(victim, 0)  # its client got nothing: its flow is charged nothing more
+        self._preempted.append(victim)
 
     # ----------------------------------------------------------------- replicas
 
@@ -569,10 +614,17 @@ class Admission:
         ``output_tokens``, when known, settles the flow's charge for the estimate, and the
         budgets' (``extproc.core.budgets``).
         """
+        if not self._free(request_id, output_tokens):
+            return []
+        return self.dispatch(own_seats=1)
+
+    def _free(self, request_id: str, output_tokens: int | None) -> bool:
+        """``release`` without the dispatch: False when the request was not in flight."""
         self.budgets.finish(request_id, self._clock(), output_tokens)
         record = self._in_flight.pop(request_id, None)
         if record is None:
-            return []
+            return False
+        self._cancellable.discard(request_id)
         record.backend.note_completion(record.rank)
         self._sample.freed(record.backend)
         self._pending[record.user] -= 1
@@ -585,7 +637,7 @@ class Admission:
             self.scheduler.correct(
                 entry.flow, entry.band, entry.output_tokens_estimate, output_tokens, entry.weight
             )
-        return self.dispatch(own_seats=1)
+        return True
 
     def backend_of(self, request_id: str) -> Backend | None:
         """The backend an in-flight request was sent to first (None when not in flight)."""

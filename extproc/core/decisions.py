@@ -30,6 +30,10 @@ class Forward:
     remove_headers: tuple[str, ...] = ()
     metadata: Mapping[str, str] = field(default_factory=dict)
     """Dynamic metadata for Envoy's ``fairlane`` namespace (access logs, response headers)."""
+    cancel_id: str | None = None
+    """Set when the gateway may cancel this request while it runs (``Gateway.preempted``):
+    the transport keeps its stream open until the answer starts, and tells admission so
+    (``Admission.cancellable``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,9 @@ _STRIPPED_PREFIXES = ("x-fairlane-",)
 #: What a request turned away because the service is overloaded is told to wait.
 OVERLOAD_RETRY_AFTER_S = 1
 
+#: What a request cancelled for a more urgent one is told to wait before sending it again.
+PREEMPTED_RETRY_AFTER_S = 1
+
 #: Envoy holds a request at most this long past its queue deadline before giving up on us.
 HOLD_MARGIN_S = 5.0
 MAX_HOLD_S = 3600.0
@@ -278,7 +281,22 @@ class Gateway:
             set_headers=set_headers,
             remove_headers=strip,
             metadata=metadata,
+            # Its client gets nothing before the whole answer: it can still be cancelled.
+            cancel_id=request_id if request.tier.preemptible and not request.stream else None,
         )
+
+    def preempted(self, tier: str) -> Respond:
+        """The answer for a request cancelled while it ran, to seat a more urgent one
+        (``extproc.core.preemption``): nothing of it reached its client, so the client
+        may simply send it again."""
+        rejection = Rejection(
+            503,
+            "preempted by a more urgent request before its answer started; send it again",
+            code="preempted",
+            headers={"retry-after": str(PREEMPTED_RETRY_AFTER_S)},
+            tier=tier,
+        )
+        return self.respond_to(rejection)
 
     def completed(self, completion: Completion) -> list[Grant]:
         """Envoy finished a request: free its backend slot and settle its fairness charge

@@ -173,16 +173,23 @@ def headroom(
     capacity: int,
     reserved: Mapping[int, int],
     active_ranks: Collection[int],
+    spare: int = 0,
 ) -> int:
     """How many more requests of rank ``tier_rank`` may take fleet seats now, one after the
     other (``may_admit`` is ``headroom >= 1``): the free seats less what every more urgent
-    active rank is still owed."""
+    active rank is still owed.
+
+    ``spare``: seats held by requests of ``tier_rank`` or less urgent that the gateway can
+    cancel for a more urgent one (``extproc.core.preemption``). They count towards what is
+    owed, as free seats would: an urgent request gets such a seat at once. So a flood of
+    cancellable batch fills the seats chat's reserve would otherwise keep idle, and batch
+    that cannot be cancelled (streamed) still leaves them."""
     free = capacity - sum(in_flight_by_rank.values())
     owed = 0
     for rank, seats in reserved.items():
         if rank < tier_rank and rank in active_ranks:
             owed += max(0, seats - in_flight_by_rank.get(rank, 0))
-    return max(0, free - owed)
+    return max(0, min(free, free + spare - owed))
 
 
 def validate_shares(reservations: Sequence[Reservation]) -> list[str]:

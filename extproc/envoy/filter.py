@@ -40,6 +40,11 @@ def ext_proc_filter(params: EnvoyParams) -> dict[str, Any]:
                 "request_trailer_mode": "SKIP",
                 "response_trailer_mode": "SKIP",
             },
+            # Where a policy has a preemptible tier, the service turns response headers on
+            # in its request-headers answer (mode_override): a cancellable request's stream
+            # stays open until its answer starts (extproc.core.preemption). A reply Envoy
+            # makes before the service saw the request (a 431) never reaches it.
+            "allow_mode_override": True,
             # Short, so a wedged service fails requests fast; a queued request is held by the
             # service's standalone ProcessingResponse{override_message_timeout} (<= max).
             "message_timeout": duration(params.message_timeout_s),

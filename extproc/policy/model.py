@@ -108,6 +108,13 @@ class Tier:
     early_shed_from: float | None = None
     """Queue fill (0..1) from which new arrivals are shed with a probability rising
     linearly to 1 at a full queue (RED-style); None: shed only when full."""
+    preemptible: bool = False
+    """A running non-streamed request of this tier may be cancelled to seat a more urgent
+    one (``extproc.core.preemption``): vLLM never preempts for a waiting request, so this
+    is how a flood of such work leaves chat its first token without seats kept idle for
+    it. The client is answered 503 with ``retry-after`` before any byte of the response,
+    and sends it again; more urgent tiers' reserves then bind it only while the gateway
+    cannot preempt it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,6 +81,7 @@ _TIER_KEYS = (
     "hedge_after_ms",
     "gate",
     "early_shed_from",
+    "preemptible",
 )
 _TENANT_KEYS = ("name", "api_keys", "tiers", "default_tier", "weight", "budget", "user_budget")
 _BUDGET_KEYS = ("tokens_per_minute", "requests_per_minute", "concurrent")
@@ -356,6 +357,7 @@ _TIER_FIELDS: dict[str, Callable[[LocatedReader, Node, str], Any]] = {
     "slo_ttft_ms": lambda r, n, p: r.integer(n, p, 1),
     "slo_latency_s": lambda r, n, p: r.positive(n, p),
     "aliases": lambda r, n, p: r.strings(n, p, _TIER_NAME),
+    "preemptible": lambda r, n, p: r.typed(n, p, bool, "true or false"),
 }
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
 
 from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.runtime.v3 import rtds_pb2
@@ -122,9 +123,33 @@ def _fill_mutation(
     mutation.remove_headers.extend(remove)
 
 
-def continue_headers() -> pb.ProcessingResponse:
-    """Let the headers through unchanged; the decision is made on the body."""
-    return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+def continue_headers(answer_phase: bool = False) -> pb.ProcessingResponse:
+    """Let the headers through unchanged; the decision is made on the body.
+
+    ``answer_phase``: also send this request's response headers (``mode_override``), so
+    its stream can stay open until its answer starts (a cancellable request,
+    ``extproc.core.preemption``); the rest of the filter's mode is restated as configured.
+    """
+    if not answer_phase:
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_WITH_ANSWER)
+
+
+_Mode = processing_mode_pb2.ProcessingMode
+_WITH_ANSWER = _Mode(
+    request_header_mode=_Mode.SEND,
+    request_body_mode=_Mode.BUFFERED,
+    response_header_mode=_Mode.SEND,
+    response_body_mode=_Mode.NONE,
+    request_trailer_mode=_Mode.SKIP,
+    response_trailer_mode=_Mode.SKIP,
+)
+"""The filter's processing mode (``extproc.envoy.filter``) with response headers sent."""
+
+
+def continue_response_headers() -> pb.ProcessingResponse:
+    """Let the response go on unchanged (a cancellable request's answer has started)."""
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 
 
 def hold(seconds: float) -> pb.ProcessingResponse:

@@ -32,6 +32,8 @@ class HeldRequests:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self._waiting: dict[str, asyncio.Future[Grant]] = {}
+        self._running: dict[str, asyncio.Future[None]] = {}
+        """In-flight requests that can be cancelled: resolved when one is preempted."""
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -48,6 +50,12 @@ class HeldRequests:
         self._wake(decision.grants)
         assert answer is not None  # handle always answers the request in hand
         return answer
+
+    @property
+    def may_preempt(self) -> bool:
+        """Whether a request may turn out cancellable (a tier of the policy is
+        ``preemptible``): its stream then asks for its response headers."""
+        return any(tier.preemptible for tier in self.gateway.policies.current.tiers)
 
     @property
     def overloaded(self) -> bool:
@@ -139,6 +147,22 @@ class HeldRequests:
         future.cancel()
         self._wake(self.gateway.give_up(hold, cancelled=True).grants)
 
+    # ----------------------------------------------------------------- running
+
+    def cancellable(self, request_id: str) -> asyncio.Future[None]:
+        """``request_id`` was forwarded and its stream stays open until its answer starts:
+        admission may cancel it for a more urgent request (``extproc.core.preemption``),
+        and the future resolves then."""
+        future = asyncio.get_running_loop().create_future()
+        self._running[request_id] = future
+        self.gateway.admission.cancellable(request_id)
+        return future
+
+    def settled(self, request_id: str) -> None:
+        """Its answer started, or its stream ended: it can no longer be cancelled."""
+        self._running.pop(request_id, None)
+        self.gateway.admission.not_cancellable(request_id)
+
     # ----------------------------------------------------------------- grants out
 
     def _wake(self, grants: Iterable[Grant]) -> None:
@@ -146,3 +170,8 @@ class HeldRequests:
             future = self._waiting.get(grant.request_id)
             if future is not None and not future.done():
                 future.set_result(grant)
+        # A grant may have taken the seat of a cancellable request: its stream answers it.
+        for request_id in self.gateway.admission.take_preempted():
+            running = self._running.pop(request_id, None)
+            if running is not None and not running.done():
+                running.set_result(None)

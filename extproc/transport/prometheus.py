@@ -226,7 +226,8 @@ class GatewayCollector(Collector):
         yield _counter(
             "fairlane_requests_shed",
             "Requests a tier's queue turned away: queue_full, early_shed (429), "
-            "queue_deadline_exceeded, tier_removed (503).",
+            "queue_deadline_exceeded, tier_removed (503); and preempted (503: cancelled "
+            "while it ran, to seat a more urgent request).",
             ["tier", "reason"],
             stats.shed.items(),
         )

@@ -28,6 +28,7 @@ from extproc.transport.credentials import BackendCredentials
 from extproc.transport.held import HeldRequests
 from extproc.transport.overload import Ages
 from extproc.transport.runtime import RuntimeLayer
+from extproc.wire import TIER_KEY
 
 log = logging.getLogger("fairlane.service")
 
@@ -69,7 +70,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
                             self._service_time.observe(busy_s)
                             yield codec.respond(refused)
                             return
-                        yield codec.continue_headers()
+                        yield codec.continue_headers(self.held.may_preempt)
                         continue
                     info = headers.request_info()
                 elif phase == "request_body" and headers is not None:
@@ -100,6 +101,9 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
                     response = codec.respond(outcome)
                 self._service_time.observe(busy_s + perf_counter() - started)
                 yield response
+                if isinstance(outcome, Forward) and outcome.cancel_id is not None:
+                    async for reply in self._while_running(outcome, outcome.cancel_id, messages):
+                        yield reply
                 return
         finally:
             if unwaited is not None:
@@ -112,6 +116,30 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
             aclose = getattr(messages, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+    async def _while_running(
+        self,
+        forward: Forward,
+        request_id: str,
+        messages: AsyncIterator[codec.ProcessingRequest],
+    ) -> AsyncIterator[codec.ProcessingResponse]:
+        """A cancellable request runs upstream: keep its stream open until its answer
+        starts (Envoy sends the response headers), so that a more urgent request can take
+        its seat meanwhile. Cancelled, it is answered 503 with ``retry-after``: Envoy
+        resets it upstream (vLLM aborts it) and its client, who got nothing yet, sends
+        it again."""
+        preempted = self.held.cancellable(request_id)
+        answer = asyncio.ensure_future(anext(aiter(messages), None))
+        try:
+            await asyncio.wait((preempted, answer), return_when=asyncio.FIRST_COMPLETED)
+            if preempted.done():
+                tier = forward.metadata.get(TIER_KEY, "")
+                yield codec.respond(self.held.gateway.preempted(tier))
+            elif answer.result() is not None and codec.kind(answer.result()) == "response_headers":
+                yield codec.continue_response_headers()
+        finally:
+            answer.cancel()
+            self.held.settled(request_id)
 
 
 class AccessLog(als_pb2_grpc.AccessLogServiceServicer):

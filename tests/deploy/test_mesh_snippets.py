@@ -223,6 +223,7 @@ def test_envoy_gateway_objects_derive_from_the_rendered_config(deployment: Deplo
     mode = filter_config["processing_mode"]
     assert (mode["request_header_mode"], mode["request_body_mode"]) == ("SEND", "BUFFERED")
     assert (mode["response_header_mode"], mode["response_body_mode"]) == ("SKIP", "NONE")
+    assert filter_config["allow_mode_override"] is True
 
     rendered_routes = routes(params)
     http_routes = by_kind(docs, "HTTPRoute")
@@ -249,8 +250,12 @@ def test_envoy_gateway_objects_derive_from_the_rendered_config(deployment: Deplo
             {"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "name": name}
         ]
         (ext_proc,) = policy["spec"]["extProc"]
-        # request present = headers SEND; body Buffered; no response = SKIP/NONE
-        assert ext_proc["processingMode"] == {"request": {"body": "Buffered"}}
+        # request present = headers SEND; body Buffered; no response = SKIP/NONE, unless
+        # the service overrides it for one request
+        assert ext_proc["processingMode"] == {
+            "request": {"body": "Buffered"},
+            "allowModeOverride": True,
+        }
         assert ext_proc["failOpen"] is allow
         assert (
             ext_proc["metadata"]["writableNamespaces"]

@@ -102,12 +102,16 @@ CHAT = "/v1/chat/completions"
 
 
 def make_gateway(
-    limit: int = 4, policy_path: Path = DEFAULT_POLICY_PATH, regions: tuple[str, str] = ("a", "b")
+    limit: int = 4,
+    policy_path: Path = DEFAULT_POLICY_PATH,
+    regions: tuple[str, str] = ("a", "b"),
+    seats: int | None = None,
 ) -> Gateway:
-    """The default policy over two idle backends with ``limit`` seats each."""
+    """The default policy over two idle backends with ``seats`` seats each (default:
+    ``limit``, the policy's per-backend cap)."""
     clock = FakeClock()
     specs = [
-        BackendSpec("127.0.0.1", 8100 + i, region, seats=limit)
+        BackendSpec("127.0.0.1", 8100 + i, region, seats=limit if seats is None else seats)
         for i, region in enumerate(regions, 1)
     ]
     pool = BackendPool(specs, clock=clock)

@@ -202,8 +202,10 @@ def _extension_policy(
         "backendRefs": fairlane_refs,
         "processingMode": {
             # request present = request headers SEND; no `response`:
-            # response headers and body are skipped
-            "request": {"body": _EG_BODY_MODES[mode["request_body_mode"]]}
+            # response headers and body are skipped, unless the service turns response
+            # headers on for one request (mode_override, extproc.core.preemption)
+            "request": {"body": _EG_BODY_MODES[mode["request_body_mode"]]},
+            "allowModeOverride": filter_config["allow_mode_override"],
         },
         # no max_message_timeout in Envoy Gateway: the hold must fit here
         "messageTimeout": _gateway_api_duration(

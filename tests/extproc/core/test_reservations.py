@@ -5,6 +5,7 @@ import pytest
 from extproc.core.reservations import (
     Demand,
     Reservation,
+    headroom,
     may_admit,
     reserved_seats,
     reserved_slots,
@@ -152,3 +153,14 @@ def test_the_reserve_follows_demand_up_to_the_tiers_share() -> None:
     assert reserved_seats(SHARES, 10, demand, 1e6, windows)[INTERACTIVE] == 3
     no_share = [Reservation("interactive", INTERACTIVE, 0.0)]
     assert reserved_seats(no_share, 100, demand, 1e6, windows) == {}
+
+
+def test_seats_held_by_cancellable_requests_count_towards_a_reserve() -> None:
+    # capacity 8; chat (rank 0) active and owed 2 seats, none in flight; batch holds 6.
+    in_flight = {0: 0, 2: 6}
+    assert headroom(2, in_flight, 8, {0: 2}, {0}) == 0  # the 2 free seats are chat's
+    # 6 of batch's seats can be cancelled for chat: the reserve is covered without idling
+    assert headroom(2, in_flight, 8, {0: 2}, {0}, spare=6) == 2
+    assert headroom(2, in_flight, 8, {0: 2}, {0}, spare=1) == 1
+    # never more than the free seats
+    assert headroom(2, {0: 0, 2: 8}, 8, {0: 2}, {0}, spare=8) == 0

@@ -170,6 +170,7 @@ def test_ext_proc_filter(name: str) -> None:
     assert mode["request_header_mode"] == "SEND"
     assert mode["request_body_mode"] == "BUFFERED"
     assert mode["response_header_mode"] == "SKIP"
+    assert config["allow_mode_override"] is True  # response headers of cancellable requests
     assert mode["response_body_mode"] == "NONE"
     assert _seconds(config["message_timeout"]) == params.message_timeout_s
     assert _seconds(config["max_message_timeout"]) == MAX_MESSAGE_TIMEOUT_S

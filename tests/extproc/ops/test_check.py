@@ -21,7 +21,7 @@ def test_default_policy_is_described(capsys: pytest.CaptureFixture[str]) -> None
     out, err = capsys.readouterr()
     # the demo keys are plaintext: each is a warning at its line, and the check still passes
     assert [line.split(": warning: ")[0] for line in err.splitlines()] == [
-        f"{default}:{line}: tenants[{i}].api_keys[0]" for i, line in enumerate((58, 61, 64))
+        f"{default}:{line}: tenants[{i}].api_keys[0]" for i, line in enumerate((59, 62, 65))
     ]
     assert "OK, 3 tiers, 3 tenants" in out
     lines = out.splitlines()

@@ -7,6 +7,7 @@ same by hand.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -106,3 +107,63 @@ async def test_overloaded_a_least_urgent_key_is_refused_before_its_body_is_read(
     process = ExternalProcessor(held).Process(chat.generate(), None)  # type: ignore[arg-type]
     answers = [answer async for answer in process]
     assert [a.WhichOneof("response") for a in answers] == ["request_headers", "request_body"]
+
+
+class OpenStream(Stream):
+    """A stream Envoy keeps open after its request messages (a request running upstream);
+    ``answer_started`` sends the response headers, as Envoy does when the answer starts."""
+
+    def __init__(self, items: list[pb.ProcessingRequest]) -> None:
+        super().__init__(items)
+        self.response: asyncio.Future[pb.ProcessingRequest] = asyncio.Future()
+
+    async def generate(self) -> AsyncIterator[pb.ProcessingRequest]:
+        try:
+            for item in self._items:
+                self.read += 1
+                yield item
+            yield await self.response
+        finally:
+            self.closed = True
+
+    def answer_started(self) -> None:
+        headers = pb.ProcessingRequest(response_headers=pb.HttpHeaders())
+        self.response.set_result(headers)
+
+
+async def _running_batch(
+    held: HeldRequests, request_id: str
+) -> tuple[OpenStream, asyncio.Future[pb.ProcessingResponse]]:
+    """A non-streamed batch request sent upstream through the servicer; the future is its
+    stream's next answer, which comes only when it ends or is preempted."""
+    stream = OpenStream(messages(request_id, key="sk-batch-demo"))
+    process = ExternalProcessor(held).Process(stream.generate(), None)  # type: ignore[arg-type]
+    headers = await anext(process)
+    # the policy has a preemptible tier: response headers are asked for, the body still read
+    mode = headers.mode_override
+    assert (mode.response_header_mode, mode.request_body_mode) == (mode.SEND, mode.BUFFERED)
+    assert (await anext(process)).HasField("request_body")  # forwarded
+    following = asyncio.ensure_future(anext(process))
+    await asyncio.sleep(0)
+    assert not following.done()  # its stream stays open while it runs
+    return stream, following
+
+
+async def test_a_running_batch_request_is_answered_503_when_chat_takes_its_seat() -> None:
+    held = HeldRequests(make_gateway(limit=64, seats=1))  # two backends, one seat each
+    running = [await _running_batch(held, f"batch{i}") for i in range(2)]
+    assert isinstance(held.handle(request(request_id="chat")), Forward)  # no wait
+    await asyncio.wait([f for _, f in running], timeout=5, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.sleep(0.05)  # the other, were it answered too
+    answered = [following for _, following in running if following.done()]
+    assert len(answered) == 1  # one seat taken, the other batch request runs on
+    reply = answered[0].result().immediate_response
+    assert reply.status.code == 503
+    assert json.loads(reply.body)["error"]["code"] == "preempted"
+    assert {h.header.key for h in reply.headers.set_headers} >= {"retry-after"}
+    ((stream, following),) = [(s, f) for s, f in running if not f.done()]
+    stream.answer_started()  # its answer starts: it can no longer be preempted
+    assert (await following).HasField("response_headers")
+    assert isinstance(held.handle(request(request_id="chat2")), Forward)
+    await asyncio.sleep(0)
+    assert held.gateway.admission.take_preempted() == []

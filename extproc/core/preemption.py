@@ -1,0 +1,72 @@
+"""Requests the gateway may still cancel while they run, to seat a more urgent one.
+
+vLLM 0.32 never preempts a running request for a waiting one when its seats are full
+(vLLM #40004): a chat request sent to an engine full of batch waits for a batch request
+to finish, seconds. Keeping seats idle for chat (``extproc.core.reservations``) costs
+batch those seats. A non-streamed request of a ``preemptible`` tier has sent its client
+nothing yet, so the gateway can cancel it instead: Envoy resets it upstream (vLLM aborts
+a request whose connection closes) and the client gets a 503 with ``retry-after`` before
+any byte of the answer, and sends it again.
+
+This module only keeps the bookkeeping, free of I/O: which in-flight requests the
+transport can cancel (it keeps their ext_proc stream open for that), per backend, in the
+order they were sent. The victim for a more urgent request is on the backend it goes to,
+of the least urgent tier there, and the newest of those: the least work lost.
+``Admission`` decides when.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+class Cancellable:
+    """Per backend, the in-flight requests that can be cancelled, oldest first, with their
+    tier's rank (lower = more urgent)."""
+
+    __slots__ = ("_by_backend", "_by_rank", "_where")
+
+    def __init__(self) -> None:
+        self._by_backend: dict[str, dict[str, int]] = {}
+        self._where: dict[str, str] = {}
+        self._by_rank: Counter[int] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._where
+
+    def add(self, backend: str, request_id: str, rank: int) -> None:
+        """``request_id``, of a tier of ``rank``, runs on ``backend`` and can be cancelled."""
+        self.discard(request_id)
+        self._by_backend.setdefault(backend, {})[request_id] = rank
+        self._where[request_id] = backend
+        self._by_rank[rank] += 1
+
+    def discard(self, request_id: str) -> None:
+        """It finished, or can no longer be cancelled (its answer has started)."""
+        backend = self._where.pop(request_id, None)
+        if backend is None:
+            return
+        running = self._by_backend[backend]
+        self._by_rank[running.pop(request_id)] -= 1
+        if not running:
+            del self._by_backend[backend]
+
+    def victim(self, backend: str, rank: int) -> str | None:
+        """The request on ``backend`` to cancel for one of ``rank``, or None: of the least
+        urgent tier there below ``rank`` (batch before api), the newest."""
+        running = self._by_backend.get(backend)
+        if not running:
+            return None
+        chosen, chosen_rank = None, rank
+        for request_id in reversed(running):
+            if running[request_id] > chosen_rank:
+                chosen, chosen_rank = request_id, running[request_id]
+        return chosen
+
+    def spare(self, rank: int) -> int:
+        """Seats that requests of tiers at ``rank`` or less urgent hold and would give up to
+        any more urgent tier: the seats a reserve for that tier may count as its own."""
+        return sum(n for r, n in self._by_rank.items() if r >= rank)

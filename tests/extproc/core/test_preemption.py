@@ -1,0 +1,62 @@
+"""Preemption: cancellable requests give their seat to more urgent ones, and lend it to
+reserves (``extproc.core.preemption`` and its use in ``Admission``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from extproc.core.preemption import Cancellable
+from tests.extproc.factories import API, BATCH, INTERACTIVE, Request, make_admission
+
+PREEMPTIBLE_BATCH = dataclasses.replace(BATCH, preemptible=True)
+
+
+def test_the_victim_is_the_newest_of_the_least_urgent_tier_on_that_backend() -> None:
+    cancellable = Cancellable()
+    cancellable.add("a", "old-batch", 2)
+    cancellable.add("a", "api", 1)
+    cancellable.add("a", "new-batch", 2)
+    cancellable.add("b", "other-backend", 2)
+    assert cancellable.victim("a", 0) == "new-batch"
+    assert cancellable.victim("a", 1) == "new-batch"
+    assert cancellable.victim("a", 2) is None  # never for its own tier
+    cancellable.discard("new-batch")
+    assert cancellable.victim("a", 1) == "old-batch"
+    assert cancellable.victim("a", 0) == "old-batch"  # batch before api
+    cancellable.discard("old-batch")
+    assert cancellable.victim("a", 0) == "api"
+    assert cancellable.victim("a", 1) is None
+    assert cancellable.victim("c", 0) is None
+    assert cancellable.spare(2) == 1 and cancellable.spare(1) == 2
+    cancellable.discard("never-added")
+    assert len(cancellable) == 2
+
+
+def test_a_chat_request_takes_the_seat_of_a_cancellable_batch_request() -> None:
+    admission, pool, _ = make_admission(
+        limit=100, seats=2, tiers=(INTERACTIVE, API, PREEMPTIBLE_BATCH)
+    )
+    for i in range(2):
+        (grant,) = admission.submit(f"b{i}", Request(PREEMPTIBLE_BATCH))  # type: ignore[arg-type]
+        admission.cancellable(grant.request_id)
+    assert pool.backends[0].free_seats() == 0
+    assert admission.take_preempted() == []
+    grants = admission.submit("chat", Request(INTERACTIVE))  # type: ignore[arg-type]
+    assert [g.request_id for g in grants] == ["chat"]
+    assert admission.take_preempted() == ["b1"]  # the newest
+    assert admission.take_preempted() == []
+    assert admission.grant_of("b1") is None  # its seat is chat's now
+    assert admission.release("b1") == []  # its late completion changes nothing
+
+
+def test_nothing_is_preempted_when_a_seat_is_free_or_no_request_can_be_cancelled() -> None:
+    admission, _, _ = make_admission(
+        limit=100, seats=2, tiers=(INTERACTIVE, API, PREEMPTIBLE_BATCH)
+    )
+    (first,) = admission.submit("b0", Request(PREEMPTIBLE_BATCH))  # type: ignore[arg-type]
+    admission.cancellable(first.request_id)
+    admission.submit("chat", Request(INTERACTIVE))  # type: ignore[arg-type]
+    assert admission.take_preempted() == []  # there was a free seat
+    admission.not_cancellable("b0")  # its answer started
+    admission.submit("chat-2", Request(INTERACTIVE))  # type: ignore[arg-type]
+    assert admission.take_preempted() == []

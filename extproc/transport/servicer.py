@@ -138,8 +138,12 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
             elif answer.result() is not None and codec.kind(answer.result()) == "response_headers":
                 yield codec.continue_response_headers()
         finally:
-            answer.cancel()
             self.held.settled(request_id)
+            if not answer.done():
+                # Stop reading the stream, and wait until the read has let go of grpc's
+                # iterator: ``Process`` closes it next, which fails while it is running.
+                answer.cancel()
+                await asyncio.wait((answer,))
 
 
 class AccessLog(als_pb2_grpc.AccessLogServiceServicer):

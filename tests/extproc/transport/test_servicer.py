@@ -135,15 +135,23 @@ async def _running_batch(
     held: HeldRequests, request_id: str
 ) -> tuple[OpenStream, asyncio.Future[pb.ProcessingResponse]]:
     """A non-streamed batch request sent upstream through the servicer; the future is its
-    stream's next answer, which comes only when it ends or is preempted."""
+    stream's next answer, which comes only when it ends or is preempted (and then checks
+    that the servicer ends cleanly, as grpc would drive it)."""
     stream = OpenStream(messages(request_id, key="sk-batch-demo"))
     process = ExternalProcessor(held).Process(stream.generate(), None)  # type: ignore[arg-type]
+
+    async def last_answer() -> pb.ProcessingResponse:
+        answer = await anext(process)
+        assert await anext(process, None) is None  # nothing after it, and no error
+        assert stream.closed
+        return answer
+
     headers = await anext(process)
     # the policy has a preemptible tier: response headers are asked for, the body still read
     mode = headers.mode_override
     assert (mode.response_header_mode, mode.request_body_mode) == (mode.SEND, mode.BUFFERED)
     assert (await anext(process)).HasField("request_body")  # forwarded
-    following = asyncio.ensure_future(anext(process))
+    following = asyncio.ensure_future(last_answer())
     await asyncio.sleep(0)
     assert not following.done()  # its stream stays open while it runs
     return stream, following

@@ -10,17 +10,18 @@ A request's ``sink`` is whoever submitted it (``Watcher``): it hears of the firs
 of the end.
 
 **Fast-forward.** Most steps of a busy engine are alike: every running request decodes one
-token, nothing waits, nothing finishes. Such a stretch is arithmetic
-(``loadtests.sim.fastforward``), so when a step would start one, the node schedules a
-single event at the stretch's end (the step before a request finishes or runs short of KV
-blocks) instead of one event per step. Two things can happen inside the stretch, and both
-see what the per-step loop would have shown at that instant:
+token, nothing can be admitted (nothing waits, or every seat is taken), nothing finishes.
+Such a stretch is arithmetic (``loadtests.sim.fastforward``), so when a step would start
+one, the node schedules a single event at the stretch's end (the step before a request
+finishes or runs short of KV blocks) instead of one event per step. Two things can happen
+inside the stretch, and both see what the per-step loop would have shown at that instant:
 
-- a new request arrives (``submit``): the stretch is applied up to the step in progress
-  (it has already taken its blocks), the tokens of the steps that ended are counted, the
-  step in progress ends at its own time and the next step admits the newcomer, exactly
-  as ``Engine.step`` would have;
-- a scrape reads ``/metrics``: it is answered from ``fastforward.view`` (running, KV use
+- a new request arrives (``submit``) while a seat is free: the stretch is applied up to
+  the step in progress (it has already taken its blocks), the tokens of the steps that
+  ended are counted, the step in progress ends at its own time and the next step admits
+  the newcomer, exactly as ``Engine.step`` would have. With every seat taken the newcomer
+  only waits, and the stretch goes on;
+- a scrape reads ``/metrics``: it is answered from ``fastforward.RunViewer`` (running, KV use
   after the step in progress, inter-token latency of the ended steps) and the stretch
   goes on uncut, so scrape rounds do not bound the jump.
 
@@ -36,7 +37,7 @@ from typing import Protocol
 from extproc.fleet.vllm_metrics import EngineMetrics
 from loadtests.des.clock import EventLoop
 from loadtests.sim.engine import Engine, EngineConfig, EngineRequest, StepOutput
-from loadtests.sim.fastforward import DecodeRun, advance, decode_run, view
+from loadtests.sim.fastforward import DecodeRun, RunViewer, advance, decode_run
 
 MIN_RUN_STEPS = 2
 """Shorter decode runs are stepped: one skipped step saves nothing over one step event."""
@@ -79,9 +80,13 @@ class EngineNode:
         self._run_start = 0.0
         self._run_token = 0
         """Bumped when a stretch ends early, so that its end event is ignored."""
+        self._viewer: RunViewer | None = None
+        """The stretch's viewer, built at its first scrape (most stretches see several)."""
 
     def submit(self, req: EngineRequest) -> None:
-        if self._run is not None:
+        if self._run is not None and self.engine.num_running < self.config.max_num_seqs:
+            # It will be admitted at the next step. With every seat taken it only waits and
+            # the stretch goes on (``decode_run`` allows a waiting request then).
             self._cut_run()
         self.engine.add(req, self.loop.now)
         if not self.stepping:
@@ -94,7 +99,7 @@ class EngineNode:
         if self.fast_forward:
             run = decode_run(self.engine)
             if run is not None and run.max_steps >= MIN_RUN_STEPS:
-                self._run, self._run_start = run, now
+                self._run, self._run_start, self._viewer = run, now, None
                 self._run_token += 1
                 self.stepping = True
                 end = run.end_of(run.max_steps, now)
@@ -146,7 +151,7 @@ class EngineNode:
         assert run is not None
         self._run = None
         self._run_token += 1
-        seen = view(self.engine, run, self._run_start, self.loop.now)
+        seen = self._view(run).at(self.loop.now)
         done = advance(self.engine, run, self._run_start, seen.applied)
         self._count(seen.ended, seen.itl_sum_s, seen.itl_count)
         tail = (
@@ -168,6 +173,13 @@ class EngineNode:
         else:
             self.stepping = False
 
+    def _view(self, run: DecodeRun) -> RunViewer:
+        """The viewer of the stretch in progress (``run``), built once per stretch."""
+        viewer = self._viewer
+        if viewer is None or viewer.run is not run:
+            viewer = self._viewer = RunViewer(self.engine, run, self._run_start)
+        return viewer
+
     def _count(self, steps: int, itl_sum_s: float, itl_count: int) -> None:
         """Fast-forwarded steps' tokens became visible: what ``_step_done`` counts per step."""
         self.steps += steps
@@ -183,7 +195,7 @@ class EngineNode:
         kv_cache_usage = pool.usage
         itl_sum_s, itl_count = self.itl_sum_s, self.itl_count
         if self._run is not None:
-            seen = view(engine, self._run, self._run_start, now)
+            seen = self._view(self._run).at(now)
             kv_cache_usage = 1.0 - seen.num_free / pool.num_blocks
             itl_sum_s += seen.itl_sum_s
             itl_count += seen.itl_count

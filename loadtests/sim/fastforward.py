@@ -1,8 +1,9 @@
 """Closed-form runs of identical decode-only engine steps.
 
 A simulated day of 1,000 engines is billions of ``Engine.step`` calls if every decode step
-is simulated one by one, yet most of those steps are alike: nothing waits, every running
-request decodes one token, nobody finishes and the KV pool has room. Between two events
+is simulated one by one, yet most of those steps are alike: nothing can be admitted (no
+request waits, or every seat is taken), every running request decodes one token, nobody
+finishes and the KV pool has room. Between two events
 that change the batch, such a run is arithmetic:
 
 - step ``i`` (0-based) schedules the same ``D`` requests, one token each, over a context of
@@ -40,6 +41,7 @@ half its time, kept so that block ids match); the plain loop costs O(D) per step
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -116,15 +118,19 @@ class DecodeAdvance:
 def decode_run(engine: Engine) -> DecodeRun | None:
     """The run of decode-only steps the engine can skip from now, or ``None`` if none.
 
-    ``None`` when a request waits (the next step would admit it), when a running request
+    ``None`` when a request waits and a seat is free (the next step would admit it; with
+    every seat taken a waiting request changes no step until one finishes, as the per-step
+    engine only admits below ``max_num_seqs`` and never preempts to admit), when a running request
     is prefilling (or recomputing after a preemption), when the batch exceeds the token
     budget, or when not even one step can be skipped (a request finishes in the next step,
     or the pool cannot supply its blocks).
     """
     running = engine.running
-    if engine.waiting or not running:
+    if not running:
         return None
     config = engine.config
+    if engine.waiting and len(running) < config.max_num_seqs:
+        return None
     if len(running) > config.max_num_batched_tokens:
         return None
     block_size = config.block_size
@@ -184,27 +190,55 @@ class DecodeView:
     itl_count: int
 
 
-def view(engine: Engine, run: DecodeRun, start: float, t: float) -> DecodeView:
-    """The run started at ``start`` as the per-step loop would show it at ``t`` (O(D))."""
-    ended = run.steps_done_by(start, t)
-    applied = min(ended + 1, run.max_steps)
-    itl_sum = 0.0
-    itl_count = 0
-    if ended:
+class RunViewer:
+    """``view`` of one run at many times: O(D + blocks) once, then O(log) per time.
+
+    A scrape round reads every engine every 0.1 s, and a stretch of a 16-seat engine lasts
+    seconds, so the same run is viewed tens of times; what does not depend on the time (the
+    first step's inter-token gaps, the step in which each new block is taken) is worked out
+    here once.
+    """
+
+    def __init__(self, engine: Engine, run: DecodeRun, start: float) -> None:
+        self.run = run
+        self.start = start
+        self._free = engine.pool.num_free
         first_end = run.end_of(1, start)
+        self._first_end = first_end
+        gaps = [first_end - r.last_token_at for r in engine.running if r.last_token_at is not None]
+        self._first_sum = sum(gaps)
+        self._first_count = len(gaps)
+        # Request r takes block number len(blocks) + j in the step index num_computed + i + 1
+        # first exceeds (len(blocks) + j) * block_size (``advance``'s order, without ids).
+        block_size = engine.config.block_size
+        keys: list[int] = []
         for req in engine.running:
-            if req.last_token_at is not None:
-                itl_sum += first_end - req.last_token_at
-                itl_count += 1
-        itl_sum += run.num_seqs * (run.end_of(ended, start) - first_end)
-        itl_count += run.num_seqs * (ended - 1)
-    return DecodeView(
-        ended=ended,
-        applied=applied,
-        num_free=engine.pool.num_free - _blocks_needed(engine, applied),
-        itl_sum_s=itl_sum,
-        itl_count=itl_count,
-    )
+            first = len(req.blocks) * block_size - req.num_computed  # >= 0 (decode_run)
+            keys.extend(range(first, run.max_steps, block_size))
+        keys.sort()
+        self._block_steps = keys
+
+    def at(self, t: float) -> DecodeView:
+        run, start = self.run, self.start
+        ended = run.steps_done_by(start, t)
+        applied = min(ended + 1, run.max_steps)
+        itl_sum = 0.0
+        itl_count = 0
+        if ended:
+            itl_sum = self._first_sum + run.num_seqs * (run.end_of(ended, start) - self._first_end)
+            itl_count = self._first_count + run.num_seqs * (ended - 1)
+        return DecodeView(
+            ended=ended,
+            applied=applied,
+            num_free=self._free - bisect.bisect_left(self._block_steps, applied),
+            itl_sum_s=itl_sum,
+            itl_count=itl_count,
+        )
+
+
+def view(engine: Engine, run: DecodeRun, start: float, t: float) -> DecodeView:
+    """The run started at ``start`` as the per-step loop would show it at ``t``."""
+    return RunViewer(engine, run, start).at(t)
 
 
 def _blocks_needed(engine: Engine, m: int) -> int:
@@ -251,7 +285,7 @@ def advance(engine: Engine, run: DecodeRun, start: float, m: int) -> DecodeAdvan
         raise ValueError(f"m={m} outside 0..{run.max_steps}")
     running = engine.running
     if (
-        engine.waiting
+        (engine.waiting and len(running) < engine.config.max_num_seqs)
         or len(running) != run.num_seqs
         or sum(r.num_computed for r in running) != run.context
     ):

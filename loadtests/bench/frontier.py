@@ -11,8 +11,12 @@ targets as the corner to reach::
 
     python -m loadtests.bench.frontier flood-8seat --shares 0,0.1,0.25,0.5 --out DIR
 
-It writes ``frontier.json`` and ``frontier.png`` into ``DIR``. Each point is one arm of
-the scenario (its wall time), one after the other, on the same seeded workload.
+``--preemption on,off`` measures each ceiling with the batch tier ``preemptible`` (the
+shipped default) and without, so the two curves show what preemption moves; ``--speedup``
+runs the scenario at another speedup (a lower one keeps the simulators' scrape cost out of
+their step times). It writes ``frontier.json`` and ``frontier.png`` into ``DIR``. Each
+point is one arm of the scenario (its wall time), one after the other, on the same seeded
+workload.
 """
 
 from __future__ import annotations
@@ -34,13 +38,18 @@ from loadtests.bench.scenario import Scenario, load_scenario
 DEFAULT_SHARES = (0.0, 0.1, 0.25, 0.5)
 
 
-def policy_with_ceiling(share: float, speedup: float, directory: Path) -> Path:
-    """The default policy with the interactive tier's ``reserved_share`` set to ``share``,
-    rescaled to ``speedup`` like ``policy: default``; written into ``directory``."""
+def policy_with_ceiling(
+    share: float, speedup: float, directory: Path, preemptible: bool = True
+) -> Path:
+    """The default policy with the interactive tier's ``reserved_share`` set to ``share``
+    (and batch not ``preemptible`` if so asked), rescaled to ``speedup`` like ``policy:
+    default``; written into ``directory``."""
     policy = yaml.safe_load(DEFAULT_POLICY_PATH.read_text())
     for tier in policy["tiers"]:
         if tier["name"] == "interactive":
             tier["reserved_share"] = share
+        if tier["name"] == "batch":
+            tier["preemptible"] = preemptible
     path = directory / f"policy-interactive-share-{share:g}.yaml"
     path.write_text(yaml.safe_dump(rescale_policy(policy, speedup), sort_keys=False))
     return path
@@ -52,22 +61,26 @@ def _tier(arm: ArmResult, tier: str, metric: str) -> float | None:
     return None if value is None else float(value)
 
 
-def measure(scenario: Scenario, shares: list[float], out: Path) -> dict[str, Any]:
-    """Run the baselines and one fairlane arm per ceiling; the points of the frontier."""
+def measure(
+    scenario: Scenario, shares: list[float], out: Path, preemption: tuple[bool, ...] = (True,)
+) -> dict[str, Any]:
+    """Run the baselines and one fairlane arm per ceiling (and per preemption setting);
+    the points of the frontier."""
     _, fifo = run_arm(scenario, "fifo", out / "logs" / "fifo")
     _, alone = run_arm(scenario, "fairlane-no-flood", out / "logs" / "fairlane-no-flood")
     fifo_goodput = _tier(fifo, "batch", "goodput")
     alone_p90 = _tier(alone, "interactive", "ttft_p90")
     points = []
-    for share in shares:
-        where = out / "logs" / f"fairlane-share-{share:g}"
+    for preemptible, share in ((on, share) for on in preemption for share in shares):
+        where = out / "logs" / f"fairlane-share-{share:g}{'' if preemptible else '-no-preempt'}"
         where.mkdir(parents=True, exist_ok=True)
-        policy = policy_with_ceiling(share, scenario.speedup, where)
+        policy = policy_with_ceiling(share, scenario.speedup, where, preemptible)
         _, arm = run_arm(scenario, "fairlane", where, policy=policy)
         goodput, p90 = _tier(arm, "batch", "goodput"), _tier(arm, "interactive", "ttft_p90")
         points.append(
             {
                 "reserved_share": share,
+                "preemptible": preemptible,
                 "batch_goodput_vs_fifo": goodput / fifo_goodput
                 if goodput and fifo_goodput
                 else None,
@@ -75,7 +88,8 @@ def measure(scenario: Scenario, shares: list[float], out: Path) -> dict[str, Any
                 "cpu": arm.cpu.to_json(),
             }
         )
-        print(f"frontier: share {share:g}: {points[-1]}", file=sys.stderr)
+        label = f"share {share:g}, preemptible {preemptible}"
+        print(f"frontier: {label}: {points[-1]}", file=sys.stderr)
     return {
         "scenario": scenario.name,
         "fifo_batch_goodput": fifo_goodput,
@@ -97,13 +111,19 @@ def plot(result: dict[str, Any], targets: tuple[float | None, float | None], pat
         for p in result["points"]
         if None not in (p["batch_goodput_vs_fifo"], p["interactive_p90_vs_no_flood"])
     ]
-    xs = [p["batch_goodput_vs_fifo"] for p in points]
-    ys = [p["interactive_p90_vs_no_flood"] for p in points]
-    ax.plot(xs, ys, "o-", color="tab:blue")
-    for p, x, y in zip(points, xs, ys, strict=True):
-        ax.annotate(
-            f"share {p['reserved_share']:g}", (x, y), textcoords="offset points", xytext=(5, 5)
-        )
+    for preemptible, color in ((True, "tab:blue"), (False, "tab:orange")):
+        curve = [p for p in points if p.get("preemptible", True) is preemptible]
+        if not curve:
+            continue
+        xs = [p["batch_goodput_vs_fifo"] for p in curve]
+        ys = [p["interactive_p90_vs_no_flood"] for p in curve]
+        label = "batch preemptible" if preemptible else "no preemption"
+        ax.plot(xs, ys, "o-", color=color, label=label)
+        for p, x, y in zip(curve, xs, ys, strict=True):
+            ax.annotate(
+                f"share {p['reserved_share']:g}", (x, y), textcoords="offset points", xytext=(5, 5)
+            )
+    ax.legend(loc="upper left")
     min_goodput, max_p90 = targets
     if min_goodput is not None and max_p90 is not None:
         ax.axvline(min_goodput, color="tab:green", linestyle="--", linewidth=1)
@@ -131,12 +151,19 @@ def main(argv: list[str] | None = None) -> int:
         "scenario", help="a flood scenario with fifo, fairlane, fairlane-no-flood arms"
     )
     parser.add_argument("--shares", default=",".join(f"{s:g}" for s in DEFAULT_SHARES))
+    parser.add_argument(
+        "--preemption", default="on", help="on, off or on,off: batch preemptible or not"
+    )
+    parser.add_argument("--speedup", type=float, default=None)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    scenario = load_scenario(args.scenario)
+    scenario = load_scenario(args.scenario).with_overrides(speedup=args.speedup)
     shares = [float(s) for s in args.shares.split(",") if s.strip()]
+    settings = [s.strip() for s in args.preemption.split(",") if s.strip()]
+    if not settings or set(settings) - {"on", "off"}:
+        parser.error("--preemption takes on, off or on,off")
     args.out.mkdir(parents=True, exist_ok=True)
-    result = measure(scenario, shares, args.out)
+    result = measure(scenario, shares, args.out, tuple(s == "on" for s in settings))
     (args.out / "frontier.json").write_text(json.dumps(result, indent=2))
     plot(result, _targets(scenario), args.out / "frontier.png")
     print(f"frontier: {args.out / 'frontier.png'}")

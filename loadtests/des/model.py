@@ -76,6 +76,10 @@ class DesScenario:
     """(engines, tenants) points of the decision-cost curve."""
     sweep_requests: int = 20_000
     path: Path | None = None
+    start_s: float = 0.0
+    """Virtual time the run starts at (seconds from midnight of the diurnal day): a slice
+    of ``scale-day`` from noon is ``start_s: 43200`` with a short ``duration_s``. The run
+    covers ``[start_s, start_s + duration_s]``; the warm-up counts from ``start_s``."""
 
     def scaled(self, engines: int, tenants: int, max_requests: int) -> DesScenario:
         """The same load per engine on ``engines`` engines with ``tenants`` tenants."""
@@ -113,6 +117,7 @@ TOP = (
     "outage",
     "sweep",
     "sweep_requests",
+    "start_s",
 )
 
 
@@ -147,6 +152,7 @@ def _read(r: FieldReader, root: Field, path: Path) -> DesScenario | None:
         sweep=sweep,
         sweep_requests=r.get(top, "sweep_requests", count, "an integer >= 1", 20_000),
         path=path,
+        start_s=r.get(top, "start_s", non_negative, "simulated seconds >= 0", 0.0),
     )
     if fleet is None or open_loop is None or r.errors:
         return None
@@ -240,11 +246,25 @@ def _fraction(value: Any) -> float | None:
 
 def _closed(r: FieldReader, top: Section) -> tuple[ClosedLoop, ...]:
     loops = []
-    allowed = ("name", "tier", "count", "concurrency", "prompt_tokens", "output_tokens", "stream")
+    allowed = (
+        "name",
+        "tier",
+        "count",
+        "concurrency",
+        "prompt_tokens",
+        "output_tokens",
+        "stream",
+        "start_s",
+        "stop_s",
+    )
     for item in r.items(top.get("closed_loops")) or []:
         s = r.section(item, allowed)
         if s is None:
             continue
+        start = r.get(s, "start_s", non_negative, "simulated seconds >= 0", 0.0)
+        stop = r.get(s, "stop_s", positive, "simulated seconds > 0", None)
+        if start is not None and stop is not None and stop <= start:
+            r.error_in(s, "stop_s", f"must be after start_s ({start:g}), got {stop:g}")
         loops.append(
             ClosedLoop(
                 name=r.get(s, "name", string, "a string"),
@@ -255,6 +275,8 @@ def _closed(r: FieldReader, top: Section) -> tuple[ClosedLoop, ...]:
                 concurrency=r.get(s, "concurrency", integer_at_least(1), "an integer >= 1"),
                 sizes=_sizes(r, s, Sizes(128, 512, 64, 256)),
                 stream=r.get(s, "stream", _bool, "true or false", False),
+                start_s=start,
+                stop_s=stop,
             )
         )
     return tuple(loops)

@@ -37,17 +37,30 @@ def aging_bound_s(policy_tiers: Sequence[Any]) -> float | None:
     return float(aging.seconds_per_rank * aging.max_ranks)
 
 
+def backlogged_tenants(scenario: DesScenario) -> list[str]:
+    """The tenants fairness is judged on: the batch-tier closed loops' (equal weights, more
+    asked than the fleet's idle capacity gives them), or every closed loop's when none is
+    batch. Power users at the api tier are served ahead of batch and are not backlogged, so
+    mixing them in would measure their demand, not the scheduler's fairness."""
+    loops = [c for c in scenario.closed_loops if c.tier == "batch"] or list(scenario.closed_loops)
+    return sorted(f"{c.name}{i}" for c in loops for i in range(c.count))
+
+
 def run_summary(scenario: DesScenario, measured: Measured, aging_s: float | None) -> dict[str, Any]:
     stats = measured.stats
     ttft = {}
     for tier, values in sorted(stats.ttft.items()):
         ordered = sorted(values)
         ttft[tier] = {"n": len(ordered), **{f"p{p}": percentile(ordered, p) for p in PERCENTILES}}
-    backlogged = sorted(stats.served)
+    backlogged = backlogged_tenants(scenario)
     served = [float(stats.served[t]) for t in backlogged]
-    jain = jain_index(served) if served else None
+    jain = jain_index(served) if served and any(served) else None
     mean = sum(served) / len(served) if served else 0.0
     worst = min(served) / mean if served and mean else None
+    by_loop = {}
+    for closed in scenario.closed_loops:
+        group = [float(stats.served[f"{closed.name}{i}"]) for i in range(closed.count)]
+        by_loop[closed.name] = jain_index(group) if any(group) else None
     statuses: dict[str, dict[str, int]] = {}
     for (tier, status), n in sorted(stats.statuses.items()):
         statuses.setdefault(tier, {})[str(status)] = n
@@ -64,6 +77,7 @@ def run_summary(scenario: DesScenario, measured: Measured, aging_s: float | None
         "aging_bound_s": aging_s,
         "backlogged_tokens": dict(zip(backlogged, served, strict=True)),
         "jain_backlogged": jain,
+        "jain_by_closed_loop": by_loop,
         "worst_share_of_fair": worst,
         "decision_us": measured.decision_us,
         "cpu_us_per_call": {
@@ -74,6 +88,7 @@ def run_summary(scenario: DesScenario, measured: Measured, aging_s: float | None
         "calls": measured.calls,
         "tracked_flows_at_end": measured.flows,
         "wall_s": measured.wall_s,
+        "requests_per_wall_s": stats.sent / measured.wall_s if measured.wall_s else None,
         "events": measured.events,
         "engine_steps": measured.engine_steps,
         "engine_steps_fast_forwarded": measured.engine_steps_skipped,
@@ -87,12 +102,16 @@ def write(
     sweep: Mapping[str, dict[str, Any]],
     memory: Mapping[str, float],
 ) -> dict[str, Any]:
-    """``out/results.json``, ``out/report.md`` and ``out/decision-cost.png``."""
+    """``out/results.json``, ``out/report.md`` and ``out/decision-cost.png`` (the plot only
+    with a sweep)."""
     out.mkdir(parents=True, exist_ok=True)
+    decision = {key: run["decision_us"] for key, run in sweep.items()}
+    if not decision:  # no sweep (scale-day): the run's own point
+        decision[f"{scenario.fleet.engines}x{scenario.open_loop.tenants}"] = main["decision_us"]
     results = {
         "scenario": scenario.name,
         "kind": "des",
-        "decision_us_per_request": {key: run["decision_us"] for key, run in sweep.items()},
+        "decision_us_per_request": decision,
         "jain_backlogged": main["jain_backlogged"],
         "max_batch_wait_s": main["max_batch_wait_s"],
         "memory_bytes": dict(memory),
@@ -101,7 +120,8 @@ def write(
     }
     (out / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     (out / "report.md").write_text(markdown(results))
-    plot(out / "decision-cost.png", sweep)
+    if sweep:
+        plot(out / "decision-cost.png", sweep)
     return results
 
 

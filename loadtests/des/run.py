@@ -68,6 +68,7 @@ class Stats:
     """What the run measured, over requests that arrived after the warm-up."""
 
     warmup_s: float
+    """Requests arriving before this virtual time are not measured (start + warm-up)."""
     ttft: dict[str, array] = field(default_factory=lambda: defaultdict(lambda: array("d")))
     wait_max: dict[str, float] = field(default_factory=dict)
     statuses: Counter[tuple[str, int]] = field(default_factory=Counter)
@@ -90,7 +91,7 @@ class Simulation:
         keeps every answered request in ``flights`` (for tests: a day's 10 M would not fit)."""
         self.scenario = scenario
         self.keep_flights = keep_flights
-        self.loop = EventLoop()
+        self.loop = EventLoop(scenario.start_s)
         self.workload = Workload(scenario.open_loop, scenario.closed_loops, scenario.seed)
         tenants = self.workload.open_tenants() + self.workload.closed_tenants()
         workdir.mkdir(parents=True, exist_ok=True)
@@ -125,7 +126,7 @@ class Simulation:
         self.held: dict[str, Flight] = {}
         self.flights: dict[str, Flight] = {}
         """Answered requests by id, when ``keep_flights``."""
-        self.stats = Stats(scenario.warmup_s)
+        self.stats = Stats(scenario.start_s + scenario.warmup_s)
         self._ids = 0
         self.stopped_sending = False
         self.in_progress = 0
@@ -136,17 +137,21 @@ class Simulation:
 
     def run(self) -> Stats:
         loop, scenario = self.loop, self.scenario
-        loop.at(self.workload.next_arrival(0.0), self._open_arrival)
+        start = scenario.start_s
+        loop.at(self.workload.next_arrival(start), self._open_arrival)
         for closed in scenario.closed_loops:
+            if closed.stop_s is not None and closed.stop_s <= start:
+                continue
             for i in range(closed.count):
                 tenant = f"{closed.name}{i}"
                 for k in range(closed.concurrency):
                     # Spread the first sends over a second, not one instant.
-                    loop.at(k / closed.concurrency, self._closed_send, (closed, tenant))
-        loop.at(0.0, self._scrape_round)
+                    first = max(closed.start_s, start) + k / closed.concurrency
+                    loop.at(first, self._closed_send, (closed, tenant))
+        loop.at(start, self._scrape_round)
         if scenario.outage is not None:
             loop.at(scenario.outage.at_s, self._outage_start)
-        loop.run_until(scenario.duration_s)
+        loop.run_until(start + scenario.duration_s)
         return self.stats
 
     def _next_id(self) -> str:
@@ -168,6 +173,8 @@ class Simulation:
         if not self._may_send():
             return
         closed, tenant = event
+        if closed.stop_s is not None and self.loop.now >= closed.stop_s:
+            return  # the job is over: its outstanding requests end, no new one starts
         self._send(self.workload.closed_ask(closed, tenant), event)
 
     # A request ---------------------------------------------------------------------------

@@ -57,7 +57,8 @@ class OpenLoop:
 
 @dataclass(frozen=True)
 class ClosedLoop:
-    """``count`` tenants of one tier, each keeping ``concurrency`` requests outstanding."""
+    """``count`` tenants of one tier, each keeping ``concurrency`` requests outstanding
+    from ``start_s`` until ``stop_s`` (then it sends nothing new: a nightly batch job)."""
 
     name: str
     tier: str
@@ -65,6 +66,9 @@ class ClosedLoop:
     concurrency: int
     sizes: Sizes
     stream: bool = False
+    start_s: float = 0.0
+    stop_s: float | None = None
+    """None: until the run ends."""
 
 
 @dataclass(frozen=True, slots=True)

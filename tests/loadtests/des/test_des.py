@@ -159,3 +159,33 @@ def _recording(
         return result
 
     return metrics
+
+
+def test_a_closed_loop_sends_only_in_its_window_and_the_scale_scenarios_parse(
+    tmp_path: Path,
+) -> None:
+    """``start_s``/``stop_s`` make a nightly batch job; ``scale-day`` uses them. The shipped
+    ``scale-*.yaml`` files all parse (running them is ``fairlane bench``'s job)."""
+    batch_sizes = "     prompt_tokens: [128, 512], output_tokens: [16, 64]}"  # the batch loop's
+    text = SMALL.replace(batch_sizes, batch_sizes[:-1] + ", start_s: 30, stop_s: 90}")
+    sim = Simulation(parse_des(read_document(scenario(tmp_path, text))), tmp_path / "w", True, True)
+    sim.run()
+    batch = [f for f in sim.flights.values() if f.ask.tier == "batch"]
+    assert batch and all(30 <= f.arrival < 90 for f in batch)
+    # A slice of the day from t = 60: nothing arrives before, the batch job joins at once.
+    later = Simulation(
+        parse_des(read_document(scenario(tmp_path, text + "start_s: 60\n"))),
+        tmp_path / "w2",
+        True,
+        True,
+    )
+    later.run()
+    assert later.flights and min(f.arrival for f in later.flights.values()) >= 60
+    assert {f.ask.tier for f in later.flights.values() if f.arrival < 61} >= {"batch"}
+    bad = SMALL.replace(batch_sizes, batch_sizes[:-1] + ", start_s: 9, stop_s: 5}")
+    with pytest.raises(ScenarioError, match=r"closed_loops\[0\]\.stop_s: must be after start_s"):
+        parse_des(read_document(scenario(tmp_path, bad)))
+    shipped = sorted(Path(__file__).parents[3].glob("loadtests/scenarios/scale-*.yaml"))
+    assert {p.stem for p in shipped} >= {"scale-smoke", "scale-day"}
+    for path in shipped:
+        parse_des(read_document(path))

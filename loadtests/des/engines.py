@@ -25,9 +25,10 @@ inside the stretch, and both see what the per-step loop would have shown at that
   after the step in progress, inter-token latency of the ended steps) and the stretch
   goes on uncut, so scrape rounds do not bound the jump.
 
-The engine dying ends the stretch with the engine. Nothing else reaches an engine between
-its events, so a run with ``fast_forward=False`` (one event per step) gives the same
-per-request times up to float rounding (``tests/loadtests/des/test_des.py``).
+An abort (the gateway preempted a batch request) cuts the stretch as an arrival does; the
+engine dying ends it with the engine. Nothing else reaches an engine between its events,
+so a run with ``fast_forward=False`` (one event per step) gives the same per-request
+times up to float rounding (``tests/loadtests/des/test_des.py``).
 """
 
 from __future__ import annotations
@@ -91,6 +92,16 @@ class EngineNode:
         self.engine.add(req, self.loop.now)
         if not self.stepping:
             self._step(self.incarnation)
+
+    def abort(self, req: EngineRequest) -> None:
+        """Envoy reset the request upstream (the gateway cancelled it): the engine drops it
+        and frees its seat and blocks (``Engine.abort``); a step in progress still ends at
+        its time. Inside a stretch the stretch is cut first, as for an arrival."""
+        if req.finish_reason is not None:
+            return
+        if self._run is not None and req in self.engine.running:
+            self._cut_run()
+        self.engine.abort(req, self.loop.now)
 
     def _step(self, incarnation: int) -> None:
         if incarnation != self.incarnation:

@@ -5,7 +5,11 @@ policy's tiers, rules and settings, with the scenario's generated tenants), and 
 request goes through ``Gateway.handle`` (body parsing, classification, queueing, the
 picker, the vLLM priority), ``Gateway.resume`` and ``Gateway.completed`` exactly as the
 servicer calls them. Scrapes reach ``Backend.record_scrape`` and then ``Admission.dispatch``
-as the poller's do. Only the transport (gRPC, protobuf) is left out.
+as the poller's do. A forwarded request the gateway may cancel (``cancel_id``: batch,
+not streamed) is marked cancellable until its answer starts, and the requests admission
+cancels to seat a more urgent one are answered ``Gateway.preempted`` and aborted on their
+engine, as ``extproc.transport.held`` and Envoy's upstream reset do. Only the transport
+(gRPC, protobuf) is left out.
 
 **Decision cost** is the CPU time of those calls (``time.thread_time_ns``: the
 simulation is one thread, so other processes on the machine do not count), summed per kind
@@ -23,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from extproc.core.admission import Admission, Grant
-from extproc.core.decisions import Decision, Forward, Hold
+from extproc.core.decisions import Decision, Forward, Hold, Respond
 from extproc.core.events import Completion, RequestInfo
 from extproc.core.gateway import Gateway
 from extproc.fleet.backend import Backend, BackendPool, BackendSpec
@@ -93,6 +97,24 @@ class Core:
     def completed(self, completion: Completion) -> list[Grant]:
         return self._timed("completed", self.gateway.completed, completion)
 
+    # Preemption, as the transport drives it (``extproc.transport.held``) ----------------
+
+    def cancellable(self, request_id: str) -> None:
+        """A forwarded request with a ``cancel_id`` runs: a more urgent one may take its seat."""
+        self._timed("cancel", self.admission.cancellable, request_id)
+
+    def settled(self, request_id: str) -> None:
+        """Its answer started or it ended: it can no longer be cancelled."""
+        self._timed("cancel", self.admission.not_cancellable, request_id)
+
+    def take_preempted(self) -> list[str]:
+        """Requests admission cancelled since the last call (their seats are free)."""
+        return self.admission.take_preempted()
+
+    def preempted(self, tier: str) -> Respond:
+        """The client's answer for a cancelled request (503, retry-after)."""
+        return self._timed("cancel", self.gateway.preempted, tier)
+
     # The poller's side ----------------------------------------------------------------
 
     def scraped(self, backend: Backend, metrics: EngineMetrics | None) -> None:
@@ -105,11 +127,12 @@ class Core:
 
     def request_path_us(self) -> float:
         """CPU microseconds of the request path per request handled: handling, resuming,
-        giving up, completing, and the dispatches scrapes trigger (they grant requests)."""
+        giving up, completing, the dispatches scrapes trigger (they grant requests), and
+        the preemption bookkeeping of cancellable requests."""
         handled = self.calls["handle"]
         if not handled:
             return 0.0
-        kinds = ("handle", "resume", "give_up", "completed", "dispatch")
+        kinds = ("handle", "resume", "give_up", "completed", "dispatch", "cancel")
         return sum(self.cpu_ns[k] for k in kinds) / handled / 1000
 
 

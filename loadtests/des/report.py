@@ -46,12 +46,47 @@ def backlogged_tenants(scenario: DesScenario) -> list[str]:
     return sorted(f"{c.name}{i}" for c in loops for i in range(c.count))
 
 
-def run_summary(scenario: DesScenario, measured: Measured, aging_s: float | None) -> dict[str, Any]:
-    stats = measured.stats
+def ttft_summary(by_tier: Mapping[str, Sequence[float]]) -> dict[str, dict[str, Any]]:
+    """Tier -> count and TTFT percentiles."""
     ttft = {}
-    for tier, values in sorted(stats.ttft.items()):
+    for tier, values in sorted(by_tier.items()):
         ordered = sorted(values)
         ttft[tier] = {"n": len(ordered), **{f"p{p}": percentile(ordered, p) for p in PERCENTILES}}
+    return ttft
+
+
+def outage_summary(scenario: DesScenario, measured: Measured) -> dict[str, Any] | None:
+    """Per phase of the region outage (by arrival): TTFT per tier and every status, so that
+    what losing a region costs chat, API and batch while it is down and after it is back
+    can be read side by side."""
+    stats = measured.stats
+    outage = scenario.outage
+    if outage is None or stats.outage is None:
+        return None
+    phases: dict[str, Any] = {}
+    for phase in ("before", "during", "after"):
+        statuses: dict[str, dict[str, int]] = {}
+        for (p, tier, status), n in sorted(stats.statuses_by_phase.items()):
+            if p == phase:
+                statuses.setdefault(tier, {})[str(status)] = n
+        failed = sum(n for t in statuses.values() for code, n in t.items() if code != "200")
+        phases[phase] = {
+            "ttft_s": ttft_summary(stats.ttft_by_phase.get(phase, {})),
+            "statuses": statuses,
+            "failed": failed,
+        }
+    return {
+        "region": outage.region,
+        "from_s": stats.outage[0],
+        "to_s": stats.outage[1],
+        "lost_in_flight": stats.lost,
+        "phases": phases,
+    }
+
+
+def run_summary(scenario: DesScenario, measured: Measured, aging_s: float | None) -> dict[str, Any]:
+    stats = measured.stats
+    ttft = ttft_summary(stats.ttft)
     backlogged = backlogged_tenants(scenario)
     served = [float(stats.served[t]) for t in backlogged]
     jain = jain_index(served) if served and any(served) else None
@@ -72,6 +107,8 @@ def run_summary(scenario: DesScenario, measured: Measured, aging_s: float | None
         "measured": stats.measured,
         "ttft_s": ttft,
         "statuses": statuses,
+        "outage": outage_summary(scenario, measured),
+        "preempted": stats.preempted,
         "max_wait_s": dict(stats.wait_max),
         "max_batch_wait_s": stats.wait_max.get("batch", 0.0),
         "aging_bound_s": aging_s,
@@ -169,6 +206,27 @@ def markdown(results: Mapping[str, Any]) -> str:
             f"| {per.get('completed', 0):.0f} | {s['calls'].get('dispatch', 0):,} "
             f"| {s['wall_s']:.0f} s |"
         )
+    outage = run.get("outage")
+    if outage:
+        lines += [
+            "",
+            f"## Region {outage['region']} down from {outage['from_s']:.0f} s to "
+            f"{outage['to_s']:.0f} s",
+            "",
+            f"{outage['lost_in_flight']:,} requests were on its engines when it went down.",
+            "",
+            "| arrived | tier | requests | TTFT p50 | p90 | p99 | not 200 |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for phase, figures in outage["phases"].items():
+            for tier, t in figures["ttft_s"].items():
+                failed = sum(
+                    n for code, n in figures["statuses"].get(tier, {}).items() if code != "200"
+                )
+                lines.append(
+                    f"| {phase} | {tier} | {t['n']:,} | {_ms(t['p50'])} | {_ms(t['p90'])} "
+                    f"| {_ms(t['p99'])} | {failed:,} |"
+                )
     memory = results["memory_bytes"]
     lines += ["", "## Memory", ""]
     for key, value in memory.items():

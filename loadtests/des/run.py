@@ -57,6 +57,10 @@ class Flight:
     node: EngineNode | None = None
     forwarded_at: float | None = None
     first_at: float | None = None
+    req: EngineRequest | None = None
+    """The request on its engine now (a retry makes a new one)."""
+    cancel_id: str | None = None
+    """Set while admission may cancel it (``Forward.cancel_id``), until its answer starts."""
     done: bool = False
     ended_at: float | None = None
     """When the client had its answer (its last token, or the refusal)."""
@@ -76,6 +80,22 @@ class Stats:
     """Closed-loop tenant -> tokens (prompt + output) of its requests finished in window."""
     sent: int = 0
     measured: int = 0
+    outage: tuple[float, float] | None = None
+    """(start, end) of the region outage: requests are also counted per phase of it."""
+    ttft_by_phase: dict[str, dict[str, array]] = field(default_factory=dict)
+    """Phase (``before``/``during``/``after`` the outage, by arrival) -> tier -> TTFTs."""
+    statuses_by_phase: Counter[tuple[str, str, int]] = field(default_factory=Counter)
+    lost: int = 0
+    """Requests on an engine when it died (Envoy retried them, or cut their stream)."""
+    preempted: int = 0
+    """Running requests the gateway cancelled to seat a more urgent one (answered 503)."""
+
+    def phase(self, arrival: float) -> str | None:
+        """The outage phase a request that arrived at ``arrival`` belongs to (None: none)."""
+        if self.outage is None:
+            return None
+        start, end = self.outage
+        return "before" if arrival < start else "during" if arrival < end else "after"
 
 
 class Simulation:
@@ -124,9 +144,14 @@ class Simulation:
             scenario.knobs.scrape_interval_s or policy.backpressure.scrape_interval_s
         )
         self.held: dict[str, Flight] = {}
+        self.cancellable: dict[str, Flight] = {}
+        """Running requests admission may cancel, by ``cancel_id``."""
         self.flights: dict[str, Flight] = {}
         """Answered requests by id, when ``keep_flights``."""
         self.stats = Stats(scenario.start_s + scenario.warmup_s)
+        if scenario.outage is not None:
+            outage = scenario.outage
+            self.stats.outage = (outage.at_s, outage.at_s + outage.for_s)
         self._ids = 0
         self.stopped_sending = False
         self.in_progress = 0
@@ -209,11 +234,30 @@ class Simulation:
         self._wake(decision.grants)
 
     def _wake(self, grants: tuple[Grant, ...] | list[Grant]) -> None:
+        """Forward what the core granted; then answer what it cancelled to make room, as
+        ``extproc.transport.held`` does after every decision."""
         for grant in grants:
             flight = self.held.pop(grant.request_id, None)
             if flight is None or flight.hold is None:
                 continue
             self._forward(flight, self.core.resume(flight.hold, grant))
+        for cancel_id in self.core.take_preempted():
+            self._preempted(cancel_id)
+
+    def _preempted(self, cancel_id: str) -> None:
+        """Admission cancelled this running request for a more urgent one: its client gets
+        503 with retry-after now, Envoy resets it upstream (the engine aborts it) and the
+        access log reaches the gateway later, as for any failed request."""
+        flight = self.cancellable.pop(cancel_id, None)
+        if flight is None or flight.done:
+            return
+        flight.cancel_id = None
+        self.stats.preempted += 1
+        answer = self.core.preempted(flight.ask.tier)
+        if flight.node is not None and flight.req is not None:
+            flight.node.abort(flight.req)
+        node = flight.node
+        self._complete(flight, answer.status, node.address if node else "", 0)
 
     def _deadline(self, flight: Flight) -> None:
         if flight.hold is None or self.held.pop(flight.hold.request_id, None) is None:
@@ -227,6 +271,10 @@ class Simulation:
         now = self.loop.now
         flight.forward = forward
         flight.forwarded_at = now
+        if forward.cancel_id is not None:
+            flight.cancel_id = forward.cancel_id
+            self.cancellable[forward.cancel_id] = flight
+            self.core.cancellable(forward.cancel_id)
         wait = now - flight.arrival
         stats = self.stats
         if flight.arrival >= stats.warmup_s and wait > stats.wait_max.get(flight.ask.tier, 0.0):
@@ -260,14 +308,24 @@ class Simulation:
             params_max_tokens=ask.max_tokens,
             sink=_Sink(self, flight),  # the engine calls back first_token/finished on it
         )
+        flight.req = req
         node.submit(req)
 
     def first_token(self, flight: Flight, at: float) -> None:
+        if flight.done:  # cancelled in the step that made this token
+            return
         flight.first_at = at
-        if flight.arrival >= self.stats.warmup_s:
-            self.stats.ttft[flight.ask.tier].append(at - flight.arrival)
+        stats = self.stats
+        if flight.arrival >= stats.warmup_s:
+            stats.ttft[flight.ask.tier].append(at - flight.arrival)
+            phase = stats.phase(flight.arrival)
+            if phase is not None:
+                by_tier = stats.ttft_by_phase.setdefault(phase, {})
+                by_tier.setdefault(flight.ask.tier, array("d")).append(at - flight.arrival)
 
     def finished(self, flight: Flight, req: EngineRequest, at: float) -> None:
+        if flight.done:  # cancelled (aborted) in its last step: the 503 was its answer
+            return
         ask = flight.ask
         output = req.num_output
         if ask.stream:
@@ -317,14 +375,22 @@ class Simulation:
         flight.done = True
         flight.ended_at = self.loop.now
         flight.status = status
+        if flight.cancel_id is not None:  # its answer started (or it failed): not cancellable
+            self.cancellable.pop(flight.cancel_id, None)
+            self.core.settled(flight.cancel_id)
+            flight.cancel_id = None
         if self.keep_flights:
             self.flights[flight.request_id] = flight
         self.in_progress -= 1
         if self.in_progress == 0 and self.stopped_sending:
             self.loop.stop()
-        if flight.arrival >= self.stats.warmup_s:
-            self.stats.statuses[(flight.ask.tier, status)] += 1
-            self.stats.measured += 1
+        stats = self.stats
+        if flight.arrival >= stats.warmup_s:
+            stats.statuses[(flight.ask.tier, status)] += 1
+            stats.measured += 1
+            phase = stats.phase(flight.arrival)
+            if phase is not None:
+                stats.statuses_by_phase[(phase, flight.ask.tier, status)] += 1
         if flight.loop_of is not None:
             # A refusal carries retry-after: a well-behaved client waits a second.
             pause = 0.0 if 200 <= status < 300 else 1.0
@@ -356,6 +422,7 @@ class Simulation:
         delay = self.scenario.knobs.health_delay_s
         self.loop.at(self.loop.now + delay, self._health, (down, False))
         self.loop.at(self.loop.now + outage.for_s, self._outage_end, down)
+        self.stats.lost += len(lost)
         for req in lost:
             sink: _Sink = req.sink
             sink.sim.lost(sink.flight)

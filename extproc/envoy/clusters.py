@@ -23,7 +23,7 @@ from extproc.envoy.params import (
     H2_MAX_WINDOW,
     EnvoyParams,
 )
-from extproc.envoy.protojson import lb_endpoint
+from extproc.envoy.protojson import duration, lb_endpoint
 from extproc.envoy.replicas import discovery_type, failover_settings, replica_cluster_name
 from extproc.wire import BACKEND_CLUSTER, DESTINATION_HEADER, EXTPROC_CLUSTER, LB_NAMESPACE
 
@@ -113,6 +113,13 @@ def _extproc_threshold(priority: str, limit: int, retries: int) -> dict[str, Any
     }
 
 
+BACKEND_IDLE_TIMEOUT_S = 4.0
+"""Envoy closes a backend connection idle this long. vLLM's HTTP server (uvicorn) closes
+one after 5 s (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``): a request Envoy sends on a connection as
+the server closes it meets a reset, a 503 "connection termination" before any header,
+which a fleet of one backend cannot retry elsewhere. Closing first avoids the race."""
+
+
 def backend_cluster(params: EnvoyParams) -> dict[str, Any]:
     """The vLLM backends: one priority level per region, routed by override_host."""
     return {
@@ -144,6 +151,14 @@ def backend_cluster(params: EnvoyParams) -> dict[str, Any]:
             ]
         },
         "health_checks": [_health_check()],
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
+                "HttpProtocolOptions",
+                "common_http_protocol_options": {"idle_timeout": duration(BACKEND_IDLE_TIMEOUT_S)},
+                "explicit_http_config": {"http_protocol_options": {}},
+            }
+        },
         # Passive checks on real traffic: ejected hosts leave the fallback LB (and make
         # previous_priorities move on). They do not stop override_host from using a listed
         # host, which is why the service lists only endpoints its own probes call healthy.

@@ -227,3 +227,60 @@ def test_chat_keeps_its_first_token_fast_under_a_real_batch_flood(
     flood_p50, flood_p90 = result["flood_p50_s"], result["flood_p90_s"]
     assert isinstance(flood_p50, float) and flood_p50 < FLOOD_P50_BOUND_S, report
     assert isinstance(flood_p90, float) and flood_p90 < FLOOD_P90_BOUND_S, report
+
+
+async def _learn_seats(session: aiohttp.ClientSession, url: str, metrics_url: str) -> None:
+    """Until the gateway has learned the engine's 2 seats (it learns them from requests
+    waiting in the engine): rounds of more short batch requests than seats."""
+    for _ in range(5):
+        if _gauge(metrics_url, "fairlane_backend_seats", 'source="learned"') == 2:
+            return
+        await asyncio.gather(*(_batch(session, url, _body(40, 30)) for _ in range(4)))
+    raise AssertionError("the gateway did not learn the engine's 2 seats")
+
+
+async def _preempt_one(url: str, metrics_url: str, vllm_url: str) -> dict[str, object]:
+    """Fill the engine's seats with long non-streamed batch requests, then send one chat
+    request: the gateway cancels one batch request for it (``extproc.core.preemption``)."""
+    engine = f"{vllm_url}/metrics"
+    body = {**_body(BATCH_TOKENS, 30), "stream": False}
+    headers = {"authorization": "Bearer sk-batch-demo"}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await _learn_seats(session, url, metrics_url)
+
+        async def batch() -> tuple[int, str]:
+            async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+                return r.status, await r.text()
+
+        batches = [asyncio.create_task(batch()) for _ in range(2)]
+        await _until(
+            lambda: _gauge(engine, "vllm:num_requests_running") >= 2,
+            60,
+            "both seats to run a batch request",
+        )
+        await asyncio.sleep(0.3)  # their streams are kept open once forwarded
+        ttft = await _ttft(session, url, "sk-chat-demo", _body(8, 30))
+        # vLLM counts no finished_reason for a request its client left, so what shows
+        # the abort is the running set: the cancelled request left it, the other batch
+        # request runs on (seconds more).
+        running_after_chat = _gauge(engine, "vllm:num_requests_running")
+        answers = await asyncio.gather(*batches)
+    return {
+        "chat_ttft_s": round(ttft, 3),
+        "engine_running_after_chat": running_after_chat,
+        "batch_statuses": sorted(s for s, _ in answers),
+    }
+
+
+def test_chat_preempts_a_non_streamed_batch_request_on_the_real_engine(
+    gateway: tuple[str, str, str],
+) -> None:
+    """The real vLLM aborts the request Envoy resets for a preemption, and chat gets the
+    seat at once instead of waiting seconds for a batch request to finish."""
+    url, metrics_url, vllm_url = gateway
+    result = asyncio.run(_preempt_one(url, metrics_url, vllm_url))
+    report = json.dumps(result)
+    assert result["batch_statuses"] == [200, 503], report  # one cancelled, one ran on
+    assert result["engine_running_after_chat"] == 1, report  # the cancelled one is gone
+    ttft = result["chat_ttft_s"]
+    assert isinstance(ttft, float) and ttft < FLOOD_P50_BOUND_S, report

@@ -28,13 +28,16 @@ def percentile(sorted_values: Sequence[float], p: float) -> float | None:
 
 
 def aging_bound_s(policy_tiers: Sequence[Any]) -> float | None:
-    """How long a batch request waits at most before aging ranks it with the tier above:
-    ``seconds_per_rank * max_ranks`` of the least urgent tier (None: it does not age)."""
+    """How long a batch request waits before aging has lifted it as far as it may (to rank
+    with the tier above): ``aging_cap / aging_rate`` of the least urgent tier (None: it does
+    not age). This bounds when batch competes with api, not when it is served: a backlogged
+    tier that asks for more than the fleet's capacity waits longer."""
     batch = policy_tiers[-1]
-    aging = getattr(batch, "aging", None)
-    if aging is None:
+    rate = float(getattr(batch, "aging_rate", 0.0))
+    cap = float(getattr(batch, "aging_cap", 0.0))
+    if rate <= 0 or cap <= 0:
         return None
-    return float(aging.seconds_per_rank * aging.max_ranks)
+    return cap / rate
 
 
 def backlogged_tenants(scenario: DesScenario) -> list[str]:

@@ -84,6 +84,7 @@ def test_bench_writes_the_contracted_results(tmp_path: Path) -> None:
     assert all(us > 0 for us in written["decision_us_per_request"].values())
     assert 0.9 <= written["jain_backlogged"] <= 1.0
     assert written["max_batch_wait_s"] >= 0
+    assert written["run"]["aging_bound_s"] == 300  # the default policy's batch aging
     assert written["memory_bytes"]["per_tenant"] > 0
     assert (tmp_path / "out" / "report.md").read_text().startswith("# `small`")
     assert (tmp_path / "out" / "decision-cost.png").stat().st_size > 0

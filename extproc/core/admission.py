@@ -52,7 +52,7 @@ from extproc.core.peers import (
     turn,
 )
 from extproc.core.picker import PickReason, choose
-from extproc.core.preemption import Cancellable
+from extproc.core.preemption import LEND_MAX_SEATS, Cancellable
 from extproc.core.prefix import PromptBlocks
 from extproc.core.priority import vllm_priority
 from extproc.core.reservations import Demand, Reservation, headroom, reserved_seats
@@ -513,7 +513,9 @@ class Admission:
         a more urgent request may take its seat (``extproc.core.preemption``)."""
         record = self._in_flight.get(request_id)
         if record is not None:
-            self._cancellable.add(record.backend.address, request_id, record.rank)
+            backend = record.backend
+            lends = backend.seats.count <= LEND_MAX_SEATS
+            self._cancellable.add(backend.address, request_id, record.rank, lends)
 
     def not_cancellable(self, request_id: str) -> None:
         """Its answer has started (or its stream ended): it runs to the end."""

@@ -8,6 +8,16 @@ nothing yet, so the gateway can cancel it instead: Envoy resets it upstream (vLL
 a request whose connection closes) and the client gets a 503 with ``retry-after`` before
 any byte of the answer, and sends it again.
 
+**Lending a reserve** to cancellable batch is a trade: a seat kept idle for chat costs its
+engine 1/S of its throughput (S seats), while a preemption costs a re-sent request's
+prefill, during which every one of the engine's S running requests waits. So the cost of
+preempting for every chat arrival grows with S, and that of an idle reserve does not.
+Measured (A/B in one run, default policy): 4-seat engines, batch goodput 75 % -> 89 % of
+FIFO's with lending, chat p90 unchanged; 8 seats 80 % -> 86 %; 32 seats 82 % -> 75 %,
+chat p90 2.09 x -> 1.75 x. Cancellable requests therefore count towards a reserve only on
+engines of at most ``LEND_MAX_SEATS`` seats; on bigger ones the reserve idles as before,
+and preemption serves only a burst of chat beyond it.
+
 This module only keeps the bookkeeping, free of I/O: which in-flight requests the
 transport can cancel (it keeps their ext_proc stream open for that), per backend, in the
 order they were sent. The victim for a more urgent request is on the backend it goes to,
@@ -19,17 +29,21 @@ from __future__ import annotations
 
 from collections import Counter
 
+LEND_MAX_SEATS = 16
+"""The biggest engine (seats) whose cancellable requests may use a reserve's seats."""
+
 
 class Cancellable:
     """Per backend, the in-flight requests that can be cancelled, oldest first, with their
     tier's rank (lower = more urgent)."""
 
-    __slots__ = ("_by_backend", "_by_rank", "_where")
+    __slots__ = ("_by_backend", "_lends", "_lent_by_rank", "_where")
 
     def __init__(self) -> None:
         self._by_backend: dict[str, dict[str, int]] = {}
         self._where: dict[str, str] = {}
-        self._by_rank: Counter[int] = Counter()
+        self._lent_by_rank: Counter[int] = Counter()
+        self._lends: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._where)
@@ -37,12 +51,15 @@ class Cancellable:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._where
 
-    def add(self, backend: str, request_id: str, rank: int) -> None:
-        """``request_id``, of a tier of ``rank``, runs on ``backend`` and can be cancelled."""
+    def add(self, backend: str, request_id: str, rank: int, lends: bool = True) -> None:
+        """``request_id``, of a tier of ``rank``, runs on ``backend`` and can be cancelled;
+        ``lends``: its seat may count towards a more urgent tier's reserve (``spare``)."""
         self.discard(request_id)
         self._by_backend.setdefault(backend, {})[request_id] = rank
         self._where[request_id] = backend
-        self._by_rank[rank] += 1
+        if lends:
+            self._lends.add(request_id)
+            self._lent_by_rank[rank] += 1
 
     def discard(self, request_id: str) -> None:
         """It finished, or can no longer be cancelled (its answer has started)."""
@@ -50,7 +67,10 @@ class Cancellable:
         if backend is None:
             return
         running = self._by_backend[backend]
-        self._by_rank[running.pop(request_id)] -= 1
+        rank = running.pop(request_id)
+        if request_id in self._lends:
+            self._lends.discard(request_id)
+            self._lent_by_rank[rank] -= 1
         if not running:
             del self._by_backend[backend]
 
@@ -68,5 +88,6 @@ class Cancellable:
 
     def spare(self, rank: int) -> int:
         """Seats that requests of tiers at ``rank`` or less urgent hold and would give up to
-        any more urgent tier: the seats a reserve for that tier may count as its own."""
-        return sum(n for r, n in self._by_rank.items() if r >= rank)
+        any more urgent tier: the seats a reserve for that tier may count as its own (those
+        added with ``lends``)."""
+        return sum(n for r, n in self._lent_by_rank.items() if r >= rank)

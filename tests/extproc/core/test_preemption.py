@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from extproc.core.preemption import Cancellable
+from extproc.core.preemption import LEND_MAX_SEATS, Cancellable
 from tests.extproc.factories import API, BATCH, INTERACTIVE, Request, make_admission
 
 PREEMPTIBLE_BATCH = dataclasses.replace(BATCH, preemptible=True)
@@ -60,3 +60,24 @@ def test_nothing_is_preempted_when_a_seat_is_free_or_no_request_can_be_cancelled
     admission.not_cancellable("b0")  # its answer started
     admission.submit("chat-2", Request(INTERACTIVE))  # type: ignore[arg-type]
     assert admission.take_preempted() == []
+
+
+def _batch_granted(seats: int) -> int:
+    """How many cancellable batch requests one engine of ``seats`` takes while chat is
+    active (it keeps a reserve)."""
+    chat = dataclasses.replace(INTERACTIVE, reserved_share=0.25)
+    admission, _, _ = make_admission(limit=100, seats=seats, tiers=(chat, API, PREEMPTIBLE_BATCH))
+    admission.submit("chat", Request(chat))  # type: ignore[arg-type]
+    admission.release("chat")  # chat is active: it holds its reserve
+    granted = 0
+    for i in range(seats + 2):
+        for grant in admission.submit(f"b{i}", Request(PREEMPTIBLE_BATCH)):  # type: ignore[arg-type]
+            admission.cancellable(grant.request_id)
+            granted += 1
+    return granted
+
+
+def test_a_small_engine_lends_its_reserve_to_cancellable_batch_a_big_one_keeps_it() -> None:
+    assert LEND_MAX_SEATS == 16
+    assert _batch_granted(4) == 4  # the reserved seat too: chat would preempt for it
+    assert _batch_granted(32) < 32  # a re-prefill stalls all 32 seats: the reserve idles

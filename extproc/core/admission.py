@@ -31,6 +31,7 @@ flow's virtual counter; the completion corrects the output-token estimate.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -151,6 +152,9 @@ class Admission:
         (``extproc.core.preemption``)."""
         self._preempted: list[str] = []
         """Requests cancelled by the latest grants, for the transport to answer."""
+        self._kv_preempted: dict[str, float] = {}
+        """Per backend, the scrape (its time) after which a request was cancelled to free
+        KV blocks: one per scrape, until the next one shows what that freed."""
         self.configure(policy)
 
     def configure(self, policy: Policy) -> list[Grant]:
@@ -461,6 +465,8 @@ class Admission:
         if tier is not None and tier.reserved_share:
             seated = [b for b in candidates if b.free_seats() >= 1 or self._can_cancel(b, rank)]
             candidates = seated or candidates
+            if not candidates and self._cancellable:
+                self._preempt_for_kv(tier, rank, now, stale)
         if not candidates:
             return None
         room = ROOM_UNBOUNDED
@@ -526,6 +532,31 @@ class Admission:
         ``Gateway.preempted``. Their seats are already free here."""
         preempted, self._preempted = self._preempted, []
         return preempted
+
+    def _preempt_for_kv(self, tier: Tier, rank: int, now: float, stale: float) -> None:
+        """No backend passes the gate of ``tier`` (one that keeps seats: chat). Where the
+        KV cache is the only bound it fails, cancel a less urgent request, once per scrape
+        of that backend: vLLM admits a waiting request only into free KV blocks (it evicts
+        running ones for running ones only), and batch requests grow into the headroom the
+        KV gate left when they went. The next scrape shows the blocks free, and the
+        dispatch that follows it seats chat first."""
+        without_kv = dataclasses.replace(tier.gate, max_kv_cache_usage=None)
+        limit = self.backend_limit
+        for backend in self.pool.backends:
+            metrics = backend.metrics
+            if (
+                metrics is None
+                or backend.fleet_in_flight >= limit
+                or self._kv_preempted.get(backend.address) == metrics.scraped_at
+                or not passes(without_kv, backend, now, stale, rank)
+            ):
+                continue
+            victim = self._cancellable.victim(backend.address, rank)
+            if victim is not None:
+                self._kv_preempted[backend.address] = metrics.scraped_at
+                self._free(victim, 0)
+                self._preempted.append(victim)
+                return
 
     def _can_cancel(self, backend: Backend, rank: int) -> bool:
         cancellable = self._cancellable

@@ -6,7 +6,16 @@ from __future__ import annotations
 import dataclasses
 
 from extproc.core.preemption import LEND_MAX_SEATS, Cancellable
-from tests.extproc.factories import API, BATCH, INTERACTIVE, Request, make_admission
+from extproc.policy.model import Gate
+from tests.extproc.factories import (
+    API,
+    BATCH,
+    INTERACTIVE,
+    Request,
+    make_admission,
+    scraped,
+    with_gate,
+)
 
 PREEMPTIBLE_BATCH = dataclasses.replace(BATCH, preemptible=True)
 
@@ -81,3 +90,26 @@ def test_a_small_engine_lends_its_reserve_to_cancellable_batch_a_big_one_keeps_i
     assert LEND_MAX_SEATS == 16
     assert _batch_granted(4) == 4  # the reserved seat too: chat would preempt for it
     assert _batch_granted(32) < 32  # a re-prefill stalls all 32 seats: the reserve idles
+
+
+def test_chat_held_by_a_full_kv_cache_cancels_one_batch_request_per_scrape() -> None:
+    chat = with_gate(
+        dataclasses.replace(INTERACTIVE, reserved_share=0.25),
+        Gate(max_waiting=3, max_kv_cache_usage=0.95),
+    )
+    admission, pool, clock = make_admission(
+        limit=100, seats=64, tiers=(chat, API, PREEMPTIBLE_BATCH)
+    )
+    for i in range(3):
+        (grant,) = admission.submit(f"b{i}", Request(PREEMPTIBLE_BATCH))  # type: ignore[arg-type]
+        admission.cancellable(grant.request_id)
+    backend = pool.backends[0]
+    scraped(backend, clock, kv=0.99)  # the batch requests grew into the whole cache
+    assert admission.submit("chat", Request(chat)) == []  # type: ignore[arg-type]
+    assert admission.take_preempted() == ["b2"]  # its blocks are free at the next step
+    admission.dispatch()
+    assert admission.take_preempted() == []  # one per scrape: the next shows what it freed
+    clock.now += 0.1
+    scraped(backend, clock, kv=0.5)
+    assert [g.request_id for g in admission.dispatch()] == ["chat"]
+    assert admission.take_preempted() == []  # a seat was free

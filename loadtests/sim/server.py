@@ -269,8 +269,11 @@ class SimServer:
             self.runner.submit(ereq)
             await done
         finally:
-            if ereq.finish_reason is None and self.runner.abort(ereq):
-                self.metrics.on_finished(ereq)
+            # A client that went away: aborted, its seat and blocks freed, and, as in vLLM
+            # 0.32, not counted (its frontend drops the request's state, and with it the
+            # finished-request stats: no request_success{finished_reason="abort"}).
+            if ereq.finish_reason is None:
+                self.runner.abort(ereq)
         if response is not None:
             await response.write_eof()
             return response

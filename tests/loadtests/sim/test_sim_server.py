@@ -244,7 +244,8 @@ async def test_client_disconnect_mid_stream_aborts_and_frees_the_slot(sim: Sim) 
         await asyncio.sleep(0.02)
     assert metric(text, "vllm:num_requests_running") == 0
     assert metric(text, "vllm:kv_cache_usage_perc") == 0
-    assert metric(text, "vllm:request_success_total", finished_reason="abort") == 1
+    # vLLM 0.32 counts no finished request for a client that went away
+    assert metric(text, "vllm:request_success_total", finished_reason="abort") == 0
 
 
 def test_cli_starts_a_server_like_vllm_serve(processes: ProcessGroup, port: int) -> None:

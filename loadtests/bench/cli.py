@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+def raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
         / "fairlane-bench"
         / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
     try:
         results = bench(scenario, out, external)
     except KeyboardInterrupt:

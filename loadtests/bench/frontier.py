@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import yaml
 
 from extproc.policy import DEFAULT_POLICY_PATH
-from loadtests.bench.cli import run_arm
+from loadtests.bench.cli import raise_interrupt, run_arm
 from loadtests.bench.policy_scale import rescale_policy
 from loadtests.bench.results import ArmResult
 from loadtests.bench.scenario import Scenario, load_scenario
@@ -163,7 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     if not settings or set(settings) - {"on", "off"}:
         parser.error("--preemption takes on, off or on,off")
     args.out.mkdir(parents=True, exist_ok=True)
-    result = measure(scenario, shares, args.out, tuple(s == "on" for s in settings))
+    # A SIGTERM unwinds like Ctrl-C, so each arm's process group stops its processes.
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
+    try:
+        result = measure(scenario, shares, args.out, tuple(s == "on" for s in settings))
+    except KeyboardInterrupt:
+        print("frontier: interrupted; every process was stopped", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     (args.out / "frontier.json").write_text(json.dumps(result, indent=2))
     plot(result, _targets(scenario), args.out / "frontier.png")
     print(f"frontier: {args.out / 'frontier.png'}")

@@ -152,9 +152,9 @@ class Admission:
         (``extproc.core.preemption``)."""
         self._preempted: list[str] = []
         """Requests cancelled by the latest grants, for the transport to answer."""
-        self._kv_preempted: dict[str, float] = {}
-        """Per backend, the scrape (its time) after which a request was cancelled to free
-        KV blocks: one per scrape, until the next one shows what that freed."""
+        self._kv_preempting: dict[str, float] = {}
+        """Per band, when a request was cancelled to free KV blocks for it: one at a time,
+        until the band's next grant (or ``stale_after_s``: the blocks went elsewhere)."""
         self.configure(policy)
 
     def configure(self, policy: Policy) -> list[Grant]:
@@ -466,7 +466,7 @@ class Admission:
             seated = [b for b in candidates if b.free_seats() >= 1 or self._can_cancel(b, rank)]
             candidates = seated or candidates
             if not candidates and self._cancellable:
-                self._preempt_for_kv(tier, rank, now, stale)
+                self._preempt_for_kv(band, tier, rank, now, stale)
         if not candidates:
             return None
         room = ROOM_UNBOUNDED
@@ -493,6 +493,7 @@ class Admission:
         )
         assert pick is not None  # _place lists healthy candidates only
         backend = pick.chosen
+        self._kv_preempting.pop(entry.band, None)
         if backend.free_seats() < 1:
             self._preempt_for(backend, where.rank)
         backend.prefix_cache.record(prompt.blocks(backend.block_size))
@@ -533,27 +534,26 @@ class Admission:
         preempted, self._preempted = self._preempted, []
         return preempted
 
-    def _preempt_for_kv(self, tier: Tier, rank: int, now: float, stale: float) -> None:
+    def _preempt_for_kv(self, band: str, tier: Tier, rank: int, now: float, stale: float) -> None:
         """No backend passes the gate of ``tier`` (one that keeps seats: chat). Where the
-        KV cache is the only bound it fails, cancel a less urgent request, once per scrape
-        of that backend: vLLM admits a waiting request only into free KV blocks (it evicts
-        running ones for running ones only), and batch requests grow into the headroom the
-        KV gate left when they went. The next scrape shows the blocks free, and the
-        dispatch that follows it seats chat first."""
+        KV cache is the only bound it fails, cancel a less urgent request: vLLM admits a
+        waiting request only into free KV blocks (it evicts running requests for running
+        ones only), and batch requests grow into the headroom the KV gate left when they
+        went. The next scrape shows the blocks free, and the dispatch that follows it seats
+        chat first. One cancellation at a time per band, until the band's next grant: each
+        costs a long prompt's prefill again."""
+        since = self._kv_preempting.get(band)
+        if since is not None and now - since < stale:
+            return
         without_kv = dataclasses.replace(tier.gate, max_kv_cache_usage=None)
         limit = self.backend_limit
         for backend in self.pool.backends:
-            metrics = backend.metrics
-            if (
-                metrics is None
-                or backend.fleet_in_flight >= limit
-                or self._kv_preempted.get(backend.address) == metrics.scraped_at
-                or not passes(without_kv, backend, now, stale, rank)
-            ):
+            full = backend.fleet_in_flight >= limit
+            if full or not passes(without_kv, backend, now, stale, rank):
                 continue
             victim = self._cancellable.victim(backend.address, rank)
             if victim is not None:
-                self._kv_preempted[backend.address] = metrics.scraped_at
+                self._kv_preempting[band] = now
                 self._free(victim, 0)
                 self._preempted.append(victim)
                 return

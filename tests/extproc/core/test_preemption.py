@@ -92,7 +92,7 @@ def test_a_small_engine_lends_its_reserve_to_cancellable_batch_a_big_one_keeps_i
     assert _batch_granted(32) < 32  # a re-prefill stalls all 32 seats: the reserve idles
 
 
-def test_chat_held_by_a_full_kv_cache_cancels_one_batch_request_per_scrape() -> None:
+def test_chat_held_by_a_full_kv_cache_cancels_one_batch_request_at_a_time() -> None:
     chat = with_gate(
         dataclasses.replace(INTERACTIVE, reserved_share=0.25),
         Gate(max_waiting=3, max_kv_cache_usage=0.95),
@@ -107,8 +107,14 @@ def test_chat_held_by_a_full_kv_cache_cancels_one_batch_request_per_scrape() -> 
     scraped(backend, clock, kv=0.99)  # the batch requests grew into the whole cache
     assert admission.submit("chat", Request(chat)) == []  # type: ignore[arg-type]
     assert admission.take_preempted() == ["b2"]  # its blocks are free at the next step
+    clock.now += 0.1
+    scraped(backend, clock, kv=0.99)  # the others grew into them meanwhile
     admission.dispatch()
-    assert admission.take_preempted() == []  # one per scrape: the next shows what it freed
+    assert admission.take_preempted() == []  # one at a time: each costs a prefill again
+    clock.now += 1.0  # stale_after_s: those blocks went elsewhere, another may go
+    scraped(backend, clock, kv=0.99)
+    admission.dispatch()
+    assert admission.take_preempted() == ["b1"]
     clock.now += 0.1
     scraped(backend, clock, kv=0.5)
     assert [g.request_id for g in admission.dispatch()] == ["chat"]

@@ -119,3 +119,30 @@ def test_chat_held_by_a_full_kv_cache_cancels_one_batch_request_at_a_time() -> N
     scraped(backend, clock, kv=0.5)
     assert [g.request_id for g in admission.dispatch()] == ["chat"]
     assert admission.take_preempted() == []  # a seat was free
+
+
+def _chat_on_a_full_engine(finished_every_s: float) -> list[str]:
+    """What a chat request (TTFT target 0.5 s) cancels on a full engine of 2 seats whose
+    batch requests finished one every ``finished_every_s``."""
+    chat = dataclasses.replace(INTERACTIVE, slo_ttft_ms=500)
+    admission, pool, clock = make_admission(
+        limit=100, seats=2, tiers=(chat, API, PREEMPTIBLE_BATCH)
+    )
+    for i in range(3):
+        admission.submit(f"earlier{i}", Request(PREEMPTIBLE_BATCH))  # type: ignore[arg-type]
+        clock.now += finished_every_s
+        scraped(pool.backends[0], clock)  # fresh metrics
+        admission.release(f"earlier{i}", output_tokens=10)
+    for i in range(2):
+        (grant,) = admission.submit(f"b{i}", Request(PREEMPTIBLE_BATCH))  # type: ignore[arg-type]
+        admission.cancellable(grant.request_id)
+    (grant,) = admission.submit("chat", Request(chat))  # type: ignore[arg-type]
+    assert grant.request_id == "chat"  # sent at once either way
+    return admission.take_preempted()
+
+
+def test_chat_cancels_only_where_a_batch_seat_would_be_long_in_freeing() -> None:
+    # a batch request finishes every 2 s: far past half chat's 0.5 s target
+    assert _chat_on_a_full_engine(2.0) == ["b1"]
+    # every 0.1 s (a big engine): chat waits for one, and nobody's work is lost
+    assert _chat_on_a_full_engine(0.1) == []

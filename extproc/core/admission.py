@@ -152,11 +152,10 @@ class Admission:
         (``extproc.core.preemption``)."""
         self._preempted: list[str] = []
         """Requests cancelled by the latest grants, for the transport to answer."""
-        self._freed_every_s: dict[str, float] = {}
-        """Per backend, a moving average of the time between two cancellable tiers'
-        requests finishing there: how soon such a seat frees by itself
+        self._preemptible_runs_s: dict[str, float] = {}
+        """Per backend, a moving average of how long its preemptible tiers' requests run
+        (grant to finish): with its seats, how soon such a seat frees by itself
         (``_worth_preempting``)."""
-        self._last_finish: dict[str, float] = {}
         self._kv_preempting: dict[str, float] = {}
         """Per band, when a request was cancelled to free KV blocks for it: one at a time,
         until the band's next grant (or ``stale_after_s``: the blocks went elsewhere)."""
@@ -573,23 +572,22 @@ class Admission:
         finishes every step or two, so cancelling would only add a re-sent prefill to every
         step (measured on 256 seats, cancelling always: chat's p90 2.3 x of no flood
         without, 3.0 x with); on 4 seats of long batch requests the next seat is seconds
-        away. Cancel when the time between two preemptible requests finishing there
-        exceeds half the tier's TTFT target (or the tier has none)."""
+        away. A full engine of S seats whose preemptible requests run T seconds frees one
+        every T / S on average (an average over requests, not the gaps between two
+        completions: requests sent together finish together). Cancel when that exceeds
+        half the tier's TTFT target (or the tier has none)."""
         if tier is None or tier.slo_ttft_ms is None:
             return True
-        freed_every_s = self._freed_every_s.get(backend.address)
-        if freed_every_s is None:
-            return True  # not two finished there yet: assume the wait is long
-        return freed_every_s > tier.slo_ttft_ms / 2000
+        runs_s = self._preemptible_runs_s.get(backend.address)
+        if runs_s is None:
+            return True  # none finished there yet: assume the wait is long
+        return runs_s / max(1, backend.seats.count) > tier.slo_ttft_ms / 2000
 
-    def _note_finish(self, address: str) -> None:
-        """A preemptible request finished on ``address`` (ran to its end)."""
-        now = self._clock()
-        last = self._last_finish.get(address)
-        self._last_finish[address] = now
-        if last is not None:
-            gap, before = now - last, self._freed_every_s.get(address)
-            self._freed_every_s[address] = gap if before is None else before + (gap - before) / 8
+    def _note_run(self, address: str, ran_s: float) -> None:
+        """A preemptible request ran ``ran_s`` on ``address``, to its end."""
+        before = self._preemptible_runs_s.get(address)
+        average = ran_s if before is None else before + (ran_s - before) / 8
+        self._preemptible_runs_s[address] = average
 
     def _can_cancel(self, backend: Backend, rank: int) -> bool:
         cancellable = self._cancellable
@@ -686,7 +684,7 @@ class Admission:
         if record is not None and output_tokens is not None:  # it ran to its end
             tier = self._tiers.get(record.entry.band)
             if tier is not None and tier.preemptible:
-                self._note_finish(record.backend.address)
+                self._note_run(record.backend.address, self._clock() - record.admitted_at)
         return self.dispatch(own_seats=1)
 
     def _free(self, request_id: str, output_tokens: int | None) -> bool:

@@ -230,45 +230,59 @@ def test_chat_keeps_its_first_token_fast_under_a_real_batch_flood(
 
 
 async def _learn_seats(session: aiohttp.ClientSession, url: str, metrics_url: str) -> None:
-    """Until the gateway has learned the engine's 2 seats (it learns them from requests
-    waiting in the engine): rounds of more short batch requests than seats."""
+    """Until the gateway has learned the engine's 2 seats: it learns them from requests
+    waiting in the engine, so rounds of more chat requests than seats (chat may queue in
+    the engine; batch goes only into a free seat)."""
     for _ in range(5):
         if _gauge(metrics_url, "fairlane_backend_seats", 'source="learned"') == 2:
             return
-        await asyncio.gather(*(_batch(session, url, _body(40, 30)) for _ in range(4)))
+        chats = (_ttft(session, url, "sk-chat-demo", _body(60, 30)) for _ in range(6))
+        await asyncio.gather(*chats)
     raise AssertionError("the gateway did not learn the engine's 2 seats")
 
 
+PREEMPT_BATCHES = 6
+"""Non-streamed batch requests outstanding for the preemption test: three times the seats,
+so that a freed seat is refilled at once and chat never finds one free by chance."""
+
+
 async def _preempt_one(url: str, metrics_url: str, vllm_url: str) -> dict[str, object]:
-    """Fill the engine's seats with long non-streamed batch requests, then send one chat
-    request: the gateway cancels one batch request for it (``extproc.core.preemption``)."""
+    """Keep the engine's seats full of long non-streamed batch requests, then send one chat
+    request: the gateway cancels one running batch request for it
+    (``extproc.core.preemption``), and vLLM stops generating it."""
     engine = f"{vllm_url}/metrics"
     body = {**_body(BATCH_TOKENS, 30), "stream": False}
     headers = {"authorization": "Bearer sk-batch-demo"}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await _learn_seats(session, url, metrics_url)
+        generated_before = _gauge(engine, "vllm:generation_tokens_total")
 
         async def batch() -> tuple[int, str]:
             async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
                 return r.status, await r.text()
 
-        batches = [asyncio.create_task(batch()) for _ in range(2)]
+        batches = [asyncio.create_task(batch()) for _ in range(PREEMPT_BATCHES)]
+        # The gateway's own view (vLLM's gauges keep their last step's value while idle):
+        # both seats' requests sent upstream, the rest held.
         await _until(
-            lambda: _gauge(engine, "vllm:num_requests_running") >= 2,
+            lambda: (
+                _gauge(metrics_url, "fairlane_backend_in_flight") == 2
+                and _gauge(metrics_url, "fairlane_queue_depth", 'tier="batch"') >= 1
+            ),
             60,
-            "both seats to run a batch request",
+            "both seats to run a batch request, with more held",
         )
         await asyncio.sleep(0.3)  # their streams are kept open once forwarded
         ttft = await _ttft(session, url, "sk-chat-demo", _body(8, 30))
-        # vLLM counts no finished_reason for a request its client left, so what shows
-        # the abort is the running set: the cancelled request left it, the other batch
-        # request runs on (seconds more).
-        running_after_chat = _gauge(engine, "vllm:num_requests_running")
         answers = await asyncio.gather(*batches)
+    # vLLM counts no finished request for a client that left; what shows the abort is
+    # that it stopped generating: fewer tokens than every request's whole answer.
+    generated = _gauge(engine, "vllm:generation_tokens_total") - generated_before
     return {
         "chat_ttft_s": round(ttft, 3),
-        "engine_running_after_chat": running_after_chat,
         "batch_statuses": sorted(s for s, _ in answers),
+        "tokens_generated": generated,
+        "tokens_if_none_aborted": PREEMPT_BATCHES * BATCH_TOKENS + 8,
     }
 
 
@@ -280,7 +294,9 @@ def test_chat_preempts_a_non_streamed_batch_request_on_the_real_engine(
     url, metrics_url, vllm_url = gateway
     result = asyncio.run(_preempt_one(url, metrics_url, vllm_url))
     report = json.dumps(result)
-    assert result["batch_statuses"] == [200, 503], report  # one cancelled, one ran on
-    assert result["engine_running_after_chat"] == 1, report  # the cancelled one is gone
+    assert result["batch_statuses"] == [200] * (PREEMPT_BATCHES - 1) + [503], report
+    generated, whole = result["tokens_generated"], result["tokens_if_none_aborted"]
+    assert isinstance(generated, float) and isinstance(whole, int), report
+    assert generated < whole, f"vLLM generated the cancelled request to its end: {report}"
     ttft = result["chat_ttft_s"]
     assert isinstance(ttft, float) and ttft < FLOOD_P50_BOUND_S, report

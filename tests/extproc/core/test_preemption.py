@@ -121,17 +121,18 @@ def test_chat_held_by_a_full_kv_cache_cancels_one_batch_request_at_a_time() -> N
     assert admission.take_preempted() == []  # a seat was free
 
 
-def _chat_on_a_full_engine(finished_every_s: float) -> list[str]:
+def _chat_on_a_full_engine(batch_runs_s: float) -> list[str]:
     """What a chat request (TTFT target 0.5 s) cancels on a full engine of 2 seats whose
-    batch requests finished one every ``finished_every_s``."""
+    batch requests ran ``batch_runs_s`` each."""
     chat = dataclasses.replace(INTERACTIVE, slo_ttft_ms=500)
     admission, pool, clock = make_admission(
         limit=100, seats=2, tiers=(chat, API, PREEMPTIBLE_BATCH)
     )
-    for i in range(3):
+    for i in range(2):  # sent together, finished together
         admission.submit(f"earlier{i}", Request(PREEMPTIBLE_BATCH))  # type: ignore[arg-type]
-        clock.now += finished_every_s
-        scraped(pool.backends[0], clock)  # fresh metrics
+    clock.now += batch_runs_s
+    scraped(pool.backends[0], clock)  # fresh metrics
+    for i in range(2):
         admission.release(f"earlier{i}", output_tokens=10)
     for i in range(2):
         (grant,) = admission.submit(f"b{i}", Request(PREEMPTIBLE_BATCH))  # type: ignore[arg-type]
@@ -142,7 +143,7 @@ def _chat_on_a_full_engine(finished_every_s: float) -> list[str]:
 
 
 def test_chat_cancels_only_where_a_batch_seat_would_be_long_in_freeing() -> None:
-    # a batch request finishes every 2 s: far past half chat's 0.5 s target
-    assert _chat_on_a_full_engine(2.0) == ["b1"]
-    # every 0.1 s (a big engine): chat waits for one, and nobody's work is lost
-    assert _chat_on_a_full_engine(0.1) == []
+    # 2 seats of 4 s requests free one every 2 s: far past half chat's 0.5 s target
+    assert _chat_on_a_full_engine(4.0) == ["b1"]
+    # 0.2 s requests (a big engine's rate): chat waits for one, and no work is lost
+    assert _chat_on_a_full_engine(0.2) == []

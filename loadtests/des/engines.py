@@ -81,6 +81,8 @@ class EngineNode:
         self._run_start = 0.0
         self._run_token = 0
         """Bumped when a stretch ends early, so that its end event is ignored."""
+        self._step_out: StepOutput | None = None
+        """The ``Engine.step`` in progress: its tokens, last ones included, are not out yet."""
         self._viewer: RunViewer | None = None
         """The stretch's viewer, built at its first scrape (most stretches see several)."""
 
@@ -122,12 +124,14 @@ class EngineNode:
             self.stepping = False
             return
         self.stepping = True
+        self._step_out = out
         self.loop.at(out.end, self._step_done, (incarnation, out))
 
     def _step_done(self, event: tuple[int, StepOutput]) -> None:
         incarnation, out = event
         if incarnation != self.incarnation:
             return
+        self._step_out = None
         at = out.end
         for req in out.outputs:
             sink: Watcher = req.sink
@@ -222,9 +226,14 @@ class EngineNode:
         )
 
     def kill(self) -> list[EngineRequest]:
-        """The engine dies: everything on it is lost (returned, for Envoy to fail)."""
+        """The engine dies: everything on it is lost (returned, for Envoy to fail), the
+        requests the step in progress finished too: the engine let go of them when the step
+        began, but their last tokens never left it."""
         engine = self.engine
         lost = list(engine.running) + list(engine.waiting)
+        if self._step_out is not None:
+            lost += [r for r in self._step_out.outputs if r.finish_reason in ("stop", "length")]
+            self._step_out = None
         self.alive = False
         self.stepping = False
         self._run = None

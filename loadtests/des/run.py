@@ -344,6 +344,8 @@ class Simulation:
 
     def lost(self, flight: Flight) -> None:
         """Its engine died: Envoy retries it if nothing reached the client yet."""
+        if flight.done:
+            return
         if flight.first_at is not None and flight.ask.stream:
             node = flight.node
             self._complete(flight, 0, node.address if node else "", 1)

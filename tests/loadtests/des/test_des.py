@@ -17,6 +17,8 @@ from loadtests.des.clock import EventLoop
 from loadtests.des.engines import EngineNode
 from loadtests.des.model import parse_des
 from loadtests.des.run import Simulation, bench, simulate
+from loadtests.sim.engine import EngineConfig, EngineRequest
+from loadtests.sim.profiles import get_profile
 
 SMALL = """\
 kind: des
@@ -215,3 +217,17 @@ def test_a_region_outage_is_reported_before_during_and_after(tmp_path: Path) -> 
     assert "## Region r1 down from 40 s to 60 s" in report.markdown(
         {"scenario": "small", "run": summary, "sweep": {}, "memory_bytes": {}}
     )
+
+
+def test_an_engine_dying_in_a_step_loses_the_requests_that_step_finished() -> None:
+    """``Engine.step`` finishes a request when the step begins (its blocks are freed) but
+    its last token leaves at the step's end: an engine killed in between must hand it to
+    Envoy with the rest, or its client waits forever."""
+    loop = EventLoop()
+    config = EngineConfig(get_profile("llama-8b-l4"), max_num_seqs=4)
+    node = EngineNode(loop, "10.0.0.1:8000", "r0", config)
+    req = EngineRequest("one", prompt_len=40, block_hashes=[], max_tokens=1, output_len=1)
+    node.submit(req)  # the prefill step that also produces its only token starts now
+    assert req.finish_reason == "length" and not node.engine.has_work
+    assert node.kill() == [req]
+    loop.run_until(10.0)  # the dead step's end is ignored

@@ -197,7 +197,14 @@ class Admission:
         backends = self.pool.backends
 
         def total() -> int:
-            return sum(min(b.seats.count, limit) for b in backends if b.healthy)
+            # A count not learned yet is a guess being probed: plan with one seat more, or
+            # a reserve could take the whole guessed fleet and stop the probing that would
+            # learn the real count (an engine caught idle at every scrape stays at 1).
+            return sum(
+                min(b.seats.count + (b.seats.source == "fallback"), limit)
+                for b in backends
+                if b.healthy
+            )
 
         if len(backends) > LARGE_FLEET:
             seats = self._sample.capacity(total, self._clock(), self._refresh_s)
@@ -531,6 +538,10 @@ class Admission:
             backend = record.backend
             lends = backend.seats.count <= LEND_MAX_SEATS
             self._cancellable.add(backend.address, request_id, record.rank, lends)
+
+    def cancellable_on(self, address: str) -> int:
+        """How many requests running on ``address`` can be cancelled now."""
+        return self._cancellable.on(address)
 
     def not_cancellable(self, request_id: str) -> None:
         """Its answer has started (or its stream ended): it runs to the end."""

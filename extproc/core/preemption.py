@@ -74,6 +74,10 @@ class Cancellable:
         if not running:
             del self._by_backend[backend]
 
+    def on(self, backend: str) -> int:
+        """How many can be cancelled on ``backend``."""
+        return len(self._by_backend.get(backend, ()))
+
     def victim(self, backend: str, rank: int) -> str | None:
         """The request on ``backend`` to cancel for one of ``rank``, or None: of the least
         urgent tier there below ``rank`` (batch before api), the newest."""

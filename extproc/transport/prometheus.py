@@ -145,8 +145,9 @@ class GatewayCollector(Collector):
             seats.add_metric([backend.address, backend.region, count.source], count.count)
         fleet = GaugeMetricFamily(
             "fairlane_fleet_seats",
-            "Seats of the healthy backends (each capped at max_in_flight_per_backend): what "
-            "reservations are shares of.",
+            "Seats of the healthy backends (each capped at max_in_flight_per_backend; a "
+            "count not learned yet one more, as it is being probed): what reservations are "
+            "shares of.",
         )
         fleet.add_metric([], self.admission.capacity)
         reserved = GaugeMetricFamily(
@@ -167,6 +168,11 @@ class GatewayCollector(Collector):
         in_flight = gauge(
             "fairlane_backend_in_flight",
             "Requests released to a backend and not yet seen to finish.",
+        )
+        cancellable = gauge(
+            "fairlane_backend_cancellable",
+            "Requests running on the backend that a more urgent request may cancel "
+            "(non-streamed, of a preemptible tier, answer not started).",
         )
         healthy = gauge(
             "fairlane_backend_healthy",
@@ -203,6 +209,7 @@ class GatewayCollector(Collector):
         for backend in self.admission.pool.backends:
             labels = [backend.address, backend.region]
             in_flight.add_metric(labels, backend.in_flight)
+            cancellable.add_metric(labels, self.admission.cancellable_on(backend.address))
             healthy.add_metric(labels, int(backend.healthy))
             cooling.add_metric(labels, int(backend.cooling_off))
             metrics = backend.metrics
@@ -213,7 +220,7 @@ class GatewayCollector(Collector):
                 waiting.add_metric(labels, metrics.waiting)
                 running.add_metric(labels, metrics.running)
                 kv.add_metric(labels, metrics.kv_cache_usage)
-        return (in_flight, healthy, cooling, waiting, running, kv, age, stale)
+        return (in_flight, cancellable, healthy, cooling, waiting, running, kv, age, stale)
 
     def _outcomes(self) -> Iterable[Metric]:
         stats = self.stats

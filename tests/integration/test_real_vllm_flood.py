@@ -241,62 +241,72 @@ async def _learn_seats(session: aiohttp.ClientSession, url: str, metrics_url: st
     raise AssertionError("the gateway did not learn the engine's 2 seats")
 
 
-PREEMPT_BATCHES = 6
-"""Non-streamed batch requests outstanding for the preemption test: three times the seats,
-so that a freed seat is refilled at once and chat never finds one free by chance."""
+PREEMPT_CLIENTS = 6
+"""Closed-loop clients of non-streamed batch requests in the preemption test: three times
+the seats, so a freed seat is refilled at once and every chat request finds them full."""
+PREEMPT_CHATS = 5
 
 
-async def _preempt_one(url: str, metrics_url: str, vllm_url: str) -> dict[str, object]:
-    """Keep the engine's seats full of long non-streamed batch requests, then send one chat
-    request: the gateway cancels one running batch request for it
-    (``extproc.core.preemption``), and vLLM stops generating it."""
+async def _preempt_for_chat(url: str, metrics_url: str, vllm_url: str) -> dict[str, object]:
+    """Keep the engine's seats full of non-streamed batch requests, and send chat requests
+    one at a time: the gateway cancels running batch requests for them
+    (``extproc.core.preemption``), and vLLM stops generating those."""
     engine = f"{vllm_url}/metrics"
     body = {**_body(BATCH_TOKENS, 30), "stream": False}
     headers = {"authorization": "Bearer sk-batch-demo"}
+    statuses: list[int] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await _learn_seats(session, url, metrics_url)
         generated_before = _gauge(engine, "vllm:generation_tokens_total")
+        stop = asyncio.Event()
 
-        async def batch() -> tuple[int, str]:
-            async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
-                return r.status, await r.text()
+        async def batch_client() -> None:
+            while not stop.is_set():
+                async with session.post(
+                    f"{url}/v1/chat/completions", json=body, headers=headers
+                ) as r:
+                    await r.read()
+                    statuses.append(r.status)
 
-        batches = [asyncio.create_task(batch()) for _ in range(PREEMPT_BATCHES)]
-        # The gateway's own view (vLLM's gauges keep their last step's value while idle):
-        # both seats' requests sent upstream, the rest held.
-        await _until(
-            lambda: (
-                _gauge(metrics_url, "fairlane_backend_in_flight") == 2
-                and _gauge(metrics_url, "fairlane_queue_depth", 'tier="batch"') >= 1
-            ),
-            60,
-            "both seats to run a batch request, with more held",
-        )
-        await asyncio.sleep(0.3)  # their streams are kept open once forwarded
-        ttft = await _ttft(session, url, "sk-chat-demo", _body(8, 30))
-        answers = await asyncio.gather(*batches)
-    # vLLM counts no finished request for a client that left; what shows the abort is
-    # that it stopped generating: fewer tokens than every request's whole answer.
+        clients = [asyncio.create_task(batch_client()) for _ in range(PREEMPT_CLIENTS)]
+        try:
+            await _until(
+                lambda: _gauge(metrics_url, "fairlane_backend_cancellable") == 2,
+                60,
+                "both seats to run a cancellable batch request",
+            )
+            ttfts = []
+            for _ in range(PREEMPT_CHATS):
+                ttfts.append(await _ttft(session, url, "sk-chat-demo", _body(8, 30)))
+                await asyncio.sleep(0.3)
+        finally:
+            stop.set()
+            await asyncio.gather(*clients, return_exceptions=True)
+    # vLLM counts no finished request for a client that left; what shows the aborts is
+    # that it generated fewer tokens than every batch request's whole answer.
     generated = _gauge(engine, "vllm:generation_tokens_total") - generated_before
     return {
-        "chat_ttft_s": round(ttft, 3),
-        "batch_statuses": sorted(s for s, _ in answers),
+        "chat_ttft_s": [round(t, 3) for t in ttfts],
+        "batch_statuses": {str(code): statuses.count(code) for code in sorted(set(statuses))},
         "tokens_generated": generated,
-        "tokens_if_none_aborted": PREEMPT_BATCHES * BATCH_TOKENS + 8,
+        "tokens_if_none_aborted": len(statuses) * BATCH_TOKENS + PREEMPT_CHATS * 8,
     }
 
 
-def test_chat_preempts_a_non_streamed_batch_request_on_the_real_engine(
+def test_chat_preempts_non_streamed_batch_requests_on_the_real_engine(
     gateway: tuple[str, str, str],
 ) -> None:
-    """The real vLLM aborts the request Envoy resets for a preemption, and chat gets the
-    seat at once instead of waiting seconds for a batch request to finish."""
+    """Chat requests preempt running non-streamed batch requests on the real vLLM: their
+    clients get 503 ``preempted``, and vLLM stops generating them when Envoy resets them."""
     url, metrics_url, vllm_url = gateway
-    result = asyncio.run(_preempt_one(url, metrics_url, vllm_url))
+    result = asyncio.run(_preempt_for_chat(url, metrics_url, vllm_url))
     report = json.dumps(result)
-    assert result["batch_statuses"] == [200] * (PREEMPT_BATCHES - 1) + [503], report
+    statuses = result["batch_statuses"]
+    assert isinstance(statuses, dict) and set(statuses) <= {"200", "503"}, report
+    assert statuses.get("503", 0) >= 1, f"no batch request was preempted: {report}"
     generated, whole = result["tokens_generated"], result["tokens_if_none_aborted"]
     assert isinstance(generated, float) and isinstance(whole, int), report
-    assert generated < whole, f"vLLM generated the cancelled request to its end: {report}"
-    ttft = result["chat_ttft_s"]
-    assert isinstance(ttft, float) and ttft < FLOOD_P50_BOUND_S, report
+    assert generated < whole, f"vLLM generated the cancelled requests to their end: {report}"
+    # Chat's TTFT is reported, not bounded: on this engine a batch request lasts well under
+    # a second when the machine is idle, so whether a chat request preempts or waits for
+    # the next one to finish is a matter of tenths (the bench measures the target).

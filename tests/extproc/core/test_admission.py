@@ -10,6 +10,7 @@ from extproc.core.admission import Admission, Grant
 from extproc.core.errors import Rejection
 from extproc.core.prefix import PromptBlocks
 from extproc.core.reservations import seats_for
+from extproc.fleet.backend import BackendPool, BackendSpec
 from extproc.fleet.vllm_metrics import EngineMetrics
 from extproc.policy import Tier
 from extproc.policy.model import Gate
@@ -18,8 +19,10 @@ from tests.extproc.factories import (
     BATCH,
     INTERACTIVE,
     TENANT,
+    FakeClock,
     Request,
     make_admission,
+    policy,
     scraped,
     with_gate,
 )
@@ -435,3 +438,19 @@ def test_a_free_seat_beats_a_better_score_on_a_full_engine() -> None:
     # it would wait for the running request to finish, so it goes where a seat is free.
     submit(admission, "follow-up", Request(chat, prompt_text="hello " * 50 + "and then?"))
     assert admission.backend_of("follow-up") is free
+
+
+def test_a_reserve_cannot_stop_the_probing_of_an_engine_whose_seats_are_unknown() -> None:
+    """An engine never caught running plans with one seat (the fallback); chat's reserve
+    is at least one seat: counted against that guess it left batch nothing, and the
+    engine, idle, never showed its real size (a deadlock, seen on the real vLLM)."""
+    clock = FakeClock()
+    pool = BackendPool([BackendSpec("127.0.0.1", 9000, "r")], clock=clock)  # nothing declared
+    backend = pool.backends[0]
+    scraped(backend, clock)
+    chat = dataclasses.replace(INTERACTIVE, reserved_share=0.25)
+    admission = Admission(pool, policy(100, (chat, API, BATCH)))
+    assert (backend.seats.source, backend.seats.count) == ("fallback", 1)
+    admission.submit("chat", Request(chat))  # type: ignore[arg-type]
+    admission.release("chat")  # chat is active: it keeps its reserve
+    assert [g.request_id for g in admission.submit("b", Request(BATCH))] == ["b"]  # type: ignore[arg-type]

@@ -48,9 +48,6 @@ class Cancellable:
     def __len__(self) -> int:
         return len(self._where)
 
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._where
-
     def add(self, backend: str, request_id: str, rank: int, lends: bool = True) -> None:
         """``request_id``, of a tier of ``rank``, runs on ``backend`` and can be cancelled;
         ``lends``: its seat may count towards a more urgent tier's reserve (``spare``)."""

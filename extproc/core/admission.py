@@ -573,8 +573,7 @@ class Admission:
             victim = self._cancellable.victim(backend.address, rank)
             if victim is not None:
                 self._kv_preempting[band] = now
-                self._free(victim, 0)
-                self._preempted.append(victim)
+                self._cancel(victim)
                 return
 
     def _worth_preempting(self, backend: Backend, tier: Tier | None) -> bool:
@@ -612,10 +611,14 @@ class Admission:
         victim = self._cancellable.victim(backend.address, rank)
         if victim is None:
             return
-        record = self._in_flight[victim]
-        log.debug("preempting %s (%s) on %s", victim, record.entry.band, backend.address)
-        self._free(victim, 0)  # its client got nothing: its flow is charged nothing more
-        self._preempted.append(victim)
+        self._cancel(victim)
+
+    def _cancel(self, victim: str) -> None:
+        """Free ``victim``'s seat now; the transport answers it (``take_preempted``)."""
+        record = self._free(victim, 0)  # its client got nothing: its flow is charged nothing more
+        if record is not None:
+            log.debug("preempting %s (%s) on %s", victim, record.entry.band, record.backend.address)
+            self._preempted.append(victim)
 
     # ----------------------------------------------------------------- replicas
 
@@ -689,21 +692,22 @@ class Admission:
         ``output_tokens``, when known, settles the flow's charge for the estimate, and the
         budgets' (``extproc.core.budgets``).
         """
-        record = self._in_flight.get(request_id)
-        if not self._free(request_id, output_tokens):
+        record = self._free(request_id, output_tokens)
+        if record is None:
             return []
-        if record is not None and output_tokens is not None:  # it ran to its end
+        if output_tokens is not None:  # it ran to its end
             tier = self._tiers.get(record.entry.band)
             if tier is not None and tier.preemptible:
                 self._note_run(record.backend.address, self._clock() - record.admitted_at)
         return self.dispatch(own_seats=1)
 
-    def _free(self, request_id: str, output_tokens: int | None) -> bool:
-        """``release`` without the dispatch: False when the request was not in flight."""
+    def _free(self, request_id: str, output_tokens: int | None) -> InFlight | None:
+        """``release`` without the dispatch: what was freed (None when the request was not
+        in flight)."""
         self.budgets.finish(request_id, self._clock(), output_tokens)
         record = self._in_flight.pop(request_id, None)
         if record is None:
-            return False
+            return None
         self._cancellable.discard(request_id)
         record.backend.note_completion(record.rank)
         self._sample.freed(record.backend)
@@ -717,7 +721,7 @@ class Admission:
             self.scheduler.correct(
                 entry.flow, entry.band, entry.output_tokens_estimate, output_tokens, entry.weight
             )
-        return True
+        return record
 
     def backend_of(self, request_id: str) -> Backend | None:
         """The backend an in-flight request was sent to first (None when not in flight)."""

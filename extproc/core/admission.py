@@ -95,7 +95,14 @@ class InFlight:
     rank: int
     admitted_at: float
     grant: Grant
+    kv_tokens: int = 0
+    """What it was granted to hold in its backend's KV cache at its end
+    (``Backend.note_grant``'s ``committed_tokens``)."""
 
+
+OUTPUT_SHARE_SMOOTHING = 16
+"""A band's share of its output estimate actually generated is a moving average over
+about this many completions."""
 
 ROOM_UNBOUNDED = 1 << 30
 """``Placement.room`` of a band that seats do not bound (its gates and the cap do)."""
@@ -159,6 +166,9 @@ class Admission:
         self._kv_preempting: dict[str, float] = {}
         """Per band, when a request was cancelled to free KV blocks for it: one at a time,
         until the band's next grant (or ``stale_after_s``: the blocks went elsewhere)."""
+        self._output_share: dict[str, float] = {}
+        """Per band, the share of their output estimate its requests generated, a moving
+        average (``_expected_output``): 1 until a completion says otherwise."""
         self.configure(policy)
 
     def configure(self, policy: Policy) -> list[Grant]:
@@ -445,7 +455,8 @@ class Admission:
         # Whether seats bound this tier here: it needs a free one (batch), or a more urgent
         # active tier holds a reserve it must leave. Otherwise its gates (the engine's own
         # queue) and the policy's cap bound it, as they would without seats.
-        seat_bound = queue == 0 or any(r < rank and r in active for r in reserved)
+        reserved_above = any(r < rank and r in active for r in reserved)
+        seat_bound = queue == 0 or reserved_above
         capacity = self.capacity if seat_bound else len(self.pool.backends) * limit
         spare = self._cancellable.spare(rank) if self._cancellable else 0
         admissible = headroom(rank, in_flight, capacity, reserved, active, spare)
@@ -459,7 +470,7 @@ class Admission:
                 b.fleet_in_flight < limit
                 and b.healthy
                 and (not seat_bound or queue is None or b.free_seats() > -queue)
-                and (tier is None or passes(tier.gate, b, now, stale, rank))
+                and (tier is None or passes(tier.gate, b, now, stale, rank, reserved_above))
             )
 
         backends = self.pool.backends
@@ -511,9 +522,12 @@ class Admission:
         self._kv_preempting.pop(entry.band, None)
         if backend.free_seats() < 1 and self._worth_preempting(backend, where.tier):
             self._preempt_for(backend, where.rank)
-        backend.prefix_cache.record(prompt.blocks(backend.block_size))
+        blocks = prompt.blocks(backend.block_size)
+        shared_tokens = backend.prefix_cache.match(blocks) * backend.block_size
+        backend.prefix_cache.record(blocks)
         self.picks[(backend.address, pick.reason)] += 1
-        backend.note_grant(entry.input_tokens + entry.output_tokens_estimate, where.rank)
+        kv_tokens = max(0, entry.input_tokens - shared_tokens) + self._expected_output(entry)
+        backend.note_grant(entry.input_tokens + entry.output_tokens_estimate, where.rank, kv_tokens)
         self._pending[user] += 1
         self._in_flight_by_rank[where.rank] += 1
         now = self._clock()
@@ -525,8 +539,26 @@ class Admission:
             now - entry.enqueued_at,
             entry.flow,
         )
-        self._in_flight[entry.request_id] = InFlight(backend, user, entry, where.rank, now, grant)
+        self._in_flight[entry.request_id] = InFlight(
+            backend, user, entry, where.rank, now, grant, kv_tokens
+        )
         return grant
+
+    def _expected_output(self, entry: Entry) -> int:
+        """The output a request of ``entry``'s band will generate, for the KV it commits:
+        its estimate (``max_tokens``, or the policy's default) times the share of their
+        estimate the band's requests have been generating. Clients ask for far more
+        ``max_tokens`` than they use; summed over the requests on an engine, the average
+        share is what their caches grow to."""
+        share = self._output_share.get(entry.band, 1.0)
+        return math.ceil(entry.output_tokens_estimate * share)
+
+    def _note_output(self, entry: Entry, output_tokens: int) -> None:
+        """A request of ``entry``'s band generated ``output_tokens`` of its estimate."""
+        estimate = max(1, entry.output_tokens_estimate)
+        share = min(1.0, output_tokens / estimate)
+        before = self._output_share.get(entry.band, 1.0)
+        self._output_share[entry.band] = before + (share - before) / OUTPUT_SHARE_SMOOTHING
 
     # ----------------------------------------------------------------- preemption
 
@@ -709,7 +741,7 @@ class Admission:
         if record is None:
             return None
         self._cancellable.discard(request_id)
-        record.backend.note_completion(record.rank)
+        record.backend.note_completion(record.rank, record.kv_tokens)
         self._sample.freed(record.backend)
         self._pending[record.user] -= 1
         if self._pending[record.user] <= 0:
@@ -718,6 +750,7 @@ class Admission:
         self._demand.change(record.rank, -1, self._clock(), self._windows.get(record.rank, 0.0))
         if output_tokens is not None:
             entry = record.entry
+            self._note_output(entry, output_tokens)
             self.scheduler.correct(
                 entry.flow, entry.band, entry.output_tokens_estimate, output_tokens, entry.weight
             )

@@ -14,7 +14,10 @@ Semantics, precisely:
   admit, and that is what ``max_in_flight: 0`` or a missing tier is for.
 - ``max_kv_cache_usage``: admits while usage ``<=`` the bound (a fraction, 0..1): the
   scraped usage plus what the grants since the scrape will hold
-  (``Backend.projected_kv_usage``).
+  (``Backend.projected_kv_usage``). With ``final_kv`` (admission sets it for a tier that
+  a more urgent active tier holds a reserve against) the usage is what the requests in
+  flight will hold at their end (``Backend.final_kv_usage``): the headroom the bound
+  leaves must still be there when chat arrives, after batch has generated its output.
 - ``max_itl_s``: admits while the mean inter-token latency of the last scrape interval is
   ``<=`` the bound; an unknown ITL (idle engine, first scrape) does not block.
 - ``max_in_flight``: the gateway's own count of requests it sent to the backend and has
@@ -41,7 +44,12 @@ from extproc.policy.model import Gate
 
 
 def passes(
-    gate: Gate, backend: Backend, now: float, stale_after_s: float, rank: int | None = None
+    gate: Gate,
+    backend: Backend,
+    now: float,
+    stale_after_s: float,
+    rank: int | None = None,
+    final_kv: bool = False,
 ) -> bool:
     """Whether ``backend`` may take one more request of the tier ``gate`` belongs to now.
 
@@ -58,8 +66,10 @@ def passes(
         if waiting >= max(gate.max_waiting, 1):
             return False
     kv_bound = gate.max_kv_cache_usage
-    if kv_bound is not None and backend.projected_kv_usage() > kv_bound:
-        return False
+    if kv_bound is not None:
+        usage = backend.final_kv_usage() if final_kv else backend.projected_kv_usage()
+        if usage > kv_bound:
+            return False
     if gate.max_itl_s is not None and backend.itl_s is not None and backend.itl_s > gate.max_itl_s:
         return False
     return gate.max_in_flight is None or backend.fleet_in_flight < gate.max_in_flight

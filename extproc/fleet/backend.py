@@ -250,6 +250,7 @@ class Backend:
         "in_flight",
         "in_flight_by_rank",
         "itl_s",
+        "kv_committed_tokens",
         "kv_tokens_since_scrape",
         "kv_tokens_total",
         "metrics",
@@ -276,6 +277,9 @@ class Backend:
         self.granted_since_scrape = 0
         self.completed_since_scrape = 0
         self.kv_tokens_since_scrape = 0
+        # What this gateway's requests in flight here will hold once they have generated
+        # their output (``final_kv_usage``).
+        self.kv_committed_tokens = 0
         # Cumulative twins of the three counters above, and marks of them in time: what a
         # scrape taken elsewhere at some moment can have seen (``adopt_scrape``).
         self.granted_total = 0
@@ -330,10 +334,13 @@ class Backend:
         self.peer_in_flight_by_rank = by_rank
         self.peer_in_flight = sum(by_rank.values())
 
-    def note_grant(self, kv_tokens: int = 0, rank: int = 0) -> None:
+    def note_grant(self, kv_tokens: int = 0, rank: int = 0, committed_tokens: int = 0) -> None:
         """Admission sent one request here: count it in flight and as not yet scraped, with
         the ``kv_tokens`` (prompt plus expected output) it will hold in the KV cache and the
-        ``rank`` (tier, lower = more urgent) it runs as."""
+        ``rank`` (tier, lower = more urgent) it runs as. ``committed_tokens`` is what it will
+        hold at its end beyond what the cache already shares with it (``final_kv_usage``);
+        the same number goes back with ``note_completion``."""
+        self.kv_committed_tokens += committed_tokens
         self.in_flight += 1
         self.in_flight_by_rank[rank] += 1
         self.granted_since_scrape += 1
@@ -370,6 +377,24 @@ class Backend:
             return metrics.kv_cache_usage
         return metrics.kv_cache_usage + self.kv_tokens_since_scrape / capacity
 
+    def final_kv_usage(self) -> float:
+        """KV-cache use once the requests in flight here have grown to their end (0..1+):
+        the larger of ``projected_kv_usage`` and what this gateway's requests in flight
+        were granted to hold at their end (prompt beyond a shared prefix, plus output).
+
+        A running request's cache grows by a block every ``block_size`` tokens it
+        generates, so a KV bound checked against the use *now* lets a less urgent tier fill
+        the headroom a more urgent one needs: on a KV-bound fleet, batch admitted at 85 %
+        grew to a full cache, and chat's prompt then waited for blocks (vLLM admits a
+        waiting request only into free blocks). Other gateways' requests and any prefix
+        sharing the gateway cannot see are in the scraped figure, hence the maximum.
+        """
+        projected = self.projected_kv_usage()
+        capacity = self.kv_capacity_tokens()
+        if capacity is None:
+            return projected
+        return max(projected, self.kv_committed_tokens / capacity)
+
     def kv_capacity_tokens(self) -> int | None:
         """Tokens the engine's KV cache holds, from ``cache_config_info`` (None if unknown)."""
         metrics = self.metrics
@@ -377,8 +402,10 @@ class Backend:
             return None
         return metrics.num_gpu_blocks * metrics.block_size
 
-    def note_completion(self, rank: int = 0) -> None:
-        """A request sent here finished: its seat is free before the next scrape shows it."""
+    def note_completion(self, rank: int = 0, committed_tokens: int = 0) -> None:
+        """A request sent here finished: its seat is free before the next scrape shows it,
+        and the KV it was granted (``note_grant``'s ``committed_tokens``) with it."""
+        self.kv_committed_tokens -= committed_tokens
         self.in_flight -= 1
         self.in_flight_by_rank[rank] -= 1
         self.completed_since_scrape += 1

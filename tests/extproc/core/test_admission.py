@@ -10,7 +10,7 @@ from extproc.core.admission import Admission, Grant
 from extproc.core.errors import Rejection
 from extproc.core.prefix import PromptBlocks
 from extproc.core.reservations import seats_for
-from extproc.fleet.backend import BackendPool, BackendSpec
+from extproc.fleet.backend import Backend, BackendPool, BackendSpec
 from extproc.fleet.vllm_metrics import EngineMetrics
 from extproc.policy import Tier
 from extproc.policy.model import Gate
@@ -25,6 +25,9 @@ from tests.extproc.factories import (
     policy,
     scraped,
     with_gate,
+)
+from tests.extproc.factories import (
+    OPEN as OPEN_GATE,
 )
 
 
@@ -454,3 +457,58 @@ def test_a_reserve_cannot_stop_the_probing_of_an_engine_whose_seats_are_unknown(
     admission.submit("chat", Request(chat))  # type: ignore[arg-type]
     admission.release("chat")  # chat is active: it keeps its reserve
     assert [g.request_id for g in admission.submit("b", Request(BATCH))] == ["b"]  # type: ignore[arg-type]
+
+
+def _sized(backend: Backend, clock: FakeClock, kv: float) -> None:
+    """A fresh scrape of an engine whose KV cache holds 1,600 tokens, ``kv`` of it used."""
+    metrics = EngineMetrics(0, 0, kv, 0.0, 0.0, clock(), block_size=16, num_gpu_blocks=100)
+    backend.record_scrape(
+        metrics,
+        granted_before=backend.granted_since_scrape,
+        kv_tokens_before=backend.kv_tokens_since_scrape,
+    )
+
+
+def test_batch_leaves_kv_for_chat_by_what_it_will_hold_at_its_end() -> None:
+    """A batch request's cache grows as it generates; checked against the cache now, batch
+    would fill the headroom its KV bound leaves for chat. While chat is active, batch is
+    admitted by what the requests in flight will hold at their end; when chat has gone
+    quiet, by the cache now (work-conserving)."""
+    chat = Tier(
+        "interactive", 0, 0, 10, 5.0, reserved_share=0.5, reserved_idle_s=10.0, gate=OPEN_GATE
+    )
+    batch = with_gate(BATCH, Gate(max_waiting=None, max_kv_cache_usage=0.5))
+    admission, pool, clock = make_admission(limit=8, tiers=(chat, API, batch))
+    backend = pool.backends[0]
+    _sized(backend, clock, kv=0.0)
+    assert submit(admission, "chat", Request(chat, prompt_tokens=100, max_tokens=10)).granted
+    flood = [
+        submit(admission, f"b{i}", Request(batch, prompt_tokens=100, max_tokens=300))
+        for i in range(3)
+    ]
+    assert [t.granted for t in flood] == [True, True, False]  # 910 of 1,600 tokens at the end
+    _sized(backend, clock, kv=0.15)  # the prompts are in: 15 % used now, 57 % at the end
+    admission.dispatch()
+    assert not flood[2].granted
+    admission.release("chat", output_tokens=10)
+    clock.now += 11  # chat quiet for longer than it keeps its reserve
+    _sized(backend, clock, kv=0.15)
+    admission.dispatch()
+    assert flood[2].granted
+
+
+def test_a_bands_output_estimate_follows_what_its_requests_generate() -> None:
+    """Clients ask for more ``max_tokens`` than they use: the KV a request commits follows
+    the share of its estimate that its band's requests really generated."""
+    admission, pool, _ = make_admission(limit=1)
+    backend = pool.backends[0]
+    asked = Request(BATCH, prompt_tokens=100, max_tokens=300)
+    submit(admission, "first", asked)
+    assert backend.kv_committed_tokens == 400  # nothing learned: all 300
+    admission.release("first", output_tokens=30)
+    for i in range(40):
+        submit(admission, f"r{i}", asked)
+        admission.release(f"r{i}", output_tokens=30)
+    assert backend.kv_committed_tokens == 0
+    submit(admission, "last", asked)
+    assert 100 + 30 < backend.kv_committed_tokens < 100 + 60

@@ -102,6 +102,24 @@ def test_scrapes_size_the_prefix_model_from_cache_config_info() -> None:
     assert backend.block_size == 128 and len(backend.prefix_cache) == 0
 
 
+def test_final_kv_usage_counts_what_requests_in_flight_will_hold_at_their_end() -> None:
+    backend = Backend(BackendSpec("127.0.0.1", 1))
+    unsized = EngineMetrics(0.0, 2.0, 0.2, 0.0, 0.0, 0.0)
+    backend.record_scrape(unsized, 0)
+    backend.note_grant(kv_tokens=100, rank=2, committed_tokens=900)
+    assert backend.final_kv_usage() == backend.projected_kv_usage() == 0.2  # size unknown
+    sized = dataclasses.replace(unsized, block_size=16, num_gpu_blocks=100)
+    backend.record_scrape(sized, granted_before=1, kv_tokens_before=100)
+    assert backend.projected_kv_usage() == pytest.approx(0.2)  # the scrape saw the grant
+    assert backend.final_kv_usage() == pytest.approx(900 / 1600)  # it will grow to 900
+    backend.note_grant(kv_tokens=160, rank=0, committed_tokens=200)
+    assert backend.final_kv_usage() == pytest.approx(1100 / 1600)
+    backend.note_completion(2, committed_tokens=900)
+    assert backend.kv_committed_tokens == 200
+    # others' requests (another gateway) fill the cache beyond our own commitments
+    assert backend.final_kv_usage() == pytest.approx(0.2 + 160 / 1600)
+
+
 def test_parse_backend_names_where_its_key_is_read_from() -> None:
     spec = parse_backend("eu=http://10.0.0.5:8000#key=env:VLLM_API_KEY")
     assert spec == BackendSpec("10.0.0.5", 8000, "eu", credential="env:VLLM_API_KEY")

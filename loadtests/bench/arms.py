@@ -9,6 +9,11 @@ scheduling policy, as it would in production:
   or random load balancing, and vLLM's default ``fcfs``. These arms send no priority, so
   under ``priority`` every request would have the same one and the engine would order by
   arrival anyway; ``fcfs`` keeps them what a stock deployment runs.
+* ``vllm-priority``: what the engine alone does with priorities, no gateway: Envoy
+  round-robin as in ``fifo``, engines on ``priority``, and each request carries its tier's
+  priority from the scenario's policy in its body (the client sets it, as a client of a
+  bare vLLM fleet would). The reference for what fairlane adds beyond vLLM's own
+  priority queue.
 * ``fairlane``: the gateway, engines on ``priority`` so the priority it injects means
   something.
 
@@ -38,7 +43,13 @@ from loadtests.bench.fifo_bootstrap import FIFO_CLUSTER, render_fifo_bootstrap
 from loadtests.bench.scenario import ENVOY_ONLY_KINDS, Arm, Scenario
 
 REGION = "local"  # one region: the whole fleet is equally near, as in the FIFO baseline
-SCHEDULING = {"fifo": "fcfs", "least-request": "fcfs", "random": "fcfs", "fairlane": "priority"}
+SCHEDULING = {
+    "fifo": "fcfs",
+    "vllm-priority": "priority",
+    "least-request": "fcfs",
+    "random": "fcfs",
+    "fairlane": "priority",
+}
 _LB = "type.googleapis.com/envoy.extensions.load_balancing_policies."
 # Envoy's load-balancing extension per Envoy-only arm kind (typed_extension_config).
 # (fifo keeps render_fifo_bootstrap's round-robin as it is.)
@@ -151,7 +162,7 @@ def envoy_only_bootstrap(params: EnvoyParams, kind: str) -> dict[str, Any]:
     backend cluster's load balancing replaced by ``kind``'s: the same listener, timeouts
     and cluster limits, so the arms differ in the picking only."""
     bootstrap = render_fifo_bootstrap(params)
-    if kind == "fifo":
+    if kind in ("fifo", "vllm-priority"):
         return bootstrap
     clusters = bootstrap["static_resources"]["clusters"]
     cluster = next(c for c in clusters if c["name"] == FIFO_CLUSTER)

@@ -27,7 +27,13 @@ import aiohttp
 from loadtests.bench.cachestats import PrefixCounters, parse_prefix_counters
 from loadtests.bench.cpu import machine_busy_seconds
 from loadtests.bench.scenario import Group, Scenario
-from loadtests.bench.workload import RequestShape, chat_body, client_shapes, open_loop_schedule
+from loadtests.bench.workload import (
+    RequestShape,
+    chat_body,
+    client_shapes,
+    open_loop_schedule,
+    tier_priorities,
+)
 
 CHAT_PATH = "/v1/chat/completions"
 QUEUE_HEADER = "x-fairlane-queue-ms"
@@ -120,6 +126,9 @@ class LoadRun:
         self.scenario = scenario
         self.arm = arm
         self.groups = groups
+        kind = next((a.kind for a in scenario.arms if a.name == arm), None)
+        self.priorities = tier_priorities(scenario.policy) if kind == "vllm-priority" else None
+        """Tier -> vLLM priority, sent in each body where no gateway sets it."""
         self.url = base_url.rstrip("/") + CHAT_PATH
         self.speedup = scenario.speedup
         self.records: list[RequestRecord] = []
@@ -275,7 +284,8 @@ class LoadRun:
     async def _request(
         self, session: aiohttp.ClientSession, group: Group, item: RequestShape
     ) -> None:
-        body = chat_body(item, group, self.scenario.seed, self.scenario.model)
+        priority = None if self.priorities is None else self.priorities.get(group.tier)
+        body = chat_body(item, group, self.scenario.seed, self.scenario.model, priority)
         headers = {"authorization": f"Bearer {group.api_key}"}
         if group.user:
             headers[group.user_header] = group.user

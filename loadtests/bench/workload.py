@@ -15,8 +15,10 @@ import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from extproc.core.prompt import count_tokens, render_chat
+from extproc.policy import load_policy
 from loadtests.bench.scenario import Dist, Group, SharedPrefix
 
 # Five-letter-or-shorter words are exactly one token each for extproc.core.prompt (" word").
@@ -221,7 +223,11 @@ def chat_messages(shape: RequestShape, group: Group, seed: int) -> list[dict[str
     return [{"role": "user", "content": text}]
 
 
-def chat_body(shape: RequestShape, group: Group, seed: int, model: str) -> dict[str, object]:
+def chat_body(
+    shape: RequestShape, group: Group, seed: int, model: str, priority: int | None = None
+) -> dict[str, object]:
+    """The request as the client sends it; ``priority`` (vLLM's body field) only where no
+    gateway sets it (the ``vllm-priority`` arm)."""
     body: dict[str, object] = {
         "model": model,
         "messages": chat_messages(shape, group, seed),
@@ -231,4 +237,16 @@ def chat_body(shape: RequestShape, group: Group, seed: int, model: str) -> dict[
     }
     if group.stream:
         body["stream_options"] = {"include_usage": True}
+    if priority is not None:
+        body["priority"] = priority
     return body
+
+
+def tier_priorities(policy: Path) -> dict[str, int]:
+    """Each tier's base vLLM priority in ``policy``, by name and alias: what a client of a
+    bare vLLM fleet would send for the work the gateway would put in that tier."""
+    priorities: dict[str, int] = {}
+    for tier in load_policy(policy).tiers:
+        for name in (tier.name, *tier.aliases):
+            priorities[name] = tier.priority
+    return priorities

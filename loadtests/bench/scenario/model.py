@@ -23,9 +23,10 @@ from typing import Any, Literal
 from loadtests.bench.scenario.document import ScenarioError
 from loadtests.bench.scenario.policy import rescaled_policy_errors
 
-ArmKind = Literal["fifo", "least-request", "random", "fairlane"]
-# Arms without the gateway: a plain Envoy straight to the simulators, with this lb policy.
-ENVOY_ONLY_KINDS: tuple[str, ...] = ("fifo", "least-request", "random")
+ArmKind = Literal["fifo", "vllm-priority", "least-request", "random", "fairlane"]
+# Arms without the gateway: a plain Envoy straight to the simulators, with this lb policy
+# (vllm-priority: round-robin, each request carrying its tier's priority to the engine).
+ENVOY_ONLY_KINDS: tuple[str, ...] = ("fifo", "vllm-priority", "least-request", "random")
 ARM_KINDS: tuple[str, ...] = (*ENVOY_ONLY_KINDS, "fairlane")
 DistKind = Literal["fixed", "uniform", "lognormal"]
 # Metrics a target may check; see targets.metric_value for their definitions.

@@ -6,7 +6,7 @@ import pytest
 
 from extproc.envoy.bootstrap import render_bootstrap
 from extproc.envoy.params import EnvoyConfigError, EnvoyParams
-from loadtests.bench.arms import completion_flush_s
+from loadtests.bench.arms import SCHEDULING, completion_flush_s, envoy_only_bootstrap
 
 
 def test_completions_are_batched_for_the_same_simulated_time_at_any_speedup() -> None:
@@ -24,3 +24,9 @@ def test_the_flush_interval_reaches_envoys_access_log() -> None:
     assert completions["buffer_flush_interval"] == "0.002s"
     with pytest.raises(EnvoyConfigError, match="completion_flush_s"):
         EnvoyParams(completion_flush_s=0)
+
+
+def test_the_vllm_priority_arm_is_fifos_envoy_in_front_of_priority_engines() -> None:
+    params = EnvoyParams()
+    assert envoy_only_bootstrap(params, "vllm-priority") == envoy_only_bootstrap(params, "fifo")
+    assert (SCHEDULING["fifo"], SCHEDULING["vllm-priority"]) == ("fcfs", "priority")

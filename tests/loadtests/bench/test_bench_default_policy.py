@@ -96,6 +96,7 @@ def test_flood_scenarios(name: str) -> None:
     assert scenario.policy_rescaled and scenario.policy_scale == scenario.speedup
     assert [a.name for a in scenario.arms] == [
         "fifo",
+        "vllm-priority",  # the engine's own priority queue, no gateway: the reference
         "fairlane",
         "fairlane-no-flood",
         "fifo-no-flood",
@@ -103,7 +104,7 @@ def test_flood_scenarios(name: str) -> None:
     assert {t.metric for t in scenario.targets} == {"ttft_p90", "goodput"}
     assert scenario.seed and scenario.max_requests <= 20_000
     # sized for a 2-core machine shared with others: about 25 wall seconds of load and a few
-    # of drain per arm, 4 arms in ~2.5 minutes
+    # of drain per arm, 5 arms in ~3 minutes
     assert scenario.wall_duration_s <= 25
     assert scenario.drain_s / scenario.speedup <= 5
     # the faithful scrape interval (0.1 simulated s) costs each simulator ~10 x speedup

@@ -7,8 +7,16 @@ import itertools
 import statistics
 
 from extproc.core.prompt import count_tokens, render_chat
+from extproc.policy import DEFAULT_POLICY_PATH
 from loadtests.bench.scenario import Dist, Group
-from loadtests.bench.workload import chat_body, open_loop_schedule, prompt_text, sample, shape
+from loadtests.bench.workload import (
+    chat_body,
+    open_loop_schedule,
+    prompt_text,
+    sample,
+    shape,
+    tier_priorities,
+)
 
 GROUP = Group(
     name="chat",
@@ -76,3 +84,13 @@ def test_streamed_body_asks_for_usage_and_exact_lengths() -> None:
     assert body["ignore_eos"] is True
     plain = chat_body(shape(GROUP, 1, 0), dataclasses.replace(GROUP, stream=False), 1, "m")
     assert "stream_options" not in plain
+
+
+def test_only_the_vllm_priority_arm_sends_its_tiers_priority() -> None:
+    """A bare vLLM fleet's client sets ``priority`` itself; with the gateway it never does
+    (the gateway decides, and strips what clients send)."""
+    priorities = tier_priorities(DEFAULT_POLICY_PATH)
+    assert (priorities["interactive"], priorities["batch"], priorities["low"]) == (0, 20, 20)
+    item = shape(GROUP, 1, 0)
+    assert "priority" not in chat_body(item, GROUP, 1, "m")
+    assert chat_body(item, GROUP, 1, "m", priorities["interactive"])["priority"] == 0

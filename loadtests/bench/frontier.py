@@ -12,7 +12,10 @@ targets as the corner to reach::
     python -m loadtests.bench.frontier flood-8seat --shares 0,0.1,0.25,0.5 --out DIR
 
 ``--preemption on,off`` measures each ceiling with the batch tier ``preemptible`` (the
-shipped default) and without, so the two curves show what preemption moves; ``--speedup``
+shipped default) and without, so the two curves show what preemption moves;
+``--batch-caps 64,128`` measures each ceiling again with batch capped at that many requests
+per engine (its gate's ``max_in_flight``): on big engines the decode batch, not the seat,
+is what chat waits for (every step is longer), and the cap is the lever on it; ``--speedup``
 runs the scenario at another speedup (a lower one keeps the simulators' scrape cost out of
 their step times). It writes ``frontier.json`` and ``frontier.png`` into ``DIR``. Each
 point is one arm of the scenario (its wall time), one after the other, on the same seeded
@@ -40,17 +43,23 @@ DEFAULT_SHARES = (0.0, 0.1, 0.25, 0.5)
 
 
 def policy_with_ceiling(
-    share: float, speedup: float, directory: Path, preemptible: bool = True
+    share: float,
+    speedup: float,
+    directory: Path,
+    preemptible: bool = True,
+    batch_cap: int | None = None,
 ) -> Path:
     """The default policy with the interactive tier's ``reserved_share`` set to ``share``
-    (and batch not ``preemptible`` if so asked), rescaled to ``speedup`` like ``policy:
-    default``; written into ``directory``."""
+    (and batch not ``preemptible``, or capped at ``batch_cap`` per engine, if so asked),
+    rescaled to ``speedup`` like ``policy: default``; written into ``directory``."""
     policy = yaml.safe_load(DEFAULT_POLICY_PATH.read_text())
     for tier in policy["tiers"]:
         if tier["name"] == "interactive":
             tier["reserved_share"] = share
         if tier["name"] == "batch":
             tier["preemptible"] = preemptible
+            if batch_cap is not None:
+                tier["gate"]["max_in_flight"] = batch_cap
     path = directory / f"policy-interactive-share-{share:g}.yaml"
     path.write_text(yaml.safe_dump(rescale_policy(policy, speedup), sort_keys=False))
     return path
@@ -63,25 +72,32 @@ def _tier(arm: ArmResult, tier: str, metric: str) -> float | None:
 
 
 def measure(
-    scenario: Scenario, shares: list[float], out: Path, preemption: tuple[bool, ...] = (True,)
+    scenario: Scenario,
+    shares: list[float],
+    out: Path,
+    preemption: tuple[bool, ...] = (True,),
+    batch_caps: tuple[int | None, ...] = (None,),
 ) -> dict[str, Any]:
-    """Run the baselines and one fairlane arm per ceiling (and per preemption setting);
-    the points of the frontier."""
+    """Run the baselines and one fairlane arm per ceiling (and per preemption setting and
+    batch cap); the points of the frontier."""
     _, fifo = run_arm(scenario, "fifo", out / "logs" / "fifo")
     _, alone = run_arm(scenario, "fairlane-no-flood", out / "logs" / "fairlane-no-flood")
     fifo_goodput = _tier(fifo, "batch", "goodput")
     alone_p90 = _tier(alone, "interactive", "ttft_p90")
     points = []
-    for preemptible, share in ((on, share) for on in preemption for share in shares):
-        where = out / "logs" / f"fairlane-share-{share:g}{'' if preemptible else '-no-preempt'}"
+    settings = [(on, share, cap) for on in preemption for cap in batch_caps for share in shares]
+    for preemptible, share, cap in settings:
+        name = f"fairlane-share-{share:g}{'' if preemptible else '-no-preempt'}"
+        where = out / "logs" / (name if cap is None else f"{name}-batch-cap-{cap}")
         where.mkdir(parents=True, exist_ok=True)
-        policy = policy_with_ceiling(share, scenario.speedup, where, preemptible)
+        policy = policy_with_ceiling(share, scenario.speedup, where, preemptible, cap)
         _, arm = run_arm(scenario, "fairlane", where, policy=policy)
         goodput, p90 = _tier(arm, "batch", "goodput"), _tier(arm, "interactive", "ttft_p90")
         points.append(
             {
                 "reserved_share": share,
                 "preemptible": preemptible,
+                "batch_max_in_flight": cap,
                 "batch_goodput_vs_fifo": goodput / fifo_goodput
                 if goodput and fifo_goodput
                 else None,
@@ -89,7 +105,7 @@ def measure(
                 "cpu": arm.cpu.to_json(),
             }
         )
-        label = f"share {share:g}, preemptible {preemptible}"
+        label = f"share {share:g}, preemptible {preemptible}, batch cap {cap}"
         print(f"frontier: {label}: {points[-1]}", file=sys.stderr)
     return {
         "scenario": scenario.name,
@@ -121,9 +137,9 @@ def plot(result: dict[str, Any], targets: tuple[float | None, float | None], pat
         label = "batch preemptible" if preemptible else "no preemption"
         ax.plot(xs, ys, "o-", color=color, label=label)
         for p, x, y in zip(curve, xs, ys, strict=True):
-            ax.annotate(
-                f"share {p['reserved_share']:g}", (x, y), textcoords="offset points", xytext=(5, 5)
-            )
+            cap = p.get("batch_max_in_flight")
+            text = f"share {p['reserved_share']:g}" + ("" if cap is None else f", cap {cap}")
+            ax.annotate(text, (x, y), textcoords="offset points", xytext=(5, 5))
     ax.legend(loc="upper left")
     min_goodput, max_p90 = targets
     if min_goodput is not None and max_p90 is not None:
@@ -155,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--preemption", default="on", help="on, off or on,off: batch preemptible or not"
     )
+    parser.add_argument(
+        "--batch-caps",
+        default="",
+        help="comma-separated caps on batch requests per engine (none: uncapped, the default)",
+    )
     parser.add_argument("--speedup", type=float, default=None)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -163,11 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     settings = [s.strip() for s in args.preemption.split(",") if s.strip()]
     if not settings or set(settings) - {"on", "off"}:
         parser.error("--preemption takes on, off or on,off")
+    caps = tuple(
+        None if c.strip() == "none" else int(c) for c in args.batch_caps.split(",") if c.strip()
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     # A SIGTERM unwinds like Ctrl-C, so each arm's process group stops its processes.
     previous = signal.signal(signal.SIGTERM, raise_interrupt)
     try:
-        result = measure(scenario, shares, args.out, tuple(s == "on" for s in settings))
+        on = tuple(s == "on" for s in settings)
+        result = measure(scenario, shares, args.out, on, caps or (None,))
     except KeyboardInterrupt:
         print("frontier: interrupted; every process was stopped", file=sys.stderr)
         return 1

@@ -144,12 +144,18 @@ class Gateway:
         lowest = policy.lowest_tier
         if policy.top_tier(tenant) is not lowest:
             return None
-        self.overload.decided(least_urgent=True)
+        self.overload.handled(least_urgent=True)
         return self.respond_to(_overloaded(lowest.name))
 
     def resume(self, hold: Hold, grant: Grant) -> Forward:
         """A held request's grant arrived: send it upstream."""
+        self.overload.handled(self._least_urgent(hold.tier))
         return self.forward(hold.info, hold.body, hold.request, grant, hold.request_id)
+
+    def _least_urgent(self, tier: str) -> bool:
+        """Whether ``tier`` is the least urgent of several (the overload's first to go)."""
+        tiers = self.policies.current.tiers
+        return len(tiers) > 1 and tiers[-1].name == tier
 
     def give_up(self, hold: Hold, cancelled: bool = False) -> Decision:
         """A held request's wait ended without a grant: its deadline passed (a 503), or its
@@ -182,7 +188,7 @@ class Gateway:
         request = classify(policy, info, body)
         tier = request.tier
         least_urgent = len(policy.tiers) > 1 and tier is policy.lowest_tier
-        self.overload.decided(least_urgent)
+        self.overload.handled(least_urgent)
         if least_urgent and self.overload.overloaded:
             raise _overloaded(tier.name)
         request_id = info.request_id
@@ -305,6 +311,7 @@ class Gateway:
         settled = settle(self.admission, self.admission.pool, completion)
         if entry is None or settled is None:
             return []
+        self.overload.handled(self._least_urgent(entry.band))
         duration_s, ttfb_s = completion.duration_s, completion.ttfb_s
         self.stats.complete(entry.band, entry.flow, duration_s, ttfb_s, settled.output_tokens)
         return settled.grants

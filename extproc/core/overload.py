@@ -13,9 +13,14 @@ Turning requests away in Envoy is blind to tiers (Envoy does not know a request'
 before the service classifies it), and the commonest overload is exactly what fairlane is
 for: a flood of batch requests. So the least urgent tier goes first, refused by the service
 while it is behind, and Envoy turns requests away only when that tier is a small share of
-what reaches the service (``max_least_urgent_share``): then refusing it cannot relieve the
+the service's work (``max_least_urgent_share``): then refusing it cannot relieve the
 service, and everyone's requests, chat's included, would otherwise wait in the backlog. A
-batch flood never makes Envoy turn chat away.
+batch flood never makes Envoy turn chat away. The work counted is every message the
+service handles for a request: its decision, and for a held one its grant, and its
+completion. Decisions alone are not the work: measured on ``flood-256seat``, 768 batch
+requests held at once were decided in the first second, and when their first completions
+came back together (each one a release, a grant and a forward of a held request) the only
+new decisions were chat's, so Envoy turned chat away.
 
 The signal is how far behind the service is (``extproc.transport.overload`` measures it:
 how old requests are when it decides them, and how late its event loop's timers fire), and
@@ -65,7 +70,7 @@ class OverloadSettings:
     """Per period: from the largest fraction to none in a second."""
     max_least_urgent_share: float = 0.5
     """Envoy turns requests away only while the least urgent tier was less than this share
-    of the requests the service decided in the period."""
+    of the service's work in the period (``OverloadControl.handled``)."""
 
 
 class OverloadControl:
@@ -78,7 +83,7 @@ class OverloadControl:
         self.behind = False
         """Behind and busy since the last time it caught up: the least urgent tier is
         refused."""
-        self._decided = 0
+        self._handled = 0
         self._least_urgent = 0
 
     @property
@@ -86,9 +91,10 @@ class OverloadControl:
         """The service refuses its least urgent tier (and Envoy may turn requests away)."""
         return self.behind or self.shed_fraction > 0.0
 
-    def decided(self, least_urgent: bool) -> None:
-        """The service decided a request (of its policy's least urgent tier, of several)."""
-        self._decided += 1
+    def handled(self, least_urgent: bool) -> None:
+        """The service handled a message of a request of its policy's least urgent tier (of
+        several), or of another: its decision, the grant of a held one, its completion."""
+        self._handled += 1
         self._least_urgent += least_urgent
 
     def period(self, lag_s: float, busy: float = 1.0) -> float:
@@ -96,8 +102,8 @@ class OverloadControl:
         a core it used: the new fraction Envoy turns away."""
         s = self.settings
         self.last_lag_s = lag_s
-        share = self._least_urgent / self._decided if self._decided else 0.0
-        self._decided = self._least_urgent = 0
+        share = self._least_urgent / self._handled if self._handled else 0.0
+        self._handled = self._least_urgent = 0
         shed = self.shed_fraction
         if lag_s > s.high_lag_s and busy >= s.min_busy:
             self.behind = True

@@ -264,6 +264,24 @@ def test_every_decision_is_counted_for_the_overload_control() -> None:
     assert isinstance(refused, Respond) and refused.status == 429
 
 
+def test_grants_and_completions_of_batch_count_as_batch_work_for_the_overload() -> None:
+    """A batch flood decided earlier comes back as completions and grants of held batch
+    requests while the only new decisions are chat's: that work is batch's, so a lagging
+    period refuses batch, and Envoy (blind to tiers) turns no chat away."""
+    gateway = make_gateway(limit=1, seats=1)
+    for rid in ("b1", "b2", "b3"):
+        gateway.handle(request(key="sk-batch-demo", request_id=rid))
+    held = gateway.handle(request(key="sk-batch-demo", request_id="b4")).answer
+    assert isinstance(held, Hold)
+    gateway.overload.period(0.0)  # a new period: what follows is all it counts
+    (grant,) = gateway.completed(Completion("b1", 200, "127.0.0.1:8101", 1.0, 10))
+    gateway.completed(Completion("b2", 200, "127.0.0.1:8102", 1.0, 10))
+    assert isinstance(gateway.resume(held, grant), Forward)
+    gateway.handle(request(key="sk-chat-demo", request_id="chat"))
+    assert gateway.overload.period(1.0) == 0.0  # three batch messages to one chat
+    assert gateway.overload.overloaded
+
+
 def test_overloaded_refuses_a_key_of_the_least_urgent_tier_on_its_headers() -> None:
     """A tenant allowed only batch sends batch whatever its body says: refused unread."""
     gateway = make_gateway()

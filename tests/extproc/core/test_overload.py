@@ -133,7 +133,7 @@ def test_a_flood_of_the_least_urgent_tier_is_refused_by_the_service_not_by_envoy
     c = control()
     for _ in range(10):
         for least_urgent in (True, True, True, False):  # three batch requests to one chat
-            c.decided(least_urgent)
+            c.handled(least_urgent)
         assert c.period(HIGH) == 0.0
         assert c.behind and c.overloaded
     while c.overloaded:  # caught up: the tier is let in again
@@ -144,7 +144,7 @@ def test_a_flood_of_the_least_urgent_tier_is_refused_by_the_service_not_by_envoy
 def test_envoy_sheds_when_the_least_urgent_tier_is_a_small_share() -> None:
     c = control()
     for least_urgent in (True, False, False, False):
-        c.decided(least_urgent)
+        c.handled(least_urgent)
     assert c.period(HIGH) > 0.0 and c.behind
     # the counts are per period: with none decided, the share is nothing, Envoy sheds more
     before = c.shed_fraction
@@ -156,6 +156,6 @@ def test_a_batch_flood_after_envoy_shedding_lets_the_envoy_share_fall() -> None:
     c.period(HIGH)  # nothing decided: Envoy sheds
     shed = c.shed_fraction
     for _ in range(4):
-        c.decided(True)
+        c.handled(True)
     assert c.period(HIGH) == pytest.approx(shed - SETTINGS.recover_step)
     assert c.behind

@@ -187,7 +187,7 @@ class Gateway:
         body = parse_body(policy, info)
         request = classify(policy, info, body)
         tier = request.tier
-        least_urgent = len(policy.tiers) > 1 and tier is policy.lowest_tier
+        least_urgent = self._least_urgent(tier.name)
         self.overload.handled(least_urgent)
         if least_urgent and self.overload.overloaded:
             raise _overloaded(tier.name)

@@ -652,6 +652,18 @@ class Admission:
             log.debug("preempting %s (%s) on %s", victim, record.entry.band, record.backend.address)
             self._preempted.append(victim)
 
+    # ----------------------------------------------------------------- fleet changes
+
+    def forget_backend(self, address: str) -> list[Grant]:
+        """A backend left the fleet (``extproc.fleet.membership``): drop what is kept per
+        address, so nothing grows with the engines that came and went; returns the grants
+        the smaller fleet allows (none, usually: its capacity is gone)."""
+        self._preemptible_runs_s.pop(address, None)
+        for key in [k for k in self.picks if k[0] == address]:
+            del self.picks[key]
+        self._sample.forget()
+        return self.dispatch()
+
     # ----------------------------------------------------------------- replicas
 
     def apply_peers(self, view: PeerView) -> list[Grant]:

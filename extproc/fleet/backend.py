@@ -27,10 +27,11 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Literal
 from urllib.parse import urlsplit
 
 from extproc.fleet.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS, PrefixLRU
-from extproc.fleet.seats import Seats
+from extproc.fleet.seats import Seats, restarted
 from extproc.fleet.shared_scrape import SharedScrape
 from extproc.fleet.vllm_metrics import EngineMetrics, interval_itl
 
@@ -44,6 +45,10 @@ SEATS_PER_FILL = 16
 many seats between scrapes (``Backend.fill_per_scrape``)."""
 COOL_OFF_S = 10.0
 """How long a backend whose completions kept failing is left out of picks."""
+Membership = Literal["serving", "warming", "draining"]
+"""Where a backend stands in a fleet that changes (``extproc.fleet.membership``): a new
+address is ``warming`` (scraped, no traffic) until its first good scrape; one that left the
+fleet is ``draining`` (no new requests) until its requests in flight finish."""
 MARKS_KEPT = 128
 """Marks of the grant and completion totals a backend keeps (``Backend.mark``): at one per
 20 ms exchange, 2.5 s of history, far more than a shared scrape's age."""
@@ -253,6 +258,7 @@ class Backend:
         "kv_committed_tokens",
         "kv_tokens_since_scrape",
         "kv_tokens_total",
+        "membership",
         "metrics",
         "peer_in_flight",
         "peer_in_flight_by_rank",
@@ -293,11 +299,17 @@ class Backend:
         self.block_size = DEFAULT_BLOCK_SIZE
         self.prefix_cache = PrefixLRU(DEFAULT_CAPACITY_BLOCKS)
         self.seats = Seats(declared=spec.seats)
+        self.membership: Membership = "serving"
         self._clock = clock
 
     @property
     def healthy(self) -> bool:
-        return self.health_ok and self.scrape_ok and not self.cooling_off
+        return (
+            self.health_ok
+            and self.scrape_ok
+            and self.membership == "serving"
+            and not self.cooling_off
+        )
 
     @healthy.setter
     def healthy(self, value: bool) -> None:
@@ -514,6 +526,9 @@ class Backend:
                 self.address,
                 self.seats.count,
             )
+        if self.metrics is not None and restarted(self.metrics, metrics):
+            # Another engine process at this address: its prefix cache starts empty.
+            self.prefix_cache.clear()
         before = (self.seats.count, self.seats.source)
         self.seats.observe(self.metrics, metrics)
         if (self.seats.count, self.seats.source) != before and self.seats.source == "learned":
@@ -528,6 +543,9 @@ class Backend:
         self.completed_since_scrape = max(0, self.completed_since_scrape - completed_before)
         self.kv_tokens_since_scrape = max(0, self.kv_tokens_since_scrape - kv_tokens_before)
         self.scrape_ok = True
+        if self.membership == "warming":
+            self.membership = "serving"
+            log.info("backend %s %s: first good scrape; serving", self.region, self.address)
 
     def mark(self, now: float) -> None:
         """Remember the grant, completion and KV totals as of ``now`` (the replica loop
@@ -595,17 +613,55 @@ class Backend:
 
 
 class BackendPool:
-    """All backends, in configured order (the first region named is the local one)."""
+    """All backends, in configured order (the first region named is the local one).
+
+    A fleet found through DNS changes while the service runs (``extproc.fleet.membership``
+    calls ``add`` and ``remove``). Each change builds a new ``backends`` list and
+    ``by_address`` map rather than editing them, so a loop that awaits between reading and
+    using them (the health poller) keeps a consistent snapshot. ``regions`` is fixed at
+    start (``regions``, then the specs' regions): backends stay ordered by region, local
+    first, whenever they joined, because the picker takes the first backend's region as
+    the local one and breaks ties in list order. ``dynamic``: the pool may start empty
+    (its names have not resolved yet).
+    """
 
     def __init__(
-        self, specs: Sequence[BackendSpec], clock: Callable[[], float] = time.monotonic
+        self,
+        specs: Sequence[BackendSpec],
+        clock: Callable[[], float] = time.monotonic,
+        regions: Sequence[str] = (),
+        dynamic: bool = False,
     ) -> None:
-        if not specs:
+        if not specs and not dynamic:
             raise ValueError("at least one backend is needed")
         self.clock = clock  # stamps EngineMetrics.scraped_at; gates compare against it
         self.backends = [Backend(spec, clock) for spec in specs]
         self.by_address = {b.address: b for b in self.backends}
-        self.regions = list(dict.fromkeys(b.region for b in self.backends))
+        self.regions = list(dict.fromkeys([*regions, *(b.region for b in self.backends)]))
+
+    def add(self, spec: BackendSpec) -> Backend:
+        """A new backend, ``warming`` until its first good scrape, placed after the others
+        of its region."""
+        if spec.address in self.by_address:
+            raise ValueError(f"backend {spec.address} is already in the pool")
+        backend = Backend(spec, self.clock)
+        backend.membership = "warming"
+        if spec.region not in self.regions:
+            self.regions = [*self.regions, spec.region]
+        rank = {region: i for i, region in enumerate(self.regions)}
+        self.backends = sorted([*self.backends, backend], key=lambda b: rank[b.region])
+        self.by_address = {**self.by_address, spec.address: backend}
+        return backend
+
+    def remove(self, address: str) -> Backend | None:
+        """Take ``address`` out of the pool (None if it was not in it): nothing refers to
+        it any more but the records of requests still in flight there."""
+        backend = self.by_address.get(address)
+        if backend is None:
+            return None
+        self.backends = [b for b in self.backends if b is not backend]
+        self.by_address = {a: b for a, b in self.by_address.items() if b is not backend}
+        return backend
 
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends if b.healthy]

@@ -38,11 +38,10 @@ class Poller:
         client_timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with aiohttp.ClientSession(timeout=client_timeout) as session:
             while True:
-                results = await asyncio.gather(
-                    *(self._probe(session, b) for b in self.pool.backends)
-                )
+                backends = self.pool.backends  # the pool may change while the probes run
+                results = await asyncio.gather(*(self._probe(session, b) for b in backends))
                 gained = False
-                for backend, ok in zip(self.pool.backends, results, strict=True):
+                for backend, ok in zip(backends, results, strict=True):
                     if ok != backend.health_ok:
                         log.warning("backend %s is now %s", backend.address, "up" if ok else "down")
                         gained = gained or ok
@@ -72,22 +71,23 @@ class Poller:
         """
         loop = asyncio.get_running_loop()
         client_timeout = aiohttp.ClientTimeout(total=timeout_s)
-        pending: dict[int, asyncio.Task[bool]] = {}
+        # Keyed by backend, not position: backends join and leave (extproc.fleet.membership).
+        pending: dict[Backend, asyncio.Task[bool]] = {}
         try:
             async with aiohttp.ClientSession(timeout=client_timeout) as session:
                 next_round = loop.time()
                 while True:
-                    for index, backend in enumerate(self.pool.backends):
+                    for backend in self.pool.backends:
                         # Another replica may scrape it for the fleet (shared_scrape).
-                        if index not in pending and backend.scrape_here:
-                            pending[index] = loop.create_task(self._scrape(session, backend))
+                        if backend not in pending and backend.scrape_here:
+                            pending[backend] = loop.create_task(self._scrape(session, backend))
                     next_round += interval_s
                     delay = next_round - loop.time()
                     if delay > 0 and pending:  # none pending: every engine scraped elsewhere
                         await asyncio.wait(pending.values(), timeout=delay)
-                    finished = [i for i, task in pending.items() if task.done()]
-                    for index in finished:
-                        del pending[index]
+                    finished = [b for b, task in pending.items() if task.done()]
+                    for backend in finished:
+                        del pending[backend]
                     if finished:
                         self.on_change()
                     delay = next_round - loop.time()

@@ -20,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc.core.decisions import Forward, Respond
 from extproc.core.events import Completion
 from extproc.core.peers import PeerView, ReplicaReport
+from extproc.fleet.discovery import DnsBackendSpec
+from extproc.fleet.membership import Membership
 from extproc.policy import DEFAULT_POLICY_PATH, Budget
 from extproc.state.exchange import RedisExchange
 from extproc.state.replica import SharedState
@@ -115,9 +117,17 @@ def _drive() -> str:
         state.apply(PeerView.merge([ReplicaReport("r2", {local.address: {0: 1}})], 0.0), [])
         state.shared, state.replicas_seen = True, 2
 
+        # A dns:// backend: one address joined (warming), one resolution failed.
+        name = DnsBackendSpec("vllm.test", 8000, local.region)
+        membership = Membership(gateway.admission.pool, (name,))
+        membership.update(name, {"10.9.0.1"}, 0.0)
+        membership.failed(name, "no answer in time")
+
         registry = CollectorRegistry(auto_describe=False)
         registry.register(
-            GatewayCollector(gateway.admission, gateway.stats, store, gateway.overload, state)
+            GatewayCollector(
+                gateway.admission, gateway.stats, store, gateway.overload, state, membership
+            )
         )
         return generate_latest(registry).decode()
 

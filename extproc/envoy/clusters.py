@@ -9,6 +9,16 @@ The backends' cluster routes with the ``override_host`` LB policy: the service's
 ``x-gateway-destination-endpoint`` (``ip:port[,ip:port...]``, also in ``envoy.lb`` metadata)
 picks the host; regions are priority levels for failover of the fallback LB, and Envoy's own
 limits are lifted because admission is fairlane's job.
+
+With ``dns://`` backends the cluster is **EDS**, its hosts served by the service itself
+(``extproc.transport.endpoints``) over the ext_proc cluster's gRPC connection, so Envoy's
+hosts are the service's backends, joined and drained at the same moments.
+``ignore_health_on_host_removal`` makes Envoy drop a host as soon as the service does
+(the service removes one only once its requests in flight have finished); without it
+Envoy keeps a removed host that still passes its health check, and the two sets differ.
+A fleet of fixed addresses keeps its STATIC cluster: nothing in it changes, and Envoy
+knows its hosts even while the service is down (a fail-open route still has somewhere to
+go).
 """
 
 from __future__ import annotations
@@ -24,7 +34,12 @@ from extproc.envoy.params import (
     EnvoyParams,
 )
 from extproc.envoy.protojson import duration, lb_endpoint
-from extproc.envoy.replicas import discovery_type, failover_settings, replica_cluster_name
+from extproc.envoy.replicas import (
+    discovery_type,
+    failover_settings,
+    replica_cluster_name,
+    xds_retry_policy,
+)
 from extproc.wire import BACKEND_CLUSTER, DESTINATION_HEADER, EXTPROC_CLUSTER, LB_NAMESPACE
 
 
@@ -124,7 +139,7 @@ def backend_cluster(params: EnvoyParams) -> dict[str, Any]:
     """The vLLM backends: one priority level per region, routed by override_host."""
     return {
         "name": BACKEND_CLUSTER,
-        "type": "STATIC",
+        **_discovery(params),
         "connect_timeout": "2s",
         "per_connection_buffer_limit_bytes": params.buffer_limit_bytes,
         "load_balancing_policy": {
@@ -169,13 +184,43 @@ def backend_cluster(params: EnvoyParams) -> dict[str, Any]:
             "base_ejection_time": "30s",
             "max_ejection_percent": 50,
         },
-        "load_assignment": {
-            "cluster_name": BACKEND_CLUSTER,
-            # Envoy's default, explicit: priority 0 (the first region) keeps all traffic
-            # until fewer than 1/1.4 = ~71% of its hosts are healthy, then spills over.
-            "policy": {"overprovisioning_factor": 140},
-            "endpoints": _region_endpoints(params),
+    }
+
+
+EDS_INITIAL_FETCH_TIMEOUT = "2s"
+"""How long Envoy waits at startup for the service's first host set before it listens
+anyway (with no backend until the set arrives; the service answers once it is up)."""
+
+
+def _discovery(params: EnvoyParams) -> dict[str, Any]:
+    """Where the backends' hosts come from: the config (STATIC) or the service (EDS)."""
+    if not params.dynamic_fleet:
+        return {
+            "type": "STATIC",
+            "load_assignment": {
+                "cluster_name": BACKEND_CLUSTER,
+                # Envoy's default, explicit: priority 0 (the first region) keeps all traffic
+                # until fewer than 1/1.4 = ~71% of its hosts are healthy, then spills over.
+                "policy": {"overprovisioning_factor": 140},
+                "endpoints": _region_endpoints(params),
+            },
+        }
+    envoy_grpc: dict[str, Any] = {"cluster_name": EXTPROC_CLUSTER}
+    retry = xds_retry_policy(params)
+    if retry is not None:
+        envoy_grpc["retry_policy"] = retry
+    return {
+        "type": "EDS",
+        "eds_config": {
+            "resource_api_version": "V3",
+            "initial_fetch_timeout": EDS_INITIAL_FETCH_TIMEOUT,
+            "api_config_source": {
+                "api_type": "GRPC",
+                "transport_api_version": "V3",
+                "grpc_services": [{"envoy_grpc": envoy_grpc}],
+            },
         },
+        "ignore_health_on_host_removal": True,
     }
 
 

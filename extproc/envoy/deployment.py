@@ -18,6 +18,7 @@ Shape (``deploy/fairlane.yaml`` is the shipped example)::
       - {url: http://10.0.0.11:8000, region: us-east-1, weight: 2, seats: 64}
       - {url: http://10.1.0.11:8000, region: us-west-2}          # seats learned
       - {url: http://10.1.0.12:8000, region: us-west-2, api_key: env:VLLM_API_KEY}
+      - {url: dns://vllm.llm.svc.cluster.local:8000, region: us-east-1}  # every address
     # optional, default from the policy:
     # max_body_bytes, longest_hold_s, max_held_requests, message_timeout_s, access_log_path
     # optional: what Envoy does when the service is down (default closed: 503, never forwarded)
@@ -25,13 +26,14 @@ Shape (``deploy/fairlane.yaml`` is the shipped example)::
     routes:                                    # extra routes, matched before the catch-all
       - {name: models, prefix: /v1/models, failure_mode: open}
 
-Backends must be IP addresses: Envoy's override_host matches the ``ip:port`` strings the
-service sends against the cluster's host addresses, and the service names backends by the
-address it was given. A DNS name would be resolved by Envoy (STRICT_DNS) to addresses the
-service never sends, so every request would fall through to the fallback load balancer. Give
-backends fixed addresses instead (in docker-compose: ``ipv4_address`` on a network with a
-fixed subnet, see ``deploy/compose/``). The service itself may be a DNS name: nothing matches
-strings against the ext_proc cluster, which is rendered as STRICT_DNS then.
+A backend is a fixed IP address (``http://IP:PORT``) or a DNS name (``dns://NAME:PORT``),
+never ``http://NAME``: Envoy's override_host matches the ``ip:port`` strings the service
+sends against the cluster's host addresses, so a name Envoy resolved on its own (STRICT_DNS)
+would hold addresses the service never names. A ``dns://`` name is resolved by the service
+(``extproc.fleet.resolver``), each address a backend, and Envoy learns the same set from the
+service over EDS (``extproc.envoy.clusters``); the service's ``--backend`` takes the same
+``dns://`` URL. The service itself may be a DNS name: nothing matches strings against the
+ext_proc cluster, which is rendered as STRICT_DNS then.
 
 A backend's optional ``seats`` declares how many requests its engine runs at once (its
 ``--max-num-seqs``, which vLLM does not export); without it the service learns the count from
@@ -66,6 +68,7 @@ from extproc.envoy.params import (
     RouteSpec,
 )
 from extproc.fleet.backend import BackendSpec, is_secret_reference
+from extproc.fleet.discovery import DnsBackendSpec, is_dns_backend, parse_dns_backend
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyError, load_policy
 from extproc.yamlfile import LocatedReader, YamlSyntaxError, compose
 
@@ -216,7 +219,10 @@ def _read(reader: LocatedReader, root: Node, base_dir: Path) -> Deployment | Non
     if "routes" in top:
         kwargs["routes"] = _read_routes(reader, top["routes"])
     if "backends" in top:
-        kwargs["backends"] = _read_backends(reader, top["backends"])
+        backends = _read_backends(reader, top["backends"])
+        kwargs["backends"] = tuple(b for b in backends if isinstance(b, BackendSpec))
+        kwargs["dns_backends"] = tuple(b for b in backends if isinstance(b, DnsBackendSpec))
+        kwargs["region_order"] = tuple(dict.fromkeys(b.region for b in backends))
     else:
         reader.error(root, "backends", "is required (the vLLM servers Envoy routes to)")
     policy_path, policy = _read_policy(reader, top.get("policy"), base_dir)
@@ -327,13 +333,13 @@ def _read_routes(reader: LocatedReader, node: Node) -> tuple[RouteSpec, ...]:
     return tuple(specs)
 
 
-def _read_backends(reader: LocatedReader, node: Node) -> tuple[BackendSpec, ...]:
+def _read_backends(reader: LocatedReader, node: Node) -> tuple[BackendSpec | DnsBackendSpec, ...]:
     if not isinstance(node, SequenceNode) or not node.value:
         reader.error(
             node, "backends", "must be a non-empty list of {url, region, weight, seats, api_key}"
         )
         return ()
-    specs: list[BackendSpec] = []
+    specs: list[BackendSpec | DnsBackendSpec] = []
     seen: dict[str, int] = {}
     for index, item in enumerate(node.value):
         path = f"backends[{index}]"
@@ -341,24 +347,27 @@ def _read_backends(reader: LocatedReader, node: Node) -> tuple[BackendSpec, ...]
         if not isinstance(item, MappingNode):
             continue
         if "url" not in fields:
-            reader.error(item, f"{path}.url", "is required (http://IP:PORT)")
+            reader.error(item, f"{path}.url", "is required (http://IP:PORT or dns://NAME:PORT)")
             continue
         spec = _read_backend(reader, fields, path)
         if spec is None:
             continue
-        if spec.address in seen:
+        where = spec.address if isinstance(spec, BackendSpec) else spec.url
+        if where in seen:
             reader.error(
                 fields["url"],
                 f"{path}.url",
-                f"{spec.address} is already backends[{seen[spec.address]}]",
+                f"{where} is already backends[{seen[where]}]",
             )
             continue
-        seen[spec.address] = index
+        seen[where] = index
         specs.append(spec)
     return tuple(specs)
 
 
-def _read_backend(reader: LocatedReader, fields: dict[str, Node], path: str) -> BackendSpec | None:
+def _read_backend(
+    reader: LocatedReader, fields: dict[str, Node], path: str
+) -> BackendSpec | DnsBackendSpec | None:
     """One backend's fields (``url`` present); None after reporting what is wrong."""
     url = reader.value(fields["url"], f"{path}.url", str, _non_empty)
     region = (
@@ -385,19 +394,31 @@ def _read_backend(reader: LocatedReader, fields: dict[str, Node], path: str) -> 
         return None
     if ("seats" in fields and seats is None) or ("api_key" in fields and api_key is None):
         return None
+    if is_dns_backend(url):
+        try:
+            name = parse_dns_backend(url)
+            return DnsBackendSpec(name.name, name.port, region.strip(), weight, seats, api_key)
+        except ValueError as exc:
+            reader.error(fields["url"], f"{path}.url", str(exc))
+            return None
     parts = urlsplit(url if "://" in url else f"http://{url}")
     try:
         port = parts.port
     except ValueError:
         port = None
     if parts.scheme != "http" or not parts.hostname or port is None:
-        reader.error(fields["url"], f"{path}.url", f"expected http://IP:PORT, got {url!r}")
+        reader.error(
+            fields["url"],
+            f"{path}.url",
+            f"expected http://IP:PORT or dns://NAME:PORT, got {url!r}",
+        )
         return None
     try:
         return BackendSpec(parts.hostname, port, region.strip(), weight, seats, api_key)
     except ValueError as exc:
         hint = (
-            "; give the backend a fixed address (docker-compose: ipv4_address) and use it"
+            "; give the backend a fixed address, or write dns://NAME:PORT to follow every "
+            "address the name resolves to"
             if "IP address" in str(exc)
             else ""
         )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from extproc.fleet.backend import BackendSpec
+from extproc.fleet.discovery import DnsBackendSpec
 
 MiB = 1024 * 1024
 
@@ -126,6 +127,12 @@ class EnvoyParams:
     # the workload the mesh renderers write passes it on the service's command line.
     state_url: str | None = None
     backends: tuple[BackendSpec, ...] = field(default=DEFAULT_BACKENDS)
+    # Backends found through DNS (dns://NAME:PORT): the service resolves them and Envoy
+    # learns every backend from the service over EDS (extproc.envoy.clusters).
+    dns_backends: tuple[DnsBackendSpec, ...] = ()
+    # The regions in the order first named, static and DNS backends mixed (default: the
+    # static backends' regions, then the names').
+    region_order: tuple[str, ...] = ()
     max_body_bytes: int = 8 * MiB
     # The longest a request may be held in fairlane's queues (the largest queue deadline).
     longest_hold_s: float = 600.0
@@ -186,7 +193,7 @@ class EnvoyParams:
             seen.add(replica.address)
 
     def _check_backends(self) -> None:
-        if not self.backends:
+        if not self.backends and not self.dns_backends:
             raise EnvoyConfigError("at least one backend is needed")
         seen: set[str] = set()
         for backend in self.backends:
@@ -211,7 +218,13 @@ class EnvoyParams:
     @property
     def regions(self) -> tuple[str, ...]:
         """Regions in the order first named; the index is the Envoy priority level."""
-        return tuple(dict.fromkeys(b.region for b in self.backends))
+        named = [*self.region_order, *(b.region for b in self.backends)]
+        return tuple(dict.fromkeys([*named, *(d.region for d in self.dns_backends)]))
+
+    @property
+    def dynamic_fleet(self) -> bool:
+        """Some backends come from DNS: the backends' cluster is EDS, served by the service."""
+        return bool(self.dns_backends)
 
     @property
     def tls(self) -> bool:

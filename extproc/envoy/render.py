@@ -317,7 +317,12 @@ def report(deployment: Deployment, rendered: Rendered, validated: bool) -> str:
     ]
     for priority, region in enumerate(params.regions):
         hosts = ", ".join(
-            f"{b.address} (weight {b.weight})" for b in params.backends if b.region == region
+            [f"{b.address} (weight {b.weight})" for b in params.backends if b.region == region]
+            + [
+                f"every address of {d.url}, from the service over EDS (weight {d.weight})"
+                for d in params.dns_backends
+                if d.region == region
+            ]
         )
         lines.append(f"    priority {priority}: {region}: {hosts}")
     lines.append(

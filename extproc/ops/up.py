@@ -30,7 +30,8 @@ from types import FrameType
 
 from extproc.envoy.binary import envoy_argv, write_bootstrap
 from extproc.envoy.params import MAX_MESSAGE_TIMEOUT_S, EnvoyParams
-from extproc.fleet.backend import BackendSpec
+from extproc.fleet.backend import BackendSpec, backend_argument
+from extproc.fleet.discovery import DnsBackendSpec, dns_backend_argument
 from extproc.ops.first_request import curl_lines, served_model
 from extproc.ops.processes import (
     Child,
@@ -46,9 +47,12 @@ from extproc.ops.service_replicas import ServiceProcess, Services, start_service
 from extproc.policy import DEFAULT_POLICY_PATH, load_policy
 from extproc.transport.server import (
     add_backend_argument,
+    add_dns_arguments,
     add_policy_argument,
     add_region_key_argument,
-    backends_from_args,
+    dns_arguments,
+    dns_server_from_args,
+    fleet_from_args,
     region_keys_from_args,
 )
 
@@ -63,7 +67,12 @@ class StackConfig:
     port: int = 8080
     policy_path: Path = DEFAULT_POLICY_PATH
     backends: tuple[BackendSpec, ...] = ()
-    """Real backends; empty starts simulated ones."""
+    """Real backends; empty (and no ``dns_backends``) starts simulated ones."""
+    dns_backends: tuple[DnsBackendSpec, ...] = ()
+    """Backends found through DNS (``dns://NAME:PORT``): the service resolves them and
+    serves Envoy the host set over EDS."""
+    regions: tuple[str, ...] = ()
+    """The regions in the order first named (default: the backends', then the names')."""
     sim_regions: tuple[str, ...] = DEFAULT_SIM_REGIONS
     sim_args: tuple[str, ...] = ("--scheduling-policy", "priority")
     """Extra ``fairlane sim`` flags for every simulated backend."""
@@ -128,16 +137,17 @@ class Stack:
         self._check_fixed_ports()
         if config.replicas > 1 or config.shared_state:
             require_redis_server()
-        self.backends = config.backends or self._start_simulators()
+        dynamic = bool(config.dns_backends)
+        self.backends = config.backends or (() if dynamic else self._start_simulators())
         self.services = start_services(
             self.group,
             config.replicas,
             config.policy_path,
-            self.backends,
+            () if dynamic else self.backends,
             config.service_port,
             config.metrics_port,
             config.shared_state,
-            self._service_args(),
+            (*self._fleet_args(), *self._service_args()) if dynamic else self._service_args(),
         )
         first = self.services.processes[0]
         self.service_port, self.metrics_port = first.port, first.metrics_port
@@ -149,6 +159,8 @@ class Stack:
             extproc_port=self.service_port,
             extproc_replicas=self._replica_addresses(),
             backends=self.backends,
+            dns_backends=config.dns_backends,
+            region_order=self._regions(),
             max_body_bytes=policy.max_body_bytes,
             longest_hold_s=min(MAX_MESSAGE_TIMEOUT_S, longest_hold + 10),
             max_held_requests=sum(t.queue_limit for t in policy.tiers),
@@ -161,6 +173,26 @@ class Stack:
         envoy = self.group.start("envoy", envoy_argv(bootstrap, log_level=config.envoy_log_level))
         wait_http_ready(f"{self.admin_url}/ready", envoy, timeout=30)
         return self
+
+    def _regions(self) -> tuple[str, ...]:
+        named = (*self.config.regions, *(b.region for b in self.backends))
+        return tuple(dict.fromkeys((*named, *(d.region for d in self.config.dns_backends))))
+
+    def _fleet_args(self) -> tuple[str, ...]:
+        """Every backend, fixed and DNS, as ``--backend`` flags in region order, so the
+        service names the same local region as Envoy's priority 0."""
+        rank = {region: i for i, region in enumerate(self._regions())}
+        specs: list[BackendSpec | DnsBackendSpec] = [*self.backends, *self.config.dns_backends]
+        specs.sort(key=lambda spec: rank[spec.region])
+        flags: list[str] = []
+        for spec in specs:
+            text = (
+                backend_argument(spec)
+                if isinstance(spec, BackendSpec)
+                else dns_backend_argument(spec)
+            )
+            flags += ["--backend", text]
+        return tuple(flags)
 
     def _service_args(self) -> tuple[str, ...]:
         """``fairlane serve``'s extra flags; ``--host`` only off its loopback default."""
@@ -282,10 +314,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_backend_argument(
         parser,
         required=False,
-        help="a real vLLM server, e.g. region-a=http://10.0.0.5:8000 (repeatable); without "
-        "any, two simulated ones are started",
+        help="a real vLLM server, e.g. region-a=http://10.0.0.5:8000, or every address of a "
+        "DNS name, e.g. region-a=dns://vllm:8000 (repeatable); without any, two simulated "
+        "ones are started",
     )
     add_region_key_argument(parser)
+    add_dns_arguments(parser)
     parser.add_argument("--admin-port", type=int, default=0, help="Envoy admin (default: free)")
     parser.add_argument(
         "--bind",
@@ -326,13 +360,20 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    fleet = fleet_from_args(args.backend)
+    dns_server_from_args(args)  # a malformed one stops here, not in the service
     config = StackConfig(
         port=args.port,
         policy_path=args.policy,
-        backends=backends_from_args(args.backend),
+        backends=fleet.static,
+        dns_backends=fleet.dns,
+        regions=fleet.regions,
         admin_port=args.admin_port,
         replicas=args.replicas,
-        service_args=tuple(arg for key in args.region_key for arg in ("--region-key", key)),
+        service_args=(
+            *(arg for key in args.region_key for arg in ("--region-key", key)),
+            *dns_arguments(args),
+        ),
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         bind_host=args.bind,
@@ -410,6 +451,10 @@ def _print_banner(stack: Stack, seats: Mapping[str, SeatCount], try_lines: Seque
     lines: Sequence[str] = [
         f"fairlane is up: OpenAI API on {stack.url}",
         *[f"  {_backend_line(b, seats)}" for b in stack.backends],
+        *[
+            f"  backend {d.region} {d.url}: every address it resolves to (as they come and go)"
+            for d in stack.config.dns_backends
+        ],
         "    (seats: requests each engine runs at once; changes are printed as they are learned)",
         *_service_lines(stack),
         f"  logs in {stack.group.log_dir}",

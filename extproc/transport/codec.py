@@ -2,9 +2,9 @@
 
 ext_proc ``ProcessingRequest`` / ``ProcessingResponse`` and access-log entries are converted
 here to and from the plain objects of ``extproc.core.decisions``, and the runtime layer
-the service serves Envoy (RTDS) is packed here. upb-backed ``xds-protos`` classes
-are used because decoding them costs a few microseconds, where betterproto-style dataclasses
-cost hundreds (see the performance notes in the README).
+(RTDS) and the backends' host set (EDS) the service serves Envoy are packed here.
+upb-backed ``xds-protos`` classes are used because decoding them costs a few microseconds,
+where betterproto-style dataclasses cost hundreds (see the performance notes in the README).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
 
+from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.discovery.v3 import discovery_pb2
@@ -22,6 +23,7 @@ from google.protobuf import any_pb2, duration_pb2, struct_pb2
 
 from extproc.core.decisions import Forward, Respond
 from extproc.core.events import Completion, RequestInfo
+from extproc.transport.endpoints import Level
 from extproc.wire import CLIENT_AUTHORIZATION_HEADER as CLIENT_AUTHORIZATION
 from extproc.wire import DESTINATION_HEADER as ENDPOINT_HEADER
 from extproc.wire import FAIRLANE_NAMESPACE, LB_NAMESPACE
@@ -265,5 +267,37 @@ def runtime_response(
         version_info=str(version),
         resources=[resource],
         type_url=RUNTIME_TYPE_URL,
+        nonce=str(version),
+    )
+
+
+ENDPOINTS_TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+OVERPROVISIONING_FACTOR = 140
+"""Envoy's default, explicit as in the static cluster: priority 0 keeps all traffic until
+fewer than 1/1.4 of its hosts are healthy."""
+
+
+def endpoints_response(
+    cluster: str, version: int, levels: Iterable[Level]
+) -> discovery_pb2.DiscoveryResponse:
+    """The whole host set of ``cluster`` (state of the world), as one EDS response."""
+    assignment = endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster)
+    assignment.policy.overprovisioning_factor.value = OVERPROVISIONING_FACTOR
+    for level in levels:
+        locality = assignment.endpoints.add()
+        locality.locality.region = level.region
+        locality.priority = level.priority
+        for endpoint in level.endpoints:
+            lb_endpoint = locality.lb_endpoints.add()
+            socket = lb_endpoint.endpoint.address.socket_address
+            socket.address = endpoint.host
+            socket.port_value = endpoint.port
+            lb_endpoint.load_balancing_weight.value = endpoint.weight
+    resource = any_pb2.Any()
+    resource.Pack(assignment)
+    return discovery_pb2.DiscoveryResponse(
+        version_info=str(version),
+        resources=[resource],
+        type_url=ENDPOINTS_TYPE_URL,
         nonce=str(version),
     )

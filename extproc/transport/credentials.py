@@ -20,6 +20,11 @@ endpoint's key and lowers ``x-envoy-max-retries`` to match (Envoy's fallback loa
 which picks any host once the list runs out, is never reached). With one key for the whole
 fleet nothing changes; with a key per region, retries and hedges stay inside the first
 endpoint's region. Give the regions the same key to keep cross-region failover.
+
+**Backends found through DNS** (``dns://NAME:PORT#key=...``) take their name's key, or their
+region's: the key is read at startup like the others (an unreadable one stops the service
+before it serves), and each address the name resolves to gets it when it joins (``add``)
+and loses it when it leaves (``forget``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 
 from extproc.core.decisions import Forward
 from extproc.fleet.backend import BackendSpec, is_secret_reference
+from extproc.fleet.discovery import DnsBackendSpec
 from extproc.wire import HEDGE_ON_TIMEOUT_HEADER, MAX_RETRIES_HEADER, PER_TRY_TIMEOUT_HEADER
 
 log = logging.getLogger("fairlane.credentials")
@@ -86,10 +92,13 @@ class BackendCredentials:
     """Which ``authorization`` each backend gets, and the forwarding rule that keeps a
     request's retries on backends that take the same key (see the module docstring)."""
 
-    __slots__ = ("_by_address", "_uniform")
+    __slots__ = ("_by_address", "_by_reference", "_by_region", "_uniform")
 
     def __init__(self, header_by_address: Mapping[str, str | None]) -> None:
         self._by_address = dict(header_by_address)
+        self._by_reference: dict[str, str] = {}
+        """Each key reference read, as its ``authorization`` value (for members to come)."""
+        self._by_region: dict[str, str] = {}
         self._uniform = len(set(self._by_address.values())) <= 1
         """Every backend takes the same key: no alternate ever needs dropping."""
 
@@ -98,19 +107,27 @@ class BackendCredentials:
 
     @classmethod
     def load(
-        cls, backends: Sequence[BackendSpec], region_keys: Iterable[tuple[str, str]] = ()
+        cls,
+        backends: Sequence[BackendSpec],
+        region_keys: Iterable[tuple[str, str]] = (),
+        dynamic: Sequence[DnsBackendSpec] = (),
     ) -> BackendCredentials | None:
         """Read every configured key now; None when no backend wants one (nothing to do
         per request). Raises :class:`CredentialError` for a key that cannot be read or a
-        region key naming no backend's region."""
+        region key naming no backend's region. ``dynamic``: the DNS names whose addresses
+        will join (``add``), their keys read now too."""
         by_region = dict(region_keys)
-        unknown = sorted(set(by_region) - {b.region for b in backends})
+        regions = {b.region for b in backends} | {d.region for d in dynamic}
+        unknown = sorted(set(by_region) - regions)
         if unknown:
             raise CredentialError(f"--region-key for {', '.join(unknown)}: no backend there")
         references = {b.address: b.credential or by_region.get(b.region) for b in backends}
-        if not any(references.values()):
+        later = sorted({ref for d in dynamic if (ref := d.credential or by_region.get(d.region))})
+        if not any(references.values()) and not later:
             return None
         read: dict[str, str] = {}  # one read per reference
+        for name_reference in later:
+            read[name_reference] = f"Bearer {read_secret(name_reference)}"
         headers: dict[str, str | None] = {}
         for address, reference in references.items():
             if reference is None:
@@ -120,6 +137,8 @@ class BackendCredentials:
                 read[reference] = f"Bearer {read_secret(reference)}"
             headers[address] = read[reference]
         credentials = cls(headers)
+        credentials._by_reference = read
+        credentials._by_region = {r: ref for r, ref in by_region.items() if r in regions}
         for backend in backends:
             log.info(
                 "backend %s %s: authorization from %s",
@@ -133,6 +152,21 @@ class BackendCredentials:
                 "alternates that take its first endpoint's key"
             )
         return credentials
+
+    def add(self, spec: BackendSpec) -> None:
+        """A backend joined (from DNS): it takes its own key, or its region's (read at
+        startup, ``load``)."""
+        reference = spec.credential or self._by_region.get(spec.region)
+        header = None if reference is None else self._by_reference.get(reference)
+        if reference is not None and header is None:  # not read at startup: read it now
+            header = self._by_reference[reference] = f"Bearer {read_secret(reference)}"
+        self._by_address[spec.address] = header
+        self._uniform = len(set(self._by_address.values())) <= 1
+
+    def forget(self, address: str) -> None:
+        """A backend left the fleet."""
+        self._by_address.pop(address, None)
+        self._uniform = len(set(self._by_address.values())) <= 1
 
     def header_for(self, address: str) -> str | None:
         """The ``authorization`` value ``address`` gets (None: none)."""

@@ -86,6 +86,10 @@ class HeldRequests:
         """A backend may have gained room (a scrape round, a backend back up)."""
         self._wake(self.gateway.admission.dispatch())
 
+    def forget_backend(self, address: str) -> None:
+        """A backend left the fleet: admission forgets it (and grants what that allows)."""
+        self._wake(self.gateway.admission.forget_backend(address))
+
     def apply_peers(self, view: PeerView, charges: Iterable[tuple[str, str, float]]) -> None:
         """An exchange with the other replicas (``extproc.state``): their service counts in
         fairness, and their leases and waiting bands may let held requests go, or hold."""

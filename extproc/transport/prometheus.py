@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 from extproc.core.admission import Admission
 from extproc.core.counters import GatewayStats, Histogram
 from extproc.core.overload import OverloadControl
+from extproc.fleet.membership import CHANGES, Membership
 from extproc.state.replica import SharedState
 
 if TYPE_CHECKING:
@@ -65,18 +66,21 @@ class GatewayCollector(Collector):
         policies: PolicyStore | None = None,
         overload: OverloadControl | None = None,
         state: SharedState | None = None,
+        membership: Membership | None = None,
     ) -> None:
         self.admission = admission
         self.stats = stats
         self.policies = policies
         self.overload = overload
         self.state = state
+        self.membership = membership
 
     def collect(self) -> Iterator[Metric]:
         yield from self._queues()
         yield from self._slos()
         yield from self._seats()
         yield from self._backends()
+        yield from self._fleet()
         yield from self._outcomes()
         yield from self._latencies()
         yield from self._overload()
@@ -221,6 +225,49 @@ class GatewayCollector(Collector):
                 running.add_metric(labels, metrics.running)
                 kv.add_metric(labels, metrics.kv_cache_usage)
         return (in_flight, cancellable, healthy, cooling, waiting, running, kv, age, stale)
+
+    def _fleet(self) -> Iterable[Metric]:
+        """Who is in the fleet and how it changed (``dns://`` backends come and go)."""
+        state = GaugeMetricFamily(
+            "fairlane_backend_membership",
+            "1 for the backend's place in the fleet: serving, warming (joined, no traffic "
+            "until its first good scrape) or draining (left DNS, requests in flight finish).",
+            labels=[*BACKEND_LABELS, "state"],
+        )
+        for backend in self.admission.pool.backends:
+            state.add_metric([backend.address, backend.region, backend.membership], 1)
+        yield state
+        membership = self.membership
+        changes = membership.changes if membership is not None else {}
+        yield _counter(
+            "fairlane_fleet_changes",
+            "Backends that joined (from DNS), began draining (gone from DNS), returned while "
+            "draining, or were removed (drained).",
+            ["change"],
+            (((change,), changes.get(change, 0)) for change in CHANGES),
+        )
+        failures = CounterMetricFamily(
+            "fairlane_dns_failures",
+            "Failed resolutions of a dns:// backend (timeout, no server, NXDOMAIN); its "
+            "last known addresses stay in use.",
+            labels=["name"],
+        )
+        addresses = GaugeMetricFamily(
+            "fairlane_dns_addresses",
+            "Addresses a dns:// backend resolved to last.",
+            labels=["name"],
+        )
+        failing = GaugeMetricFamily(
+            "fairlane_dns_failing",
+            "1 while the latest resolution of a dns:// backend failed.",
+            labels=["name"],
+        )
+        if membership is not None:
+            for source in membership.sources:
+                failures.add_metric([source.url], membership.failures[source.url])
+                addresses.add_metric([source.url], len(membership.addresses(source)))
+                failing.add_metric([source.url], int(source.url in membership.failing))
+        yield from (failures, addresses, failing)
 
     def _outcomes(self) -> Iterable[Metric]:
         stats = self.stats

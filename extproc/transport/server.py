@@ -21,14 +21,25 @@ from pathlib import Path
 import grpc
 from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.runtime.v3 import rtds_pb2_grpc
 
 from extproc.core.admission import Admission
 from extproc.core.gateway import Gateway
 from extproc.core.overload import OverloadControl
-from extproc.fleet.backend import BACKEND_SYNTAX, BackendPool, BackendSpec, parse_backend
+from extproc.fleet.backend import BackendPool, BackendSpec
+from extproc.fleet.discovery import ANY_BACKEND_SYNTAX, DnsBackendSpec, FleetSpec
+from extproc.fleet.membership import Changes, Membership
 from extproc.fleet.poller import Poller
+from extproc.fleet.resolver import (
+    DEFAULT_MAX_INTERVAL_S,
+    NAMESERVER_SYNTAX,
+    DnsError,
+    DnsLookup,
+    DnsWatcher,
+    parse_nameserver,
+)
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyStore
 from extproc.state.exchange import RedisExchange
 from extproc.state.replica import PERIOD_S, SharedState
@@ -38,11 +49,17 @@ from extproc.transport.credentials import (
     CredentialError,
     parse_region_key,
 )
+from extproc.transport.endpoints import EndpointSet, levels_of
 from extproc.transport.held import HeldRequests
 from extproc.transport.overload import Ages, watch_overload
 from extproc.transport.prometheus import GatewayCollector, start_metrics_server
 from extproc.transport.runtime import RuntimeLayer
-from extproc.transport.servicer import AccessLog, ExternalProcessor, RuntimeDiscovery
+from extproc.transport.servicer import (
+    AccessLog,
+    EndpointDiscovery,
+    ExternalProcessor,
+    RuntimeDiscovery,
+)
 
 log = logging.getLogger("fairlane.server")
 
@@ -81,6 +98,17 @@ class ServiceConfig:
     region_keys: tuple[tuple[str, str], ...] = ()
     """(region, ``env:NAME``/``file:PATH``): the API key of that region's engines, for the
     backends that name no key of their own (``extproc.transport.credentials``)."""
+    dns_backends: tuple[DnsBackendSpec, ...] = ()
+    """``dns://NAME:PORT`` backends: every address each name resolves to is a backend
+    (``extproc.fleet.membership``), and Envoy learns the set over EDS."""
+    regions: tuple[str, ...] = ()
+    """The regions in the order first named (default: the backends', then the names')."""
+    dns_server: tuple[str, int] | None = None
+    """Where names are resolved (None: the system's resolvers, /etc/resolv.conf)."""
+    dns_interval_s: float | None = None
+    """Resolve every name this often (None: when its answer's TTL runs out)."""
+    dns_max_interval_s: float = DEFAULT_MAX_INTERVAL_S
+    """The longest time between two resolutions of a name, whatever its TTL."""
 
 
 class Service:
@@ -89,7 +117,8 @@ class Service:
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
         self.policies = PolicyStore(config.policy_path)
-        self.pool = BackendPool(config.backends)
+        regions = config.regions or FleetSpec(config.backends, config.dns_backends).regions
+        self.pool = BackendPool(config.backends, regions=regions, dynamic=bool(config.dns_backends))
         self.admission = Admission(self.pool, self.policies.current)
         self.policies.on_change(self._policy_changed)
         self.overload = OverloadControl()
@@ -98,8 +127,25 @@ class Service:
         self.gateway = Gateway(self.policies, self.admission, overload=self.overload)
         self.held = HeldRequests(self.gateway)
         # Read once, here: a key that cannot be read stops the service before it serves.
-        self.credentials = BackendCredentials.load(config.backends, config.region_keys)
+        self.credentials = BackendCredentials.load(
+            config.backends, config.region_keys, config.dns_backends
+        )
         self.poller = Poller(self.pool, on_change=self.held.dispatch)
+        self.endpoints = EndpointSet()
+        self.endpoints.publish(levels_of(self.pool))
+        self.membership = Membership(
+            self.pool, config.dns_backends, drain_timeout_s=config.completion_timeout_s
+        )
+        self.dns: DnsWatcher | None = None
+        if config.dns_backends:
+            self.dns = DnsWatcher(
+                self.membership,
+                DnsLookup(config.dns_server),
+                self._fleet_changed,
+                self.pool.clock,
+                config.dns_interval_s,
+                config.dns_max_interval_s,
+            )
         self.server = grpc.aio.server(options=grpc_options())
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessor(self.held, self.ages, self.credentials), self.server
@@ -107,6 +153,9 @@ class Service:
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(self.held), self.server)
         rtds_pb2_grpc.add_RuntimeDiscoveryServiceServicer_to_server(
             RuntimeDiscovery(self.runtime), self.server
+        )
+        eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(
+            EndpointDiscovery(self.endpoints), self.server
         )
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         self._tasks: list[asyncio.Task[None]] = []
@@ -126,11 +175,31 @@ class Service:
                 self.admission, store, self.held.apply_peers, period_s=config.state_period_s
             )
 
+    def _fleet_changed(self, changes: Changes) -> None:
+        """Backends joined, drained or left: keys for the new, release what the removed
+        held, and tell Envoy the new host set."""
+        for address in changes.joined:
+            if self.credentials is not None:
+                self.credentials.add(self.pool.by_address[address].spec)
+        for backend in changes.removed:
+            if self.credentials is not None:
+                self.credentials.forget(backend.address)
+            self.held.forget_backend(backend.address)
+        self.endpoints.publish(levels_of(self.pool))
+
     async def start(self) -> None:
         await self.server.start()
+        if self.dns is not None:
+            # Before anything is asked of the pool; a name that fails is retried by the loop.
+            await self.dns.refresh_all()
         if self.config.metrics_port is not None:
             collector = GatewayCollector(
-                self.admission, self.gateway.stats, self.policies, self.overload, self.state
+                self.admission,
+                self.gateway.stats,
+                self.policies,
+                self.overload,
+                self.state,
+                self.membership,
             )
             self._metrics, self.metrics_port = await start_metrics_server(
                 collector, self.config.host, self.config.metrics_port
@@ -147,6 +216,8 @@ class Service:
         ]
         if self.state is not None:
             self._tasks.append(asyncio.create_task(self.state.run(), name="shared-state"))
+        if self.dns is not None:
+            self._tasks.append(asyncio.create_task(self.dns.run(), name="dns"))
         self.failed = asyncio.get_running_loop().create_future()
         for task in self._tasks:
             task.add_done_callback(self._background_ended)
@@ -312,7 +383,7 @@ def add_backend_argument(parser: argparse.ArgumentParser, required: bool, help: 
         "--backend",
         action="append",
         default=[],
-        metavar=BACKEND_SYNTAX,
+        metavar=ANY_BACKEND_SYNTAX,
         required=required,
         help=help + SEATS_HELP,
     )
@@ -347,10 +418,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         required=True,
         help="a vLLM server, e.g. region-a=http://10.0.0.5:8000 or "
-        "region-a=http://10.0.0.5:8000#seats=64 (repeatable; the first region named is the "
-        "local one)",
+        "region-a=http://10.0.0.5:8000#seats=64, or every address of a DNS name, e.g. "
+        "region-a=dns://vllm.default.svc.cluster.local:8000 (repeatable; the first region "
+        "named is the local one)",
     )
     add_region_key_argument(parser)
+    add_dns_arguments(parser)
     parser.add_argument(
         "--metrics-port",
         type=int,
@@ -386,11 +459,75 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
 
 
-def backends_from_args(values: Sequence[str]) -> tuple[BackendSpec, ...]:
+def add_dns_arguments(parser: argparse.ArgumentParser) -> None:
+    """How ``dns://`` backends are resolved, shared by ``serve`` and ``up``."""
+    parser.add_argument(
+        "--dns-server",
+        metavar=NAMESERVER_SYNTAX,
+        default=None,
+        help="resolve dns:// backends at this DNS server (default: the system's, from "
+        "/etc/resolv.conf, with its search domains)",
+    )
+    parser.add_argument(
+        "--dns-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="resolve each dns:// backend this often (default: when its answer's TTL runs out)",
+    )
+    parser.add_argument(
+        "--dns-max-interval",
+        type=float,
+        default=DEFAULT_MAX_INTERVAL_S,
+        metavar="SECONDS",
+        help="resolve each dns:// backend at least this often, whatever its TTL (default "
+        "%(default)g)",
+    )
+
+
+def dns_server_from_args(args: argparse.Namespace) -> tuple[str, int] | None:
+    """``--dns-server``, checked, and the intervals with it (a bad value exits with why)."""
+    intervals = (
+        ("--dns-interval", args.dns_interval),
+        ("--dns-max-interval", args.dns_max_interval),
+    )
+    for flag, value in intervals:
+        if value is not None and not value > 0:
+            raise SystemExit(f"fairlane: {flag} must be > 0, not {value}")
+    if args.dns_server is None:
+        return None
     try:
-        return tuple(parse_backend(v) for v in values)
+        return parse_nameserver(args.dns_server)
     except ValueError as exc:
         raise SystemExit(f"fairlane: {exc}") from None
+
+
+def dns_arguments(args: argparse.Namespace) -> tuple[str, ...]:
+    """The ``--dns-*`` flags given to ``up``, for the service processes it starts."""
+    flags: list[str] = []
+    if args.dns_server is not None:
+        flags += ["--dns-server", args.dns_server]
+    if args.dns_interval is not None:
+        flags += ["--dns-interval", str(args.dns_interval)]
+    if args.dns_max_interval != DEFAULT_MAX_INTERVAL_S:
+        flags += ["--dns-max-interval", str(args.dns_max_interval)]
+    return tuple(flags)
+
+
+def fleet_from_args(values: Sequence[str]) -> FleetSpec:
+    """``--backend`` values, static and ``dns://`` mixed; a bad one exits with why."""
+    try:
+        return FleetSpec.parse(values)
+    except ValueError as exc:
+        raise SystemExit(f"fairlane: {exc}") from None
+
+
+def backends_from_args(values: Sequence[str]) -> tuple[BackendSpec, ...]:
+    """Static ``--backend`` values only (``fleet_from_args`` takes DNS names too)."""
+    fleet = fleet_from_args(values)
+    if fleet.dns:
+        raise SystemExit(f"fairlane: {fleet.dns[0].url}: a DNS backend is not accepted here")
+    return fleet.static
 
 
 def state_url(value: str | None) -> str | None:
@@ -408,8 +545,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    fleet = fleet_from_args(args.backend)
     config = ServiceConfig(
-        backends=backends_from_args(args.backend),
+        backends=fleet.static,
+        dns_backends=fleet.dns,
+        regions=fleet.regions,
         policy_path=args.policy,
         host=args.host,
         port=args.port,
@@ -419,6 +559,9 @@ def run(args: argparse.Namespace) -> int:
         replica_id=args.replica_id,
         state_period_s=args.state_period_ms / 1000,
         region_keys=region_keys_from_args(args.region_key),
+        dns_server=dns_server_from_args(args),
+        dns_interval_s=args.dns_interval,
+        dns_max_interval_s=args.dns_max_interval,
     )
     try:
         import uvloop
@@ -428,6 +571,6 @@ def run(args: argparse.Namespace) -> int:
         runner = uvloop.run
     try:
         runner(serve(config))
-    except CredentialError as exc:  # raised before anything listens
+    except (CredentialError, DnsError) as exc:  # raised before anything listens
         raise SystemExit(f"fairlane: {exc}") from None
     return 0

@@ -5,7 +5,8 @@ headers message (or decides on it when there is no body), holds the request with
 ``override_message_timeout`` while it waits in a queue, and sends the final body response
 or immediate response. ``AccessLog.StreamAccessLogs`` receives Envoy's access-log entries,
 which tell the gateway when each request finished. ``RuntimeDiscovery.StreamRuntime``
-serves the runtime layer (``transport.runtime``) to every Envoy subscribed to it.
+serves the runtime layer (``transport.runtime``) to every Envoy subscribed to it, and
+``EndpointDiscovery.StreamEndpoints`` the backends' host set (``transport.endpoints``).
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from time import perf_counter, time
 import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.discovery.v3 import discovery_pb2
+from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.runtime.v3 import rtds_pb2_grpc
 
 from extproc.core.decisions import Forward, Hold
 from extproc.transport import codec
 from extproc.transport.credentials import BackendCredentials
+from extproc.transport.endpoints import EndpointSet
 from extproc.transport.held import HeldRequests
 from extproc.transport.overload import Ages
 from extproc.transport.runtime import RuntimeLayer
@@ -197,7 +200,44 @@ class RuntimeDiscovery(rtds_pb2_grpc.RuntimeDiscoveryServiceServicer):
                 await acks
 
 
-async def _read_acks(requests: AsyncIterator[discovery_pb2.DiscoveryRequest]) -> None:
+class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
+    """EDS, state of the world: the whole host set of the backends' cluster when an Envoy
+    subscribes and again on every change. A rejection (Envoy keeps its previous set) is
+    logged; there is nothing else to roll back."""
+
+    def __init__(self, endpoints: EndpointSet) -> None:
+        self.endpoints = endpoints
+
+    async def StreamEndpoints(
+        self,
+        request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            return
+        cluster = self.endpoints.cluster
+        if first.resource_names and cluster not in first.resource_names:
+            log.warning(
+                "an Envoy asked for the endpoints of %s; this service serves %r",
+                list(first.resource_names),
+                cluster,
+            )
+        acks = asyncio.create_task(_read_acks(request_iterator, "backends' host set"))
+        try:
+            while True:
+                version = self.endpoints.version
+                yield codec.endpoints_response(cluster, version, self.endpoints.levels)
+                await self.endpoints.changed_since(version)
+        finally:
+            acks.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await acks
+
+
+async def _read_acks(
+    requests: AsyncIterator[discovery_pb2.DiscoveryRequest], what: str = "runtime layer"
+) -> None:
     async for request in requests:
         if request.HasField("error_detail"):
-            log.error("Envoy rejected the runtime layer: %s", request.error_detail.message)
+            log.error("Envoy rejected the %s: %s", what, request.error_detail.message)

@@ -7,9 +7,10 @@
 - the compose file and the Envoy config agree: the ext_proc cluster is every replica of the
   service (``fairlane-1``..), each on its gRPC port and with a completion cluster of its own,
   all sharing the ``redis`` service as the deployment file's ``state``; the backend endpoints
-  are the backends' pinned addresses and container ports (and exactly every replica's
-  ``--backend`` list, region by region, whose ``#seats=N`` match the deployment file's
-  ``seats``), the listener and admin ports are the published ones, Prometheus scrapes the
+  are the backend services' names and container ports as ``dns://`` backends (exactly every
+  replica's ``--backend`` list, region by region, whose ``#seats=N`` match the deployment
+  file's ``seats``), Envoy takes them from the service over EDS, no address is pinned, the
+  listener and admin ports are the published ones, Prometheus scrapes the
   ports the processes listen on, Grafana's datasource is the Prometheus service, and every
   bind-mounted file exists in the repository;
 - ``promtool check config`` accepts deploy/prometheus/prometheus.yml (and its rule file).
@@ -20,7 +21,6 @@ override's merges and the interpolated defaults are what gets checked.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import shutil
 from dataclasses import dataclass
@@ -34,7 +34,7 @@ from extproc.envoy.binary import validate
 from extproc.envoy.deployment import load_deployment
 from extproc.envoy.render import render
 from extproc.envoy.replicas import replica_cluster_name
-from extproc.fleet.backend import parse_backend
+from extproc.fleet.discovery import FleetSpec
 from extproc.wire import BACKEND_CLUSTER, EXTPROC_CLUSTER
 from tests.deploy.conftest import REPO, run_tool
 
@@ -166,11 +166,6 @@ def replicas(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
-def ipv4_address(service: dict[str, Any]) -> str:
-    address: str = service["networks"]["fairlane"]["ipv4_address"]
-    return address
-
-
 # --------------------------------------------------------------------------- the tests
 
 
@@ -279,48 +274,40 @@ def test_replicas_share_the_redis_service(stack: tuple[Variant, dict[str, Any]])
 
 
 def test_backends_agree_everywhere(stack: tuple[Variant, dict[str, Any]]) -> None:
-    """Envoy's backend endpoints = the backends' pinned addresses and ports = the service's
-    --backend list, region by region (override_host matches these ip:port strings)."""
+    """The service's --backend list = the deployment's backends = every backend compose
+    service by name and container port (``dns://``, region by region); Envoy learns the
+    addresses from the service over EDS, so nothing is pinned."""
     variant, config = stack
     services = config["services"]
-    subnet = ipaddress.ip_network(config["networks"]["fairlane"]["ipam"]["config"][0]["subnet"])
     in_compose = set()
     for name in variant.backend_services:
         service = services[name]
-        address = ipv4_address(service)
-        assert ipaddress.ip_address(address) in subnet
+        assert "ipv4_address" not in str(service.get("networks")), name
         command = service["command"]
         port = int(flags(command)["port"][0])
         assert flags(command)["scheduling-policy"] == ["priority"]
         assert str(port) in service["expose"]
-        in_compose.add((address, port))
+        in_compose.add((name, port))
+    assert not (config["networks"]["fairlane"] or {}).get("ipam")  # no subnet to collide
 
     # every replica schedules over the same backends
     backend_lists = {tuple(flags(r["command"])["backend"]) for r in replicas(config).values()}
     (backend_urls,) = backend_lists
-    specs = [parse_backend(item) for item in backend_urls]  # as `fairlane serve` reads them
-    in_service = [(spec.region, spec.host, spec.port) for spec in specs]
-    # seats declared in the deployment file are the service's to plan with (Envoy has no
-    # use for them): its --backend list must declare the same, or learn them all
-    declared = {b.address: b.seats for b in load_deployment(variant.deployment).params.backends}
-    assert {spec.address: spec.seats for spec in specs} == declared
-    # so are the engines' keys (where the service reads them): the same as the deployment's
-    keys = {b.address: b.credential for b in load_deployment(variant.deployment).params.backends}
-    assert {spec.address: spec.credential for spec in specs} == keys
-    in_envoy = endpoints(cluster(envoy_bootstrap(variant), BACKEND_CLUSTER))
-    assert sorted(in_envoy, key=str) == sorted(in_service, key=str)
-    assert {(address, port) for _, address, port in in_envoy} == in_compose
-    # the first region the service names is its local one, Envoy's priority 0
-    groups = cluster(envoy_bootstrap(variant), BACKEND_CLUSTER)["load_assignment"]["endpoints"]
-    first = min(groups, key=lambda g: g["priority"])
-    assert first["locality"]["region"] == in_service[0][0]
-    # fixed addresses may not collide with anything else on the network
-    pinned = [
-        s["networks"]["fairlane"]["ipv4_address"]
-        for s in services.values()
-        if isinstance(s.get("networks"), dict) and (s["networks"].get("fairlane") or {})
-    ]
-    assert len(pinned) == len(set(pinned))
+    fleet = FleetSpec.parse(backend_urls)  # as `fairlane serve` reads them
+    assert not fleet.static
+    in_service = [(d.region, d.name, d.port, d.seats, d.credential) for d in fleet.dns]
+    assert {(name, port) for _, name, port, _, _ in in_service} == in_compose
+    # the deployment file's backends: the same names, regions in the same order, the same
+    # declared seats and key references (the service's to use; Envoy has no use for them)
+    params = load_deployment(variant.deployment).params
+    assert not params.backends
+    in_deployment = [(d.region, d.name, d.port, d.seats, d.credential) for d in params.dns_backends]
+    assert in_deployment == in_service
+    assert params.regions == fleet.regions
+    backends = cluster(envoy_bootstrap(variant), BACKEND_CLUSTER)
+    assert backends["type"] == "EDS" and "load_assignment" not in backends
+    (source,) = backends["eds_config"]["api_config_source"]["grpc_services"]
+    assert source["envoy_grpc"]["cluster_name"] == EXTPROC_CLUSTER
 
 
 def test_engine_keys_are_secrets_the_engines_and_the_service_share(
@@ -332,7 +319,7 @@ def test_engine_keys_are_secrets_the_engines_and_the_service_share(
     references = {
         spec.credential
         for replica in replicas(config).values()
-        for spec in map(parse_backend, flags(replica["command"])["backend"])
+        for spec in FleetSpec.parse(flags(replica["command"])["backend"]).dns
     }
     if references == {None}:
         assert variant is SIMS  # the simulators want no key

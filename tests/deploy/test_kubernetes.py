@@ -1,0 +1,139 @@
+"""The Kubernetes example (deploy/kubernetes/): valid against the Kubernetes API schemas,
+offline, and consistent with the Envoy config it mounts.
+
+No API server runs here, so nothing is applied: ``kubernetes-validate`` (a dev dependency,
+from PyPI) checks every manifest against the OpenAPI schemas of the Kubernetes release it
+ships (strict: unknown fields fail), and the tests cross-check what a cluster would need to
+agree on: the rendered ``envoy.yaml`` is fresh and passes ``envoy --mode validate``, the
+service follows the headless vLLM Service by its DNS name and port, the Envoy container
+mounts the ConfigMap the kustomization makes from ``envoy.yaml``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from extproc.envoy.binary import validate
+from extproc.envoy.deployment import load_deployment
+from extproc.envoy.render import render
+from extproc.fleet.discovery import FleetSpec
+from extproc.wire import BACKEND_CLUSTER, EXTPROC_CLUSTER
+from tests.deploy.conftest import REPO
+
+KUBE = REPO / "deploy" / "kubernetes"
+DEPLOYMENT = KUBE / "deployment.yaml"
+ENVOY_CONFIG = KUBE / "envoy.yaml"
+MANIFESTS = sorted((KUBE / "manifests").glob("*.yaml"))
+
+
+def objects() -> list[dict[str, Any]]:
+    found = []
+    for path in MANIFESTS:
+        found += [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return found
+
+
+def find(kind: str, name: str) -> dict[str, Any]:
+    (found,) = [o for o in objects() if o["kind"] == kind and o["metadata"]["name"] == name]
+    return found
+
+
+def container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    return found
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
+def test_every_manifest_is_valid_kubernetes(path: Path) -> None:
+    version = kubernetes_validate.latest_version()
+    for doc in yaml.safe_load_all(path.read_text()):
+        if doc:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_validator_catches_a_mistake() -> None:
+    """The check above can fail: a misspelt field is refused."""
+    broken = find("Service", "vllm")
+    broken["spec"]["clusterIp"] = "None"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_rendered_envoy_config_is_fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)  # the header names the files relative to the working directory
+    fresh = render(load_deployment(DEPLOYMENT.relative_to(REPO))).text
+    assert ENVOY_CONFIG.read_text() == fresh, (
+        "deploy/kubernetes/envoy.yaml is stale: fairlane render-envoy "
+        "deploy/kubernetes/deployment.yaml -o deploy/kubernetes/envoy.yaml"
+    )
+
+
+def test_rendered_envoy_config_validates() -> None:
+    validate(ENVOY_CONFIG)
+
+
+def test_the_service_follows_the_headless_vllm_service() -> None:
+    vllm_service = find("Service", "vllm")
+    vllm = find("Deployment", "vllm")
+    assert vllm_service["spec"]["clusterIP"] == "None"  # headless: DNS lists every pod
+    assert vllm_service["spec"]["selector"] == vllm["spec"]["template"]["metadata"]["labels"]
+    (port,) = vllm_service["spec"]["ports"]
+    (engine_port,) = container(vllm, "vllm")["ports"]
+    assert port["targetPort"] == engine_port["name"]
+    assert "--scheduling-policy=priority" in container(vllm, "vllm")["args"]
+    # a departing engine keeps serving while the gateway drains it
+    spec = vllm["spec"]["template"]["spec"]
+    sleep = container(vllm, "vllm")["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert spec["terminationGracePeriodSeconds"] > sleep > 5
+
+    gateway = find("Deployment", "fairlane")
+    args = container(gateway, "fairlane")["args"]
+    fleet = FleetSpec.parse(a.removeprefix("--backend=") for a in args if a.startswith("--backend="))
+    namespace = vllm_service["metadata"]["namespace"]
+    (name,) = fleet.dns
+    assert not fleet.static
+    assert name.name == f"vllm.{namespace}.svc.cluster.local" and name.port == port["port"]
+    params = load_deployment(DEPLOYMENT).params
+    assert [(d.region, d.name, d.port) for d in params.dns_backends] == [
+        (name.region, name.name, name.port)
+    ]
+    assert f"--port={params.extproc_port}" in args and params.extproc_host == "127.0.0.1"
+
+
+def test_envoy_mounts_the_config_and_learns_the_backends_over_eds() -> None:
+    gateway = find("Deployment", "fairlane")
+    envoy = container(gateway, "envoy")
+    assert envoy["image"] == "envoyproxy/envoy:v1.40.0"
+    (mount,) = envoy["volumeMounts"]
+    config_path = envoy["args"][envoy["args"].index("-c") + 1]
+    assert config_path == f"{mount['mountPath']}/{ENVOY_CONFIG.name}"
+    (volume,) = gateway["spec"]["template"]["spec"]["volumes"]
+    assert volume["name"] == mount["name"]
+    kustomization = yaml.safe_load((KUBE / "kustomization.yaml").read_text())
+    (generated,) = kustomization["configMapGenerator"]
+    assert generated["name"] == volume["configMap"]["name"]
+    assert generated["files"] == [ENVOY_CONFIG.name]
+    assert sorted(kustomization["resources"]) == sorted(
+        str(p.relative_to(KUBE)) for p in MANIFESTS
+    )
+    bootstrap = yaml.safe_load(ENVOY_CONFIG.read_text())
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    backends = clusters[BACKEND_CLUSTER]
+    assert backends["type"] == "EDS"
+    (source,) = backends["eds_config"]["api_config_source"]["grpc_services"]
+    assert source["envoy_grpc"]["cluster_name"] == EXTPROC_CLUSTER
+    listener = bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]
+    (http,) = envoy["ports"]
+    assert listener["port_value"] == http["containerPort"]
+    service = find("Service", "fairlane")
+    assert service["spec"]["selector"] == gateway["spec"]["template"]["metadata"]["labels"]
+
+
+def test_the_readme_says_nothing_was_deployed() -> None:
+    text = (KUBE / "README.md").read_text()
+    assert "No API server" in text and "kubernetes-validate" in text

@@ -76,7 +76,7 @@ def parse_nameserver(text: str) -> tuple[str, int]:
             f"dns server {text!r}: expected {NAMESERVER_SYNTAX} with an IP address"
         ) from None
     if not 1 <= port <= 65535:
-        raise ValueError(f"dns server {text!r}: the port must be in [1, 65535]")
+        raise ValueError(f"dns server {text!r}: expected {NAMESERVER_SYNTAX}, a port in [1, 65535]")
     return host, port
 
 

@@ -44,7 +44,9 @@ def find(kind: str, name: str) -> dict[str, Any]:
 
 
 def container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
-    (found,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    (found,) = [
+        c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name
+    ]
     return found
 
 
@@ -93,7 +95,9 @@ def test_the_service_follows_the_headless_vllm_service() -> None:
 
     gateway = find("Deployment", "fairlane")
     args = container(gateway, "fairlane")["args"]
-    fleet = FleetSpec.parse(a.removeprefix("--backend=") for a in args if a.startswith("--backend="))
+    fleet = FleetSpec.parse(
+        a.removeprefix("--backend=") for a in args if a.startswith("--backend=")
+    )
     namespace = vllm_service["metadata"]["namespace"]
     (name,) = fleet.dns
     assert not fleet.static
@@ -118,9 +122,7 @@ def test_envoy_mounts_the_config_and_learns_the_backends_over_eds() -> None:
     (generated,) = kustomization["configMapGenerator"]
     assert generated["name"] == volume["configMap"]["name"]
     assert generated["files"] == [ENVOY_CONFIG.name]
-    assert sorted(kustomization["resources"]) == sorted(
-        str(p.relative_to(KUBE)) for p in MANIFESTS
-    )
+    assert sorted(kustomization["resources"]) == sorted(str(p.relative_to(KUBE)) for p in MANIFESTS)
     bootstrap = yaml.safe_load(ENVOY_CONFIG.read_text())
     clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
     backends = clusters[BACKEND_CLUSTER]

@@ -21,6 +21,7 @@ import yaml
 
 from extproc.envoy.binary import envoy_argv, envoy_binary, validate
 from extproc.envoy.bootstrap import render_bootstrap, render_yaml
+from extproc.envoy.clusters import backend_cluster
 from extproc.envoy.params import (
     CATCH_ALL_ROUTE,
     MAX_MESSAGE_TIMEOUT_S,
@@ -29,6 +30,7 @@ from extproc.envoy.params import (
 )
 from extproc.envoy.snippet import render_mesh_snippet, render_mesh_snippet_yaml, wrap_snippet
 from extproc.fleet.backend import BackendSpec
+from extproc.fleet.discovery import DnsBackendSpec
 from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
 from extproc.wire import BACKEND_CLUSTER, DESTINATION_HEADER, EXTPROC_CLUSTER
 from tests.ext_proc_double import ExtProcDouble, header_option
@@ -515,3 +517,21 @@ async def test_real_envoy_routes_and_sets_headers(
         for runner in runners:
             await runner.cleanup()
         await server.stop(grace=None)
+
+
+def test_dns_backends_make_the_backends_cluster_eds_from_the_service() -> None:
+    """Envoy takes the backends' hosts from the service (EDS over the ext_proc cluster), and
+    drops a host as soon as the service does; fixed backends alone keep the STATIC cluster."""
+    static = backend_cluster(EnvoyParams())
+    assert static["type"] == "STATIC" and "eds_config" not in static
+    params = EnvoyParams(dns_backends=(DnsBackendSpec("vllm", 8000, "region-c"),))
+    cluster = backend_cluster(params)
+    assert cluster["type"] == "EDS" and "load_assignment" not in cluster
+    assert cluster["ignore_health_on_host_removal"] is True
+    (source,) = cluster["eds_config"]["api_config_source"]["grpc_services"]
+    assert source["envoy_grpc"]["cluster_name"] == EXTPROC_CLUSTER
+    # everything else about the cluster is the static one's: routing, limits, checks
+    for key in ("load_balancing_policy", "circuit_breakers", "health_checks", "outlier_detection"):
+        assert cluster[key] == static[key]
+    assert params.regions == ("region-a", "region-b", "region-c")
+    assert EnvoyParams(backends=(), dns_backends=params.dns_backends).regions == ("region-c",)

@@ -96,3 +96,39 @@ def test_listen_tls_needs_both_absolute_paths() -> None:
     found = errors("listen: {tls: {cert: tls/c.pem}}\n" + BACKENDS % 8)
     assert "d.yaml:1: listen.tls.key: is required (a PEM file Envoy can read)" in found
     assert any(e.startswith("d.yaml:1: listen.tls.cert: must be an absolute path") for e in found)
+
+
+DNS_BACKENDS = """\
+backends:
+  - {url: "dns://vllm-west.llm.svc.cluster.local:8000", region: west, seats: 16}
+  - {url: http://10.0.0.11:8000, region: east}
+  - {url: "dns://vllm-east:8000", region: east, api_key: env:VLLM_API_KEY}
+"""
+
+
+def test_dns_backends_mix_with_fixed_ones_and_keep_the_region_order() -> None:
+    params = parse_deployment(DNS_BACKENDS, "d.yaml").params
+    assert [b.address for b in params.backends] == ["10.0.0.11:8000"]
+    assert [(d.url, d.region, d.seats, d.credential) for d in params.dns_backends] == [
+        ("dns://vllm-west.llm.svc.cluster.local:8000", "west", 16, None),
+        ("dns://vllm-east:8000", "east", None, "env:VLLM_API_KEY"),
+    ]
+    assert params.regions == ("west", "east")  # the DNS backend named west first
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("dns://vllm", "the port is required"),
+        ("dns://10.0.0.5:8000", "an IP address, not a name: write http://IP:PORT"),
+        ("http://vllm:8000", "must be an IP address"),
+    ],
+)
+def test_a_bad_dns_backend_is_named_with_its_line(url: str, message: str) -> None:
+    (error,) = errors(f'backends:\n  - {{url: "{url}"}}\n')
+    assert error.startswith("d.yaml:2: backends[0].url: ") and message in error, error
+
+
+def test_a_name_listed_twice_is_refused() -> None:
+    text = 'backends:\n  - {url: "dns://vllm:8000"}\n  - {url: "dns://vllm:8000", region: b}\n'
+    assert errors(text) == ["d.yaml:3: backends[1].url: dns://vllm:8000 is already backends[0]"]

@@ -10,6 +10,7 @@ import pytest
 
 from extproc.core.decisions import Forward
 from extproc.fleet.backend import BackendSpec
+from extproc.fleet.discovery import DnsBackendSpec
 from extproc.transport.credentials import (
     BackendCredentials,
     CredentialError,
@@ -109,6 +110,32 @@ def test_load_without_keys_is_nothing_and_a_region_key_needs_its_region() -> Non
         BackendCredentials.load(_backends(), [("c", "env:X")])
     with pytest.raises(CredentialError, match="FAIRLANE_TEST_UNSET_TOO"):
         BackendCredentials.load(_backends(), [("a", "env:FAIRLANE_TEST_UNSET_TOO")])
+
+
+def test_dns_backends_keys_are_read_at_load_and_given_to_each_address_that_joins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FAIRLANE_TEST_A", KEY_A)
+    monkeypatch.setenv("FAIRLANE_TEST_B", KEY_B)
+    name = DnsBackendSpec("vllm", 8000, "c", credential="env:FAIRLANE_TEST_B")
+    other = DnsBackendSpec("other", 8000, "a")  # takes region a's key
+    credentials = BackendCredentials.load(_backends(), [("a", "env:FAIRLANE_TEST_A")], [name])
+    assert credentials is not None
+    monkeypatch.delenv("FAIRLANE_TEST_B")  # read at load: a later join needs no read
+    credentials.add(name.member("10.0.0.7"))
+    credentials.add(other.member("10.0.0.8"))
+    assert credentials.header_for("10.0.0.7:8000") == f"Bearer {KEY_B}"
+    assert credentials.header_for("10.0.0.8:8000") == f"Bearer {KEY_A}"
+    credentials.forget("10.0.0.7:8000")
+    assert credentials.header_for("10.0.0.7:8000") is None
+    # a name's key that cannot be read stops the service before it serves
+    with pytest.raises(CredentialError, match="FAIRLANE_TEST_UNSET_TOO"):
+        BackendCredentials.load(
+            (), [], [DnsBackendSpec("x", 1, credential="env:FAIRLANE_TEST_UNSET_TOO")]
+        )
+    # a region key for a region only a DNS backend has is not refused
+    plain = DnsBackendSpec("vllm", 8000, "c")
+    assert BackendCredentials.load((), [("c", "env:FAIRLANE_TEST_A")], [plain]) is not None
 
 
 def _forward(endpoints: tuple[str, ...], **headers: str) -> Forward:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from extproc.ops import cli
 from extproc.policy import PolicyStore, parse_policy
-from extproc.transport.server import record_failure, stop_within, watch_policy
+from extproc.transport.server import fleet_from_args, record_failure, stop_within, watch_policy
 from tests.extproc.policy.test_policy import MINIMAL, many_tenants, rewrite
 
 
@@ -114,3 +115,14 @@ async def test_a_cancelled_background_loop_is_a_stop_not_a_failure() -> None:
     await asyncio.gather(task, return_exceptions=True)
     await asyncio.sleep(0)
     assert not failed.done()
+
+
+def test_a_malformed_dns_backend_or_server_stops_the_command_saying_why() -> None:
+    with pytest.raises(SystemExit, match=r"fairlane: backend 'eu=dns://vllm': expected .*port"):
+        fleet_from_args(["eu=dns://vllm"])
+    with pytest.raises(SystemExit, match="an IP address, not a name"):
+        cli.main(["up", "--backend", "dns://10.0.0.5:8000"])
+    with pytest.raises(SystemExit, match=r"dns server 'vllm:53': expected IP\[:PORT\]"):
+        cli.main(["serve", "--backend", "dns://vllm:8000", "--dns-server", "vllm:53"])
+    with pytest.raises(SystemExit, match="--dns-interval must be > 0"):
+        cli.main(["serve", "--backend", "dns://vllm:8000", "--dns-interval", "0"])

@@ -211,14 +211,16 @@ def _discovery(params: EnvoyParams) -> dict[str, Any]:
         envoy_grpc["retry_policy"] = retry
     return {
         "type": "EDS",
-        "eds_config": {
-            "resource_api_version": "V3",
-            "initial_fetch_timeout": EDS_INITIAL_FETCH_TIMEOUT,
-            "api_config_source": {
-                "api_type": "GRPC",
-                "transport_api_version": "V3",
-                "grpc_services": [{"envoy_grpc": envoy_grpc}],
-            },
+        "eds_cluster_config": {
+            "eds_config": {
+                "resource_api_version": "V3",
+                "initial_fetch_timeout": EDS_INITIAL_FETCH_TIMEOUT,
+                "api_config_source": {
+                    "api_type": "GRPC",
+                    "transport_api_version": "V3",
+                    "grpc_services": [{"envoy_grpc": envoy_grpc}],
+                },
+            }
         },
         "ignore_health_on_host_removal": True,
     }

@@ -306,7 +306,7 @@ def test_backends_agree_everywhere(stack: tuple[Variant, dict[str, Any]]) -> Non
     assert params.regions == fleet.regions
     backends = cluster(envoy_bootstrap(variant), BACKEND_CLUSTER)
     assert backends["type"] == "EDS" and "load_assignment" not in backends
-    (source,) = backends["eds_config"]["api_config_source"]["grpc_services"]
+    (source,) = backends["eds_cluster_config"]["eds_config"]["api_config_source"]["grpc_services"]
     assert source["envoy_grpc"]["cluster_name"] == EXTPROC_CLUSTER
 
 

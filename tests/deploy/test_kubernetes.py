@@ -127,7 +127,7 @@ def test_envoy_mounts_the_config_and_learns_the_backends_over_eds() -> None:
     clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
     backends = clusters[BACKEND_CLUSTER]
     assert backends["type"] == "EDS"
-    (source,) = backends["eds_config"]["api_config_source"]["grpc_services"]
+    (source,) = backends["eds_cluster_config"]["eds_config"]["api_config_source"]["grpc_services"]
     assert source["envoy_grpc"]["cluster_name"] == EXTPROC_CLUSTER
     listener = bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]
     (http,) = envoy["ports"]

@@ -26,7 +26,7 @@ class Churn:
         self.clock = FakeClock()
         self.pool = BackendPool((), self.clock, regions=("r",), dynamic=True)
         self.members = Membership(self.pool, (NAME,))
-        self.admission = Admission(self.pool, policy(limit=4, tiers=(INTERACTIVE, BATCH)))
+        self.admission = Admission(self.pool, policy(limit=4))
         self.generation = 0
         self.requests = 0
         self.addresses = [self._address() for _ in range(FLEET)]

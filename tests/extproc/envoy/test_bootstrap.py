@@ -523,12 +523,12 @@ def test_dns_backends_make_the_backends_cluster_eds_from_the_service() -> None:
     """Envoy takes the backends' hosts from the service (EDS over the ext_proc cluster), and
     drops a host as soon as the service does; fixed backends alone keep the STATIC cluster."""
     static = backend_cluster(EnvoyParams())
-    assert static["type"] == "STATIC" and "eds_config" not in static
+    assert static["type"] == "STATIC" and "eds_cluster_config" not in static
     params = EnvoyParams(dns_backends=(DnsBackendSpec("vllm", 8000, "region-c"),))
     cluster = backend_cluster(params)
     assert cluster["type"] == "EDS" and "load_assignment" not in cluster
     assert cluster["ignore_health_on_host_removal"] is True
-    (source,) = cluster["eds_config"]["api_config_source"]["grpc_services"]
+    (source,) = cluster["eds_cluster_config"]["eds_config"]["api_config_source"]["grpc_services"]
     assert source["envoy_grpc"]["cluster_name"] == EXTPROC_CLUSTER
     # everything else about the cluster is the static one's: routing, limits, checks
     for key in ("load_balancing_policy", "circuit_breakers", "health_checks", "outlier_detection"):

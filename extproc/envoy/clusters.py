@@ -139,7 +139,7 @@ def backend_cluster(params: EnvoyParams) -> dict[str, Any]:
     """The vLLM backends: one priority level per region, routed by override_host."""
     return {
         "name": BACKEND_CLUSTER,
-        **_discovery(params),
+        "type": "EDS" if params.dynamic_fleet else "STATIC",
         "connect_timeout": "2s",
         "per_connection_buffer_limit_bytes": params.buffer_limit_bytes,
         "load_balancing_policy": {
@@ -184,6 +184,7 @@ def backend_cluster(params: EnvoyParams) -> dict[str, Any]:
             "base_ejection_time": "30s",
             "max_ejection_percent": 50,
         },
+        **_hosts(params),
     }
 
 
@@ -192,11 +193,10 @@ EDS_INITIAL_FETCH_TIMEOUT = "2s"
 anyway (with no backend until the set arrives; the service answers once it is up)."""
 
 
-def _discovery(params: EnvoyParams) -> dict[str, Any]:
+def _hosts(params: EnvoyParams) -> dict[str, Any]:
     """Where the backends' hosts come from: the config (STATIC) or the service (EDS)."""
     if not params.dynamic_fleet:
         return {
-            "type": "STATIC",
             "load_assignment": {
                 "cluster_name": BACKEND_CLUSTER,
                 # Envoy's default, explicit: priority 0 (the first region) keeps all traffic
@@ -210,7 +210,6 @@ def _discovery(params: EnvoyParams) -> dict[str, Any]:
     if retry is not None:
         envoy_grpc["retry_policy"] = retry
     return {
-        "type": "EDS",
         "eds_cluster_config": {
             "eds_config": {
                 "resource_api_version": "V3",

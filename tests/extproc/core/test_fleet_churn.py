@@ -39,9 +39,8 @@ class Churn:
 
     def _resolve(self) -> None:
         self.members.update(NAME, self.addresses, self.clock())
-        for backend in self.pool.backends:
-            if backend.membership == "warming":
-                scraped(backend, self.clock)
+        for backend in self.pool.backends:  # fresh metrics; the new one starts serving
+            scraped(backend, self.clock)
         for removed in self.members.sweep(self.clock()).removed:
             self.admission.forget_backend(removed.address)
 
@@ -55,7 +54,6 @@ class Churn:
             grants = self.admission.submit(request_id, request)  # type: ignore[arg-type]
             assert [g.request_id for g in grants] == [request_id]  # granted at once
             self.admission.cancellable(request_id)
-            self.clock.now += 0.01
             self.admission.release(request_id, output_tokens=10)
 
     def replace_one(self) -> None:

@@ -173,7 +173,7 @@ routes:
 
 
 def test_dns_backend_error_says_what_to_do() -> None:
-    with pytest.raises(DeploymentError, match="ipv4_address"):
+    with pytest.raises(DeploymentError, match="write dns://NAME:PORT to follow every address"):
         parse_deployment("backends: [{url: 'http://sim-a:8000'}]\n", "d.yaml")
 
 

@@ -74,7 +74,7 @@ def kube_names(params: EnvoyParams) -> KubeNames:
                 "replicas share their state in Redis: set service.state to its "
                 "redis://HOST:PORT URL (a Redis the cluster runs)"
             )
-    ports = {backend.port for backend in (*params.backends, *params.dns_backends)}
+    ports = {b.port for b in params.backends} | {d.port for d in params.dns_backends}
     if len(ports) != 1:
         raise EnvoyConfigError(
             f"the backends must share one port (the vLLM pods' port), got {sorted(ports)}"

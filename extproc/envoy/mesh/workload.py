@@ -82,12 +82,10 @@ def engine_keys_secret(names: KubeNames) -> str:
 def _engine_key_env(params: EnvoyParams, names: KubeNames) -> list[dict[str, Any]]:
     """The container's environment for the backends' ``env:NAME`` keys, from the Secret
     ``engine_keys_secret``; a ``file:PATH`` key is the operator's own volume mount."""
+    references = [b.credential for b in params.backends]
+    references += [d.credential for d in params.dns_backends]
     wanted = sorted(
-        {
-            b.credential.removeprefix("env:")
-            for b in (*params.backends, *params.dns_backends)
-            if b.credential is not None and b.credential.startswith("env:")
-        }
+        {r.removeprefix("env:") for r in references if r is not None and r.startswith("env:")}
     )
     secret = engine_keys_secret(names)
     return [

@@ -280,7 +280,7 @@ async def test_new_engines_get_traffic_within_two_resolution_periods(tmp_path: P
             lambda: all(arrivals(fleet, ip, appeared) for ip in new), "the new engines' traffic"
         )
         first = {ip: arrivals(fleet, ip, appeared)[0] - appeared for ip in new}
-        await asyncio.sleep(3 * PERIOD_S)  # let the four share the load
+        await asyncio.sleep(6 * PERIOD_S)  # let the four share the load
         hosts = fleet.envoy_hosts()
     assert not load.failed(), load.failed()[:5]
     settled = appeared + 2 * PERIOD_S
@@ -295,7 +295,9 @@ async def test_new_engines_get_traffic_within_two_resolution_periods(tmp_path: P
         + f"; {len(load.outcomes)} requests, {len(load.failed())} failed"
     )
     assert max(first.values()) <= 2 * PERIOD_S, first
-    assert all(n / total >= 1 / (2 * len(IPS)) for n in shares.values()), shares
+    # each takes a share: at least a third of an even one (a few dozen requests each; an
+    # engine left out would have none)
+    assert all(n / total >= 1 / (3 * len(IPS)) for n in shares.values()), shares
     assert hosts == {fleet.address(ip) for ip in IPS}
 
 

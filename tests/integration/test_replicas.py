@@ -209,7 +209,10 @@ async def test_a_light_tenant_is_served_fairly_across_replicas(tmp_path: Path) -
     one. Measured: median 2.2x, worst 3.1-4.1x (one process: 1.8x and 2.2x). Before a
     replica left room to one whose next flow was owed clearly more, a light request waited
     6.4 s (11x): each freed seat went to the replica whose request had finished, and a
-    replica with nothing in flight hardly ever saw one."""
+    replica with nothing in flight hardly ever saw one. The median's bound sits between
+    what fair sharing across replicas gives (2.0-2.6x over seven runs on 2026-11-25, on a
+    quiet machine: a bound of 2.5x failed two of them, before and after that day's
+    changes) and FIFO's 6x."""
     group, stack = start_stack(tmp_path, FAIRNESS_POLICY, sim_args=(*SIM_ARGS, *SEATS), replicas=3)
     with group:
         loop = asyncio.get_running_loop()
@@ -236,7 +239,7 @@ async def test_a_light_tenant_is_served_fairly_across_replicas(tmp_path: Path) -
             await asyncio.sleep(1.0)  # heavy's backlog is queued on every replica
             loaded = await light(8)
             await heavies
-    assert statistics.median(loaded) <= 2.5 * alone, (alone, loaded)
+    assert statistics.median(loaded) <= 3.5 * alone, (alone, loaded)
     assert max(loaded) <= 6.0 * alone, (alone, loaded)
 
 

@@ -50,6 +50,11 @@ class Knobs:
     """From a request's last token to its completion in the gateway (Envoy's access log)."""
     health_delay_s: float = 1.0
     """How long a dead engine still looks healthy (the health check's interval)."""
+    forward_delay_s: float = 0.0
+    """From the gateway's decision (or a grant) to the engine having the request: Envoy's
+    and the ext_proc round trips' own time (0: the scale runs leave the transport out)."""
+    response_delay_s: float = 0.0
+    """From an engine's token to the client reading it (Envoy relaying it)."""
 
 
 @dataclass(frozen=True)
@@ -286,7 +291,14 @@ def _knobs(r: FieldReader, top: Section) -> Knobs:
     field = top.get("knobs")
     if field is None:
         return Knobs()
-    allowed = ("scrape_interval_s", "scrape_delay_s", "feedback_delay_s", "health_delay_s")
+    allowed = (
+        "scrape_interval_s",
+        "scrape_delay_s",
+        "feedback_delay_s",
+        "health_delay_s",
+        "forward_delay_s",
+        "response_delay_s",
+    )
     s = r.section(field, allowed)
     if s is None:
         return Knobs()
@@ -298,6 +310,12 @@ def _knobs(r: FieldReader, top: Section) -> Knobs:
             s, "feedback_delay_s", non_negative, "seconds >= 0", d.feedback_delay_s
         ),
         health_delay_s=r.get(s, "health_delay_s", non_negative, "seconds >= 0", d.health_delay_s),
+        forward_delay_s=r.get(
+            s, "forward_delay_s", non_negative, "seconds >= 0", d.forward_delay_s
+        ),
+        response_delay_s=r.get(
+            s, "response_delay_s", non_negative, "seconds >= 0", d.response_delay_s
+        ),
     )
 
 

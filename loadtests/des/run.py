@@ -28,19 +28,18 @@ from extproc.core.feedback import BODY_BYTES_PER_TOKEN, BODY_ENVELOPE_BYTES, STR
 from extproc.fleet.backend import BackendSpec
 from extproc.fleet.vllm_metrics import EngineMetrics
 from extproc.policy import DEFAULT_POLICY_PATH
+from loadtests.bench.workload import TEMPLATE_TOKENS
 from loadtests.des.clock import EventLoop
 from loadtests.des.engines import EngineNode
 from loadtests.des.envoy import next_endpoint
 from loadtests.des.gateway import Core, chat_body, write_policy
 from loadtests.des.model import DesScenario
-from loadtests.des.workload import Ask, ClosedLoop, Workload
+from loadtests.des.workload import Ask, Client, Traffic, Workload
 from loadtests.sim.engine import EngineConfig, EngineRequest, Policy
 from loadtests.sim.profiles import get_profile
 
 MODEL = "sim-model"
 PRIORITY_HEADER = "x-vllm-priority"
-TEMPLATE_TOKENS = 4
-"""Tokens the chat template adds around one user message (``core.prompt.render_chat``)."""
 
 
 @dataclass(slots=True)
@@ -50,7 +49,8 @@ class Flight:
     ask: Ask
     request_id: str
     arrival: float
-    loop_of: tuple[ClosedLoop, str] | None = None
+    client: Client | None = None
+    """The closed-loop client that sent it (None: an open-loop arrival)."""
     hold: Hold | None = None
     forward: Forward | None = None
     tried: int = 0
@@ -65,6 +65,8 @@ class Flight:
     ended_at: float | None = None
     """When the client had its answer (its last token, or the refusal)."""
     status: int = 0
+    output: int = 0
+    """Tokens the client received (0 unless it was answered 200)."""
 
 
 @dataclass
@@ -105,19 +107,33 @@ class Simulation:
         workdir: Path,
         fast_forward: bool = True,
         keep_flights: bool = False,
+        traffic: Traffic | None = None,
+        policy_path: Path | None = None,
+        engine: EngineConfig | None = None,
     ) -> None:
         """``fast_forward=False`` steps every engine step as an event (``engines``): the
         reference the fast-forward is tested against, and much slower. ``keep_flights``
-        keeps every answered request in ``flights`` (for tests: a day's 10 M would not fit)."""
+        keeps every answered request in ``flights`` and the others in ``live`` (for tests
+        and the A/B runs: a day's 10 M would not fit).
+
+        By default the scenario's own workload (``Workload``) plays against the default
+        policy with its tenants appended, on engines of the scenario's ``fleet``;
+        ``traffic``, ``policy_path`` and ``engine`` replace them (``loadtests.des.ab``: a
+        bench scenario's groups, its policy, its simulators' flags)."""
         self.scenario = scenario
         self.keep_flights = keep_flights
         self.loop = EventLoop(scenario.start_s)
-        self.workload = Workload(scenario.open_loop, scenario.closed_loops, scenario.seed)
-        tenants = self.workload.open_tenants() + self.workload.closed_tenants()
         workdir.mkdir(parents=True, exist_ok=True)
-        policy_path = write_policy(DEFAULT_POLICY_PATH, tenants, workdir / "policy.yaml")
+        if traffic is None or policy_path is None:
+            workload = Workload(scenario.open_loop, scenario.closed_loops, scenario.seed)
+            tenants = workload.open_tenants() + workload.closed_tenants()
+            traffic = traffic or workload
+            policy_path = policy_path or write_policy(
+                DEFAULT_POLICY_PATH, tenants, workdir / "policy.yaml"
+            )
+        self.traffic: Traffic = traffic
         fleet = scenario.fleet
-        config = EngineConfig(
+        config = engine or EngineConfig(
             profile=get_profile(fleet.profile),
             max_num_seqs=fleet.max_num_seqs,
             num_gpu_blocks=fleet.num_gpu_blocks,
@@ -130,7 +146,7 @@ class Simulation:
                 f"10.{i // 250}.{i % 250}.1",
                 8000,
                 region=region,
-                seats=fleet.max_num_seqs if fleet.declare_seats else None,
+                seats=config.max_num_seqs if fleet.declare_seats else None,
             )
             specs.append(spec)
             self.nodes[spec.address] = EngineNode(
@@ -148,6 +164,8 @@ class Simulation:
         """Running requests admission may cancel, by ``cancel_id``."""
         self.flights: dict[str, Flight] = {}
         """Answered requests by id, when ``keep_flights``."""
+        self.live: dict[str, Flight] = {}
+        """Requests sent and not answered yet, by id, when ``keep_flights``."""
         self.stats = Stats(scenario.start_s + scenario.warmup_s)
         if scenario.outage is not None:
             outage = scenario.outage
@@ -163,16 +181,9 @@ class Simulation:
     def run(self) -> Stats:
         loop, scenario = self.loop, self.scenario
         start = scenario.start_s
-        loop.at(self.workload.next_arrival(start), self._open_arrival)
-        for closed in scenario.closed_loops:
-            if closed.stop_s is not None and closed.stop_s <= start:
-                continue
-            for i in range(closed.count):
-                tenant = f"{closed.name}{i}"
-                for k in range(closed.concurrency):
-                    # Spread the first sends over a second, not one instant.
-                    first = max(closed.start_s, start) + k / closed.concurrency
-                    loop.at(first, self._closed_send, (closed, tenant))
+        loop.at(self.traffic.next_arrival(start), self._open_arrival)
+        for client in self.traffic.clients(start):
+            loop.at(client.start_s, self._closed_send, client)
         loop.at(start, self._scrape_round)
         if scenario.outage is not None:
             loop.at(scenario.outage.at_s, self._outage_start)
@@ -191,31 +202,32 @@ class Simulation:
     def _open_arrival(self, _: Any) -> None:
         if not self._may_send():
             return
-        self._send(self.workload.open_ask(), None)
-        self.loop.at(self.workload.next_arrival(self.loop.now), self._open_arrival)
+        self._send(self.traffic.open_ask(), None)
+        self.loop.at(self.traffic.next_arrival(self.loop.now), self._open_arrival)
 
-    def _closed_send(self, event: tuple[ClosedLoop, str]) -> None:
+    def _closed_send(self, client: Client) -> None:
         if not self._may_send():
             return
-        closed, tenant = event
-        if closed.stop_s is not None and self.loop.now >= closed.stop_s:
+        if client.stop_s is not None and self.loop.now >= client.stop_s:
             return  # the job is over: its outstanding requests end, no new one starts
-        self._send(self.workload.closed_ask(closed, tenant), event)
+        self._send(client.next_ask(), client)
 
     # A request ---------------------------------------------------------------------------
 
-    def _send(self, ask: Ask, loop_of: tuple[ClosedLoop, str] | None) -> None:
+    def _send(self, ask: Ask, client: Client | None) -> None:
         now = self.loop.now
         request_id = self._next_id()
-        flight = Flight(ask, request_id, now, loop_of)
+        flight = Flight(ask, request_id, now, client)
         self.stats.sent += 1
         self.in_progress += 1
+        if self.keep_flights:
+            self.live[request_id] = flight
         info = RequestInfo(
             method="POST",
             path="/v1/chat/completions",
             headers={
                 ":path": "/v1/chat/completions",
-                "authorization": f"Bearer sk-{ask.tenant}",
+                "authorization": f"Bearer {ask.api_key}",
                 "content-type": "application/json",
             },
             body=chat_body(MODEL, ask.prompt, ask.max_tokens, ask.stream),
@@ -279,7 +291,17 @@ class Simulation:
         stats = self.stats
         if flight.arrival >= stats.warmup_s and wait > stats.wait_max.get(flight.ask.tier, 0.0):
             stats.wait_max[flight.ask.tier] = wait
-        self._try(flight)
+        delay = self.scenario.knobs.forward_delay_s
+        if delay:
+            self.loop.at(now + delay, self._arrive, flight)
+        else:
+            self._try(flight)
+
+    def _arrive(self, flight: Flight) -> None:
+        """The forwarded request reaches Envoy's upstream ``forward_delay_s`` after the
+        decision, unless it was cancelled meanwhile."""
+        if not flight.done:
+            self._try(flight)
 
     def _try(self, flight: Flight) -> None:
         """Envoy sends the request to the next listed endpoint that is up (``envoy``)."""
@@ -317,11 +339,12 @@ class Simulation:
         flight.first_at = at
         stats = self.stats
         if flight.arrival >= stats.warmup_s:
-            stats.ttft[flight.ask.tier].append(at - flight.arrival)
+            ttft = at + self.scenario.knobs.response_delay_s - flight.arrival
+            stats.ttft[flight.ask.tier].append(ttft)
             phase = stats.phase(flight.arrival)
             if phase is not None:
                 by_tier = stats.ttft_by_phase.setdefault(phase, {})
-                by_tier.setdefault(flight.ask.tier, array("d")).append(at - flight.arrival)
+                by_tier.setdefault(flight.ask.tier, array("d")).append(ttft)
 
     def finished(self, flight: Flight, req: EngineRequest, at: float) -> None:
         if flight.done:  # cancelled (aborted) in its last step: the 503 was its answer
@@ -332,7 +355,7 @@ class Simulation:
             size = round(output * STREAM_BYTES_PER_TOKEN)
         else:
             size = round(BODY_ENVELOPE_BYTES + output * BODY_BYTES_PER_TOKEN)
-        if flight.loop_of is not None and flight.arrival >= self.stats.warmup_s:
+        if flight.client is not None and flight.arrival >= self.stats.warmup_s:
             self.stats.served[ask.tenant] += ask.prompt_tokens + output
         node = flight.node
         self.loop.at(
@@ -340,7 +363,7 @@ class Simulation:
             self._feedback,
             (flight, 200, node.address if node else "", size),
         )
-        self._end(flight, 200, output)
+        self._end(flight, 200, output, self.scenario.knobs.response_delay_s)
 
     def lost(self, flight: Flight) -> None:
         """Its engine died: Envoy retries it if nothing reached the client yet."""
@@ -370,19 +393,22 @@ class Simulation:
         )
         self._wake(self.core.completed(completion))
 
-    def _end(self, flight: Flight, status: int, output: int) -> None:
-        """The client has its answer: count it; a closed-loop client sends its next."""
+    def _end(self, flight: Flight, status: int, output: int, delay: float = 0.0) -> None:
+        """The client has its answer (``delay`` from now: the way back through Envoy):
+        count it; a closed-loop client sends its next."""
         if flight.done:
             return
         flight.done = True
-        flight.ended_at = self.loop.now
+        flight.ended_at = self.loop.now + delay
         flight.status = status
+        flight.output = output
         if flight.cancel_id is not None:  # its answer started (or it failed): not cancellable
             self.cancellable.pop(flight.cancel_id, None)
             self.core.settled(flight.cancel_id)
             flight.cancel_id = None
         if self.keep_flights:
             self.flights[flight.request_id] = flight
+            self.live.pop(flight.request_id, None)
         self.in_progress -= 1
         if self.in_progress == 0 and self.stopped_sending:
             self.loop.stop()
@@ -393,10 +419,10 @@ class Simulation:
             phase = stats.phase(flight.arrival)
             if phase is not None:
                 stats.statuses_by_phase[(phase, flight.ask.tier, status)] += 1
-        if flight.loop_of is not None:
-            # A refusal carries retry-after: a well-behaved client waits a second.
-            pause = 0.0 if 200 <= status < 300 else 1.0
-            self.loop.at(self.loop.now + pause, self._closed_send, flight.loop_of)
+        client = flight.client
+        if client is not None:
+            pause = client.think_s if 200 <= status < 300 else client.refusal_pause_s
+            self.loop.at(self.loop.now + delay + pause, self._closed_send, client)
 
     # The poller ----------------------------------------------------------------------------
 

@@ -10,6 +10,10 @@
   number of requests outstanding each, sending the next when one ends. They are the
   backlogged tenants fairness is judged on: equal weights, more asked than they get.
 
+The simulation reads any workload through ``Traffic`` (open-loop arrivals and closed-loop
+``Client``s): ``Workload`` here for the scale scenarios, ``loadtests.des.ab`` for an A/B
+bench scenario's groups (the bench's own seeded requests).
+
 Prompts are text, as a client sends them: the tenant's own system prompt (so the prefix
 cache and the picker's affinity have something to find) and a unique tail, both of short
 invented words (``core.prompt`` counts about one token per word).
@@ -18,10 +22,13 @@ invented words (``core.prompt`` counts about one token per word).
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,38 @@ class Ask:
     output_tokens: int
     max_tokens: int
     stream: bool
+    api_key: str
+    """The key the client sends (``authorization: Bearer KEY``): it names the tenant."""
+
+
+@dataclass(frozen=True, slots=True)
+class Client:
+    """One closed-loop client: from ``start_s`` it sends ``next_ask()``, waits for the
+    answer, pauses ``think_s`` (``refusal_pause_s`` after a refusal instead), and sends the
+    next, until ``stop_s`` (None: until the run ends)."""
+
+    tenant: str
+    next_ask: Callable[[], Ask]
+    start_s: float
+    stop_s: float | None = None
+    think_s: float = 0.0
+    refusal_pause_s: float = 0.0
+
+
+class Traffic(Protocol):
+    """What the simulation plays: open-loop arrivals and closed-loop clients."""
+
+    def next_arrival(self, t: float) -> float:
+        """The open loop's next arrival after ``t`` (``math.inf``: none)."""
+        ...
+
+    def open_ask(self) -> Ask:
+        """The request of the arrival ``next_arrival`` returned last."""
+        ...
+
+    def clients(self, start_s: float) -> list[Client]:
+        """Every closed-loop client of a run starting at ``start_s``."""
+        ...
 
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -123,6 +162,22 @@ class Workload:
 
     def closed_tenants(self) -> list[tuple[str, str]]:
         return [(f"{c.name}{i}", c.tier) for c in self.closed for i in range(c.count)]
+
+    def clients(self, start_s: float) -> list[Client]:
+        """``concurrency`` clients per closed-loop tenant, their first sends spread over a
+        second (not one instant); a refused client waits out the ``retry-after`` second.
+        A job that stopped before ``start_s`` has none."""
+        clients = []
+        for closed in self.closed:
+            if closed.stop_s is not None and closed.stop_s <= start_s:
+                continue
+            for i in range(closed.count):
+                tenant = f"{closed.name}{i}"
+                ask = functools.partial(self.closed_ask, closed, tenant)
+                for k in range(closed.concurrency):
+                    first = max(closed.start_s, start_s) + k / closed.concurrency
+                    clients.append(Client(tenant, ask, first, closed.stop_s, 0.0, 1.0))
+        return clients
 
     def pick_tenant(self) -> int:
         """An open-loop tenant's index, by the Zipf law."""
@@ -172,6 +227,7 @@ class Workload:
             output_tokens=output,
             max_tokens=output,
             stream=stream,
+            api_key=f"sk-{tenant}",
         )
 
     def _slice(self, words: int) -> str:

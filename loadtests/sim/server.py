@@ -89,6 +89,19 @@ class SimConfig:
     def served(self) -> tuple[str, ...]:
         return self.served_model_names or (self.model,)
 
+    def engine_config(self) -> EngineConfig:
+        """The engine these flags describe (also what ``loadtests.des`` runs for a bench
+        scenario's ``backends.flags``, so both read the flags one way)."""
+        return EngineConfig(
+            profile=get_profile(self.profile),
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            num_gpu_blocks=self.num_gpu_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            policy=Policy(self.scheduling_policy),
+        )
+
 
 class StreamSink:
     """Writes one streaming request's tokens to its socket, one HTTP chunk per event."""
@@ -153,18 +166,7 @@ class SimServer:
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
-        profile = get_profile(config.profile)
-        self.engine = Engine(
-            EngineConfig(
-                profile=profile,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                num_gpu_blocks=config.num_gpu_blocks,
-                block_size=config.block_size,
-                max_model_len=config.max_model_len,
-                policy=Policy(config.scheduling_policy),
-            )
-        )
+        self.engine = Engine(config.engine_config())
         self.max_model_len = self.engine.config.max_model_len
         self.metrics = SimMetrics(self.engine, config.served[0], cache_config_labels(self.engine))
         self.runner = Runner(self.engine, config.speedup, self.metrics.on_step)

@@ -97,23 +97,26 @@ class Row:
         return difference is not None and difference <= TOLERANCE
 
 
-def compare(figures: Sequence[Target], real: ArmSummary, des: ArmSummary) -> list[Row]:
-    return [Row(f.name, metric_value(real, f), metric_value(des, f)) for f in figures]
+def compare(
+    figures: Sequence[Target], real: ArmSummary, des: ArmSummary, asserted: bool = True
+) -> list[Row]:
+    """Each figure in both summaries (``asserted``: held to ``TOLERANCE``, or only shown)."""
+    return [Row(f.name, metric_value(real, f), metric_value(des, f), asserted) for f in figures]
 
 
-def calibrated_costs(scenario: Scenario, real: Sequence[RequestRecord], workdir: Path) -> WallCosts:
+def calibrated_costs(
+    scenario: Scenario, real: Sequence[RequestRecord], workdir: Path
+) -> tuple[WallCosts, ArmSummary]:
     """``WallCosts`` whose engine step matches the real run's: the simulation is run once
     as the model has it, and every step made longer by the difference of the two median
-    inter-token latencies (in wall seconds, as ``WallCosts`` holds it)."""
+    inter-token latencies (in wall seconds, as ``WallCosts`` holds it). Also the summary of
+    that uncalibrated run (what the engine model alone predicts)."""
     costs = WallCosts()
-    measured = inter_token_s(real)
-    if measured is None:
-        return costs
-    plain, _ = simulate_arm(scenario, workdir / "uncalibrated", costs)
-    modelled = inter_token_s(plain)
-    if modelled is None:
-        return costs
-    return replace(costs, step_s=max(0.0, measured - modelled) / scenario.speedup)
+    plain, summary = simulate_arm(scenario, workdir / "uncalibrated", costs)
+    measured, modelled = inter_token_s(real), inter_token_s(plain)
+    if measured is None or modelled is None:
+        return costs, summary
+    return replace(costs, step_s=max(0.0, measured - modelled) / scenario.speedup), summary
 
 
 @dataclass(frozen=True)

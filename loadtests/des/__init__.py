@@ -14,6 +14,10 @@ clock, driven by an event heap, with no socket and no sleep:
 - ``model``     a ``kind: des`` scenario file, validated
 - ``run``       one simulation: wiring the parts, its results
 - ``report``    results.json, report.md and the cost plot
+- ``ab``        an A/B bench scenario's fairlane arm as a simulation (the bench's requests,
+                policy, engine flags and statistics)
+- ``crosscheck`` that simulation against the real arm, on the scenario's headline figures
 
-``fairlane bench scale-smoke`` runs one (``loadtests/scenarios/scale-*.yaml``).
+``fairlane bench scale-smoke`` runs one (``loadtests/scenarios/scale-*.yaml``);
+``python -m loadtests.des.crosscheck batch-flood`` cross-checks one against the real run.
 """

@@ -190,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         f"crosscheck-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
     check = run(scenario, out)
-    print(table(check))
+    shown = table(check)
+    (out / "crosscheck.md").write_text(f"# `{scenario.name}`: real vs DES\n\n{shown}\n")
+    print(shown)
+    print(f"written: {out / 'crosscheck.md'}")
     return 0 if check.agrees else 1
 
 

@@ -54,6 +54,26 @@ MARKS_KEPT = 128
 20 ms exchange, 2.5 s of history, far more than a shared scrape's age."""
 
 
+def check_endpoint_fields(
+    port: int, region: str, weight: int, seats: int | None, credential: str | None
+) -> None:
+    """What a static backend and a ``dns://`` one must both get right: ``ValueError``
+    naming the field otherwise."""
+    if not 1 <= port <= 65535:
+        raise ValueError(f"backend port must be in [1, 65535], got {port}")
+    if not region:
+        raise ValueError("backend region must not be empty")
+    if weight < 1:
+        raise ValueError(f"backend weight must be >= 1, got {weight}")
+    if seats is not None and seats < 1:
+        raise ValueError(f"backend seats must be >= 1, got {seats}")
+    if credential is not None and not is_secret_reference(credential):
+        raise ValueError(
+            "backend key must be env:NAME or file:PATH (where the key is read from, never "
+            "the key itself)"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class BackendSpec:
     """A backend as configured: ``[REGION=]http://IP:PORT[#seats=N]`` on the command line
@@ -94,19 +114,7 @@ class BackendSpec:
                 f"backend host {self.host!r} must be an IP address (override_host matches "
                 "'ip:port' strings against cluster hosts)"
             ) from None
-        if not 1 <= self.port <= 65535:
-            raise ValueError(f"backend port must be in [1, 65535], got {self.port}")
-        if not self.region:
-            raise ValueError("backend region must not be empty")
-        if self.weight < 1:
-            raise ValueError(f"backend weight must be >= 1, got {self.weight}")
-        if self.seats is not None and self.seats < 1:
-            raise ValueError(f"backend seats must be >= 1, got {self.seats}")
-        if self.credential is not None and not is_secret_reference(self.credential):
-            raise ValueError(
-                "backend key must be env:NAME or file:PATH (where the key is read from, never "
-                "the key itself)"
-            )
+        check_endpoint_fields(self.port, self.region, self.weight, self.seats, self.credential)
 
     @property
     def address(self) -> str:

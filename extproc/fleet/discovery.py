@@ -26,7 +26,7 @@ from extproc.fleet.backend import (
     DEFAULT_REGION,
     BackendSpec,
     _backend_options,
-    is_secret_reference,
+    check_endpoint_fields,
     parse_backend,
 )
 
@@ -78,19 +78,7 @@ class DnsBackendSpec:
         problem = _name_problem(self.name)
         if problem is not None:
             raise ValueError(f"dns backend name {self.name!r}: {problem}")
-        if not 1 <= self.port <= 65535:
-            raise ValueError(f"backend port must be in [1, 65535], got {self.port}")
-        if not self.region:
-            raise ValueError("backend region must not be empty")
-        if self.weight < 1:
-            raise ValueError(f"backend weight must be >= 1, got {self.weight}")
-        if self.seats is not None and self.seats < 1:
-            raise ValueError(f"backend seats must be >= 1, got {self.seats}")
-        if self.credential is not None and not is_secret_reference(self.credential):
-            raise ValueError(
-                "backend key must be env:NAME or file:PATH (where the key is read from, never "
-                "the key itself)"
-            )
+        check_endpoint_fields(self.port, self.region, self.weight, self.seats, self.credential)
 
     @property
     def url(self) -> str:

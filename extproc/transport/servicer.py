@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from time import perf_counter, time
+from typing import Protocol
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
@@ -188,16 +189,13 @@ class RuntimeDiscovery(rtds_pb2_grpc.RuntimeDiscoveryServiceServicer):
                 list(first.resource_names),
                 self.layer.name,
             )
-        acks = asyncio.create_task(_read_acks(request_iterator))
-        try:
-            while True:
-                version = self.layer.version
-                yield codec.runtime_response(self.layer.name, version, self.layer.values)
-                await self.layer.changed_since(version)
-        finally:
-            acks.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await acks
+        layer = self.layer
+
+        def response(version: int) -> discovery_pb2.DiscoveryResponse:
+            return codec.runtime_response(layer.name, version, layer.values)
+
+        async for answer in _state_of_the_world(request_iterator, layer, response, "runtime layer"):
+            yield answer
 
 
 class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
@@ -223,21 +221,45 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
                 list(first.resource_names),
                 cluster,
             )
-        acks = asyncio.create_task(_read_acks(request_iterator, "backends' host set"))
-        try:
-            while True:
-                version = self.endpoints.version
-                yield codec.endpoints_response(cluster, version, self.endpoints.levels)
-                await self.endpoints.changed_since(version)
-        finally:
-            acks.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await acks
+        endpoints = self.endpoints
+
+        def response(version: int) -> discovery_pb2.DiscoveryResponse:
+            return codec.endpoints_response(cluster, version, endpoints.levels)
+
+        what = "backends' host set"
+        async for answer in _state_of_the_world(request_iterator, endpoints, response, what):
+            yield answer
 
 
-async def _read_acks(
-    requests: AsyncIterator[discovery_pb2.DiscoveryRequest], what: str = "runtime layer"
-) -> None:
+class _Versioned(Protocol):
+    """What an xDS resource served here has: a version that changes with it."""
+
+    version: int
+
+    async def changed_since(self, version: int) -> None: ...
+
+
+async def _state_of_the_world(
+    requests: AsyncIterator[discovery_pb2.DiscoveryRequest],
+    resource: _Versioned,
+    response: Callable[[int], discovery_pb2.DiscoveryResponse],
+    what: str,
+) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+    """xDS state of the world after the first request: the whole resource now and again on
+    every change, while Envoy's acknowledgements are read (and a rejection logged)."""
+    acks = asyncio.create_task(_read_acks(requests, what))
+    try:
+        while True:
+            version = resource.version
+            yield response(version)
+            await resource.changed_since(version)
+    finally:
+        acks.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await acks
+
+
+async def _read_acks(requests: AsyncIterator[discovery_pb2.DiscoveryRequest], what: str) -> None:
     async for request in requests:
         if request.HasField("error_detail"):
             log.error("Envoy rejected the %s: %s", what, request.error_detail.message)

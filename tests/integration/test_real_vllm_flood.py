@@ -12,11 +12,16 @@ The bounds are generous on purpose (this is a regression test on a noisy 2-core 
 where the engine itself takes the cores; ``fairlane bench flood-vllm-cpu`` measures the
 target): the median TTFT under the flood below ``FLOOD_P50_BOUND_S``, which a regression to
 waiting for batch seats (half a batch request, about a second and a half, on average)
-exceeds, and the p90 below ``FLOOD_P90_BOUND_S``: seconds, not tenths. Both move with CPU
-scheduling on this machine, where the engine alone can keep both cores busy: alone, the
-median was 0.05 s; in the full suite, where other tests' processes were still winding down,
-it was 0.52 s (every chat seated at once, held 0 s in the gateway), and a few chats in
-twelve took 0.6-1.5 s. The median's bound sits between that and the regression's 1.5 s.
+exceeds, and the 90th percentile of the time chat waits in the gateway below
+``HELD_P90_BOUND_S``, which a regression to holding chat behind the flood exceeds. The
+median moves with CPU scheduling on this machine, where the engine alone can keep both
+cores busy: alone, it was 0.05 s; in the full suite, where other tests' processes were
+still winding down, it was 0.52 s (every chat seated at once, held 0 s in the gateway).
+The median's bound sits between that and the regression's 1.5 s. The TTFT's own p90 is
+reported, not bounded: a few chats in twelve take 0.6-2.5 s inside the engine whatever the
+gateway does (the API server and the engine take turns on the two cores; a clean-clone CI
+run on 2026-11-25 saw 2.54 s with every chat held 0.00-0.01 s in the gateway), so a bound
+on it measured the machine.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ BATCH_CLIENTS = 10
 BATCH_TOKENS = 420  # about 3 s of one seat on this engine: the prompt fits in the 512 context
 CHATS = 16
 FLOOD_P50_BOUND_S = 0.8
-FLOOD_P90_BOUND_S = 2.5
+HELD_P90_BOUND_S = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +213,7 @@ async def _flood_then_chat(url: str, metrics_url: str, vllm_url: str) -> dict[st
             "flood_p90_s": _quantile(flooded, 0.9),
             "flood_ttft_s": [round(t, 3) for t in flooded],
             "flood_held_in_gateway_s": [round(t, 3) for t in held],
+            "flood_held_p90_s": _quantile(held, 0.9),
             "batch_finished": finished[0],
             "batch_refused": refused[0],
             "batch_still_queued": queued,
@@ -226,7 +232,9 @@ def test_chat_keeps_its_first_token_fast_under_a_real_batch_flood(
     assert result["batch_finished"], f"no batch request finished during the flood: {report}"
     flood_p50, flood_p90 = result["flood_p50_s"], result["flood_p90_s"]
     assert isinstance(flood_p50, float) and flood_p50 < FLOOD_P50_BOUND_S, report
-    assert isinstance(flood_p90, float) and flood_p90 < FLOOD_P90_BOUND_S, report
+    held_p90 = result["flood_held_p90_s"]
+    assert isinstance(flood_p90, float), report
+    assert isinstance(held_p90, float) and held_p90 < HELD_P90_BOUND_S, report
 
 
 async def _learn_seats(session: aiohttp.ClientSession, url: str, metrics_url: str) -> None:

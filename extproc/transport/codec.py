@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.runtime.v3 import rtds_pb2
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import any_pb2, duration_pb2, struct_pb2
+from google.protobuf.message import Message
 
 from extproc.core.decisions import Forward, Respond
 from extproc.core.events import Completion, RequestInfo
@@ -261,13 +262,18 @@ def runtime_response(
     runtime = rtds_pb2.Runtime(name=name)
     for key, value in values.items():
         runtime.layer.fields[key].number_value = value
-    resource = any_pb2.Any()
-    resource.Pack(runtime)
+    return _discovery_response(runtime, RUNTIME_TYPE_URL, version)
+
+
+def _discovery_response(
+    resource: Message, type_url: str, version: int
+) -> discovery_pb2.DiscoveryResponse:
+    """One xDS state-of-the-world response holding ``resource``; the version is its nonce
+    too (each version is sent once per stream)."""
+    packed = any_pb2.Any()
+    packed.Pack(resource)
     return discovery_pb2.DiscoveryResponse(
-        version_info=str(version),
-        resources=[resource],
-        type_url=RUNTIME_TYPE_URL,
-        nonce=str(version),
+        version_info=str(version), resources=[packed], type_url=type_url, nonce=str(version)
     )
 
 
@@ -293,11 +299,4 @@ def endpoints_response(
             socket.address = endpoint.host
             socket.port_value = endpoint.port
             lb_endpoint.load_balancing_weight.value = endpoint.weight
-    resource = any_pb2.Any()
-    resource.Pack(assignment)
-    return discovery_pb2.DiscoveryResponse(
-        version_info=str(version),
-        resources=[resource],
-        type_url=ENDPOINTS_TYPE_URL,
-        nonce=str(version),
-    )
+    return _discovery_response(assignment, ENDPOINTS_TYPE_URL, version)

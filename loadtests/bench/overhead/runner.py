@@ -91,6 +91,7 @@ def start_arm(arm: str, scenario: OverheadScenario, group: ProcessGroup) -> Star
             backends=(backend,),
             replicas=spec.replicas,
             shared_state=spec.shared_state or None,
+            service_args=("--grpc-server", spec.grpc_server),
         )
         Stack(config, group).start()
     pids = {child.name: child.popen.pid for child in group.children}
@@ -127,7 +128,12 @@ def scenario_json(scenario: OverheadScenario) -> dict[str, Any]:
         "path": str(scenario.path),
         "policy": os.path.relpath(scenario.policy),
         "fairlane_arms": {
-            a.name: {"policy": os.path.relpath(a.policy), "api_key": a.api_key, "seats": a.seats}
+            a.name: {
+                "policy": os.path.relpath(a.policy),
+                "api_key": a.api_key,
+                "seats": a.seats,
+                "grpc_server": a.grpc_server,
+            }
             for a in scenario.fairlane_specs
         },
         "rates": list(scenario.rates),

@@ -17,6 +17,7 @@ from extproc.fleet.backend import BackendPool, BackendSpec
 from extproc.ops.processes import free_port
 from extproc.transport.codec import ENDPOINTS_TYPE_URL, endpoints_response
 from extproc.transport.endpoints import Endpoint, EndpointSet, Level, levels_of
+from extproc.transport.server import GRPC_SERVERS, grpc_server
 from extproc.transport.servicer import EndpointDiscovery
 from extproc.wire import BACKEND_CLUSTER
 
@@ -83,12 +84,15 @@ def unpack(response: discovery_pb2.DiscoveryResponse) -> endpoint_pb2.ClusterLoa
     return assignment
 
 
-@pytest.fixture
-async def eds() -> AsyncIterator[tuple[EndpointSet, grpc.aio.Channel]]:
-    """A host set served by a real grpc.aio server on loopback, and a channel to it."""
+@pytest.fixture(params=GRPC_SERVERS)
+async def eds(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[EndpointSet, grpc.aio.Channel]]:
+    """A host set served by a real gRPC server on loopback (each kind the service runs: h2 and
+    grpc.aio), and a grpc.aio channel to it."""
     endpoints = EndpointSet()
     endpoints.publish((Level("a", 0, (Endpoint("10.0.0.1", 8000, 1),)),))
-    server = grpc.aio.server()
+    server = grpc_server(request.param)
     eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(
         EndpointDiscovery(endpoints), server
     )

@@ -16,6 +16,7 @@ from envoy.service.runtime.v3 import rtds_pb2, rtds_pb2_grpc
 from extproc.ops.processes import free_port
 from extproc.transport.codec import RUNTIME_TYPE_URL
 from extproc.transport.runtime import RuntimeLayer
+from extproc.transport.server import GRPC_SERVERS, grpc_server
 from extproc.transport.servicer import RuntimeDiscovery
 from extproc.wire import RUNTIME_LAYER, SHED_RUNTIME_KEY
 
@@ -129,12 +130,15 @@ def shed_of(runtime: rtds_pb2.Runtime) -> float:
     return runtime.layer.fields[SHED_RUNTIME_KEY].number_value
 
 
-@pytest.fixture
-async def rtds() -> AsyncIterator[tuple[RuntimeLayer, grpc.aio.Channel]]:
-    """A layer served by a real grpc.aio server on loopback, and a channel to it."""
+@pytest.fixture(params=GRPC_SERVERS)
+async def rtds(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[RuntimeLayer, grpc.aio.Channel]]:
+    """A layer served by a real gRPC server on loopback (each kind the service runs: h2 and
+    grpc.aio), and a grpc.aio channel to it."""
     layer = RuntimeLayer()
     layer.publish(SHED_RUNTIME_KEY, 0)
-    server = grpc.aio.server()
+    server = grpc_server(request.param)
     rtds_pb2_grpc.add_RuntimeDiscoveryServiceServicer_to_server(RuntimeDiscovery(layer), server)
     port = free_port()
     assert server.add_insecure_port(f"127.0.0.1:{port}") == port

@@ -1,0 +1,527 @@
+"""A gRPC server on the h2 state machine, in the event loop's own thread.
+
+Why not grpc.aio, which the service used before: each stream there goes through grpc's C
+core, its poller thread and a cross-thread wake-up of the loop for every message. Behind the
+same Envoy, a servicer that decides nothing served 2,700-2,850 requests/s per core on
+grpc.aio and 6,000-6,900 on this server (``python -m loadtests.bench.overhead.floor``, both
+in one run). The per-stream work here is h2's framing and HPACK, a task, and the
+servicer: the same servicers grpc.aio runs, registered the same way (the generated
+``add_XServicer_to_server(servicer, server)`` calls ``add_registered_method_handlers``).
+
+Scope: what Envoy's gRPC clients (and grpc's own, in the tests) use towards this service:
+HTTP/2 with prior knowledge over cleartext TCP, streaming methods (stream-stream and
+stream-unary; a unary method, such as xDS's Fetch* that nothing here implements, is not
+served), uncompressed messages. An unknown
+method is answered ``UNIMPLEMENTED``, a compressed or oversized message ``INTERNAL`` /
+``RESOURCE_EXHAUSTED``, a handler that raises ``INTERNAL``; none of them disturbs the other
+streams. A stream the client resets cancels its handler's task, as grpc.aio does: the
+servicers rely on that (a held request leaves its queue on ``CancelledError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from typing import Any, cast
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+
+log = logging.getLogger("fairlane.h2grpc")
+
+GRPC_CONTENT_TYPE = b"application/grpc"
+RESPONSE_HEADERS = ((b":status", b"200"), (b"content-type", GRPC_CONTENT_TYPE))
+
+# https://grpc.github.io/grpc/core/md_doc_statuscodes.html
+OK = 0
+CANCELLED = 1
+UNIMPLEMENTED = 12
+INTERNAL = 13
+UNAVAILABLE = 14
+RESOURCE_EXHAUSTED = 8
+
+WINDOW = (1 << 31) - 1
+"""Flow-control window offered to the client, per stream and for the connection: the
+service buffers whole messages anyway (a body up to the policy's limit), so stalling Envoy's
+sends would only add round trips."""
+
+_H2_CONFIG = h2.config.H2Configuration(
+    client_side=False,
+    header_encoding=None,
+    # What this server sends is fixed and well-formed, and of what it receives it reads
+    # only :path and content-type: checking every header of every stream (its peer is
+    # Envoy) cost ~3 % of the service's CPU at saturation.
+    validate_outbound_headers=False,
+    normalize_outbound_headers=False,
+    validate_inbound_headers=False,
+    normalize_inbound_headers=False,
+)
+
+
+class GrpcServer:
+    """Serves registered streaming methods on one listening socket.
+
+    The interface follows ``grpc.aio.Server`` where the service uses it:
+    ``add_insecure_port`` binds at once and returns the port, ``start``, ``stop(grace)``.
+    """
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self.max_message_bytes = max_message_bytes
+        self._methods: dict[bytes, Any] = {}
+        self._sockets: list[socket.socket] = []
+        self._servers: list[asyncio.AbstractServer] = []
+        self._connections: set[_Connection] = set()
+        self._stopping = False
+        self._stopped: asyncio.Event | None = None
+
+    # -- registration, as grpc's generated add_*_to_server call it ---------------------
+
+    def add_generic_rpc_handlers(self, handlers: Iterable[object]) -> None:
+        """Ignored: the generated code registers each method again, by name, below."""
+
+    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Any]) -> None:
+        for method, handler in handlers.items():
+            if handler.request_streaming:  # a unary method stays unknown: UNIMPLEMENTED
+                self._methods[f"/{service}/{method}".encode()] = handler
+
+    def method(self, path: bytes) -> Any | None:
+        return self._methods.get(path)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def add_insecure_port(self, address: str) -> int:
+        """Bind ``HOST:PORT`` now (port 0: any free one) and return the port."""
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, int(port)))
+        except OSError:
+            sock.close()
+            raise
+        self._sockets.append(sock)
+        bound: int = sock.getsockname()[1]
+        return bound
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        for sock in self._sockets:
+            sock.listen(1024)
+            server = await loop.create_server(lambda: _Connection(self), sock=sock)
+            self._servers.append(server)
+
+    async def stop(self, grace: float | None) -> None:
+        """Refuse new streams at once; cancel what still runs after ``grace`` seconds.
+
+        A second call (``stop(0)`` while a ``stop(30)`` waits) cuts the wait short; every
+        call returns once all connections are closed."""
+        if not self._stopping:
+            self._stopping = True
+            for server in self._servers:
+                server.close()
+            for connection in self._connections:
+                connection.refuse_new_streams()
+        if grace:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained(), grace)
+        for connection in list(self._connections):
+            connection.cancel_all()
+        await self._drained()
+        for connection in list(self._connections):
+            connection.close()
+        for server in self._servers:
+            await server.wait_closed()
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def wait_for_termination(self) -> None:
+        if self._stopped is not None:
+            await self._stopped.wait()
+
+    async def _drained(self) -> None:
+        while any(connection.streams for connection in self._connections):
+            await asyncio.sleep(0.01)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def connected(self, connection: _Connection) -> None:
+        self._connections.add(connection)
+
+    def disconnected(self, connection: _Connection) -> None:
+        self._connections.discard(connection)
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/2 connection: h2's events in, each stream's handler as a task."""
+
+    def __init__(self, server: GrpcServer) -> None:
+        self.server = server
+        self.h2 = h2.connection.H2Connection(config=_H2_CONFIG)
+        self.streams: dict[int, _Stream] = {}
+        self.transport: asyncio.Transport | None = None
+        self._flush_scheduled = False
+        self._refusing = server.stopping
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, only alike.
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.server.connected(self)
+        self.h2.local_settings = h2.settings.Settings(
+            client=False,
+            initial_values={
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW,
+                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 64 << 10,
+            },
+        )
+        self.h2.initiate_connection()
+        self.h2.increment_flow_control_window(WINDOW - 65_535)
+        self.transport.write(self.h2.data_to_send())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.disconnected(self)
+        self.transport = None
+        self.cancel_all()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            events = self.h2.receive_data(data)
+        except h2.exceptions.ProtocolError as error:
+            log.warning("closing an HTTP/2 connection that broke the protocol: %s", error)
+            self.flush()
+            self.close()
+            return
+        for event in events:
+            kind = type(event)
+            if kind is h2.events.DataReceived:
+                self._data(event)  # type: ignore[arg-type]
+            elif kind is h2.events.RequestReceived:
+                self._request(event)  # type: ignore[arg-type]
+            elif kind is h2.events.StreamEnded:
+                stream = self.streams.get(event.stream_id)  # type: ignore[attr-defined]
+                if stream is not None:
+                    stream.end_of_input()
+            elif kind is h2.events.StreamReset:
+                stream = self.streams.get(event.stream_id)  # type: ignore[attr-defined]
+                if stream is not None:
+                    stream.reset_by_client()
+            elif kind is h2.events.WindowUpdated:
+                self._window_opened(event.stream_id)  # type: ignore[attr-defined]
+            elif kind is h2.events.ConnectionTerminated:
+                self.cancel_all()
+        # Not now: the handlers woken above answer in this loop iteration, and their
+        # answers go out with h2's acknowledgements in one write.
+        self.flush_soon()
+
+    def _request(self, event: h2.events.RequestReceived) -> None:
+        stream_id = event.stream_id
+        assert stream_id is not None and event.headers is not None
+        path = b""
+        content_type = b""
+        for name, value in event.headers:
+            if name == b":path":
+                path = bytes(value)
+            elif name == b"content-type":
+                content_type = bytes(value)
+        if self._refusing:
+            self.h2.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+            return
+        handler = self.server.method(path)
+        if handler is None or not content_type.startswith(GRPC_CONTENT_TYPE):
+            why = f"unknown method {path.decode(errors='replace')}"
+            self._trailers_only(stream_id, UNIMPLEMENTED, why)
+            return
+        stream = _Stream(self, stream_id, handler)
+        self.streams[stream_id] = stream
+        stream.task = asyncio.get_running_loop().create_task(stream.run())
+
+    def _data(self, event: h2.events.DataReceived) -> None:
+        stream_id = event.stream_id
+        assert stream_id is not None and event.data is not None
+        # Give the window back at once: messages are buffered whole in any case.
+        self.h2.acknowledge_received_data(event.flow_controlled_length or 0, stream_id)
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            stream.feed(event.data)
+
+    def _window_opened(self, stream_id: int | None) -> None:
+        if stream_id:
+            stream = self.streams.get(stream_id)
+            if stream is not None:
+                stream.send_pending()
+        else:
+            for stream in list(self.streams.values()):
+                stream.send_pending()
+
+    def _trailers_only(self, stream_id: int, status: int, message: str) -> None:
+        headers = [*RESPONSE_HEADERS, *_status_headers(status, message)]
+        with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self.h2.send_headers(stream_id, headers, end_stream=True)
+
+    def flush_soon(self) -> None:
+        """Write what h2 has queued at the end of this loop iteration: the answers of every
+        stream that runs in it go out in one write."""
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._flush_scheduled = False
+        data = self.h2.data_to_send()
+        if data and self.transport is not None:
+            self.transport.write(data)
+
+    def refuse_new_streams(self) -> None:
+        self._refusing = True
+
+    def cancel_all(self) -> None:
+        for stream in list(self.streams.values()):
+            stream.cancel()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self.h2.close_connection()
+            self.flush()
+            self.transport.close()
+
+    def forget(self, stream_id: int) -> None:
+        self.streams.pop(stream_id, None)
+
+
+class _Stream:
+    """One RPC: its incoming messages as an async iterator, its answers as DATA frames."""
+
+    __slots__ = (
+        "_buffer",
+        "_ended",
+        "_inbox",
+        "_pending",
+        "_waiter",
+        "closed",
+        "connection",
+        "handler",
+        "headers_sent",
+        "stream_id",
+        "task",
+        "trailers",
+    )
+
+    def __init__(self, connection: _Connection, stream_id: int, handler: Any) -> None:
+        self.connection = connection
+        self.stream_id = stream_id
+        self.handler = handler
+        self.task: asyncio.Task[None] | None = None
+        self._buffer = bytearray()
+        self._inbox: deque[object] = deque()
+        self._ended = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._pending = bytearray()
+        self.trailers: list[tuple[bytes, bytes]] | None = None
+        self.headers_sent = False
+        self.closed = False
+
+    # -- in ------------------------------------------------------------------------------
+
+    def feed(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        limit = self.connection.server.max_message_bytes
+        while len(buffer) >= 5:
+            length = int.from_bytes(buffer[1:5], "big")
+            if buffer[0] != 0:
+                self.fail(INTERNAL, "compressed messages are not supported")
+                return
+            if length > limit:
+                self.fail(RESOURCE_EXHAUSTED, f"message of {length} bytes over {limit}")
+                return
+            if len(buffer) < 5 + length:
+                break
+            raw = bytes(buffer[5 : 5 + length])
+            del buffer[: 5 + length]
+            decode = self.handler.request_deserializer
+            try:
+                message = raw if decode is None else decode(raw)
+            except Exception as error:  # any decode failure ends only this stream
+                self.fail(INTERNAL, f"undecodable message: {error}")
+                return
+            self._inbox.append(message)
+        self._wake()
+
+    def end_of_input(self) -> None:
+        self._ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> object:
+        while not self._inbox:
+            if self._ended:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._inbox.popleft()
+
+    # -- the handler -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        handler = self.handler
+        serialize: Callable[[Any], bytes] = handler.response_serializer or bytes
+        status, message = OK, ""
+        try:
+            if handler.response_streaming:
+                answers: AsyncIterator[object] = handler.stream_stream(self, _Context(self))
+                try:
+                    async for answer in answers:
+                        if not self.send(serialize(answer)):
+                            break  # the stream is gone: grpc.aio closes the handler here too
+                finally:
+                    aclose = getattr(answers, "aclose", None)
+                    if aclose is not None:
+                        await aclose()
+            else:
+                answer = await handler.stream_unary(self, _Context(self))
+                self.send(serialize(answer))
+        except asyncio.CancelledError:
+            status, message = CANCELLED, "cancelled"
+        except Exception as error:
+            log.exception("a gRPC handler failed")
+            status, message = INTERNAL, f"{type(error).__name__}: {error}"
+        finally:
+            self.finish(status, message)
+
+    # -- out -----------------------------------------------------------------------------
+
+    def send(self, message: bytes) -> bool:
+        """Queue one message; False when the stream can no longer carry it."""
+        if self.closed:
+            return False
+        h2conn = self.connection.h2
+        try:
+            if not self.headers_sent:
+                h2conn.send_headers(self.stream_id, RESPONSE_HEADERS)
+                self.headers_sent = True
+            self._pending += len(message).to_bytes(5, "big")  # flag 0, then the length
+            self._pending += message
+            self.send_pending()
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self.closed = True
+            return False
+        return True
+
+    def send_pending(self) -> None:
+        """Send what flow control allows; the rest waits for a WINDOW_UPDATE."""
+        h2conn = self.connection.h2
+        pending = self._pending
+        try:
+            while pending:
+                window = h2conn.local_flow_control_window(self.stream_id)
+                size = min(len(pending), window, h2conn.max_outbound_frame_size)
+                if size <= 0:
+                    break
+                h2conn.send_data(self.stream_id, bytes(pending[:size]))
+                del pending[:size]
+            if not pending and self.trailers is not None:
+                h2conn.send_headers(self.stream_id, self.trailers, end_stream=True)
+                self.trailers = None
+                self._close()
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self._close()
+        self.connection.flush_soon()
+
+    def finish(self, status: int, message: str = "") -> None:
+        if self.closed:
+            self.connection.forget(self.stream_id)
+            return
+        if status == CANCELLED:
+            self._reset(h2.errors.ErrorCodes.CANCEL)
+            return
+        trailers = _status_headers(status, message)
+        if not self.headers_sent:
+            self.headers_sent = True
+            trailers = [*RESPONSE_HEADERS, *trailers]
+        self.trailers = trailers
+        self.send_pending()
+
+    def fail(self, status: int, message: str) -> None:
+        """End this stream with an error status now; its handler is cancelled."""
+        log.warning("gRPC stream %d failed: %s", self.stream_id, message)
+        self._ended = True
+        self._pending.clear()
+        self.finish(status, message)
+        self.cancel()
+
+    def reset_by_client(self) -> None:
+        self.closed = True
+        self.cancel()
+
+    def cancel(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        else:
+            self._close()
+
+    def _reset(self, code: h2.errors.ErrorCodes) -> None:
+        with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self.connection.h2.reset_stream(self.stream_id, code)
+        self.connection.flush_soon()
+        self._close()
+
+    def _close(self) -> None:
+        self.closed = True
+        self.connection.forget(self.stream_id)
+
+
+class _Context:
+    """What a servicer may ask of its call (the servicers here ask nothing yet)."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: _Stream) -> None:
+        self._stream = stream
+
+    def cancelled(self) -> bool:
+        return self._stream.closed
+
+
+def _status_headers(status: int, message: str) -> list[tuple[bytes, bytes]]:
+    headers = [(b"grpc-status", str(status).encode())]
+    if message:
+        headers.append((b"grpc-message", _percent_encode(message)))
+    return headers
+
+
+def _percent_encode(message: str) -> bytes:
+    """grpc-message is percent-encoded UTF-8 (the gRPC HTTP/2 spec)."""
+    out = bytearray()
+    for byte in message.encode():
+        if 0x20 <= byte <= 0x7E and byte != 0x25:
+            out.append(byte)
+        else:
+            out += b"%%%02X" % byte
+    return bytes(out)

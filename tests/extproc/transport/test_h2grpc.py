@@ -193,3 +193,23 @@ async def test_stop_refuses_new_streams_and_cancels_the_rest_after_the_grace(
     with pytest.raises(grpc.aio.AioRpcError) as failed:
         await held.read()
     assert failed.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+
+
+async def test_finished_streams_do_not_pile_up_behind_held_ones(
+    served: tuple[GrpcServer, grpc.aio.Channel, Calls],
+) -> None:
+    # h2 drops closed streams only when it counts open ones, which this server makes it do
+    # once per as many new streams as it then held (amortised): the table stays bounded.
+    server, channel, _ = served
+    held = [chat(channel, [b"hold"]) for _ in range(100)]
+    async with asyncio.timeout(WAIT_S):
+        while sum(len(c.streams) for c in server._connections) < 100:
+            await asyncio.sleep(0.01)
+    for _ in range(500):
+        assert await chat(channel, [b"x"]).read() == b"x"
+    (connection,) = server._connections
+    assert len(connection.streams) == 100
+    assert len(connection.h2.streams) <= 2 * 100 + 1
+    assert not connection.blocked
+    for call in held:
+        call.cancel()

@@ -1,12 +1,13 @@
-"""The grpc.aio floor: what no Python decision code behind this Envoy config could beat.
+"""The transport's floor: what no Python decision code behind this Envoy config could beat.
 
 ``python -m loadtests.bench.overhead.floor`` runs the overhead bench's instant backend and
 the gateway's own Envoy bootstrap (ext_proc in BUFFERED mode, the completion access log,
-the runtime layer), but in place of the fairlane service a trivial grpc.aio servicer: it
-answers the headers message with "continue" and the body message with the endpoint header
-and metadata, deciding nothing, and drains the access log. The saturation and concurrency-1
+the runtime layer), but in place of the fairlane service a trivial servicer: it answers the
+headers message with "continue" and the body message with the endpoint header and metadata,
+deciding nothing, and drains the access log. It runs on each gRPC server the service can use
+(``--grpc-server``: h2 and grpc.aio), one after the other. The saturation and concurrency-1
 figures it prints are the floor the real service sits on: the difference is fairlane's own
-work, the rest is grpc's C core, its poller thread and the event loop.
+work, the rest is the gRPC server and the event loop.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
-import grpc
 import yaml
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -31,7 +31,7 @@ from extproc.envoy.bootstrap import render_bootstrap
 from extproc.envoy.params import EnvoyParams
 from extproc.fleet.backend import BackendSpec
 from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready, wait_port_open
-from extproc.transport.server import grpc_options
+from extproc.transport.server import GRPC_SERVERS, grpc_server
 from extproc.wire import DESTINATION_HEADER, LB_NAMESPACE
 from loadtests.bench.cpu import process_cpu_seconds
 from loadtests.bench.overhead.eventloop import run_loop
@@ -72,8 +72,8 @@ class Drain(als_pb2_grpc.AccessLogServiceServicer):
         return als_pb2.StreamAccessLogsResponse()
 
 
-async def serve(port: int, endpoint: str) -> None:
-    server = grpc.aio.server(options=grpc_options())
+async def serve(port: int, endpoint: str, kind: str) -> None:
+    server = grpc_server(kind)
     external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(Continue(endpoint), server)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(Drain(), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
@@ -106,8 +106,9 @@ async def measure(
     }
 
 
-def run(seconds: float, c1_requests: int = 2000) -> dict[str, float]:
-    """Start backend, trivial servicer and Envoy; measure; stop them all."""
+def run(seconds: float, kind: str, c1_requests: int = 2000) -> dict[str, float]:
+    """Start backend, trivial servicer (on a ``kind`` gRPC server) and Envoy; measure;
+    stop them all."""
     with TemporaryDirectory() as folder, ProcessGroup(Path(folder)) as group:
         backend = BackendSpec("127.0.0.1", free_port(), "local")
         argv = [sys.executable, "-m", "loadtests.bench.overhead.backend"]
@@ -115,7 +116,7 @@ def run(seconds: float, c1_requests: int = 2000) -> dict[str, float]:
         wait_http_ready(f"{backend.url}/health", child, timeout=30)
         service_port = free_port()
         me = [sys.executable, "-m", "loadtests.bench.overhead.floor", "--serve"]
-        service = group.start("floor", [*me, str(service_port), backend.address])
+        service = group.start("floor", [*me, str(service_port), backend.address, kind])
         wait_port_open(service_port, service)
         port, admin = free_port(), free_port()
         params = EnvoyParams(
@@ -132,15 +133,22 @@ def run(seconds: float, c1_requests: int = 2000) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.bench.overhead.floor")
     parser.add_argument("--seconds", type=float, default=10.0, help="saturation phase length")
-    parser.add_argument("--serve", nargs=2, metavar=("PORT", "ENDPOINT"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="measure each server this many times, alternating"
+    )
+    parser.add_argument(
+        "--serve", nargs=3, metavar=("PORT", "ENDPOINT", "KIND"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.serve:
         import uvloop
 
-        uvloop.run(serve(int(args.serve[0]), args.serve[1]))
+        uvloop.run(serve(int(args.serve[0]), args.serve[1], args.serve[2]))
         return 0
-    for key, value in run(args.seconds).items():
-        print(f"{key}: {value:g}")
+    for _ in range(args.rounds):
+        for kind in GRPC_SERVERS:
+            figures = run(args.seconds, kind)
+            print(kind, " ".join(f"{key}={value:g}" for key, value in figures.items()))
     return 0
 
 

@@ -1,12 +1,17 @@
-"""The grpc.aio floor runs end to end through the real Envoy (numbers, not speed)."""
+"""The transport's floor runs end to end through the real Envoy, on each gRPC server the
+service can use (numbers, not speed)."""
 
 from __future__ import annotations
 
+import pytest
+
+from extproc.transport.server import GRPC_SERVERS
 from loadtests.bench.overhead.floor import run
 
 
-def test_the_floor_measures_a_trivial_servicer_behind_the_gateways_envoy() -> None:
-    figures = run(seconds=1.0, c1_requests=50)
+@pytest.mark.parametrize("kind", GRPC_SERVERS)
+def test_the_floor_measures_a_trivial_servicer_behind_the_gateways_envoy(kind: str) -> None:
+    figures = run(seconds=1.0, kind=kind, c1_requests=50)
     assert figures["errors"] == 0
     assert figures["saturation_rps"] > 0 and figures["service_cores"] > 0
     assert figures["rps_per_service_core"] > figures["saturation_rps"] / 4  # < 4 cores

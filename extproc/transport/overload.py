@@ -5,10 +5,11 @@ once a period:
 
 * **how old a request is when the service decides it**: Envoy stamps each request's
   arrival (the filter's ``request.time`` attribute), the servicer compares it with its own
-  clock when it decides. Past capacity, new streams wait inside grpc's C core before the
-  service reads their first message: measured in the lab, requests were hundreds of
-  milliseconds old at decision while the event loop stayed on time and a stream, once
-  read, went on at once. Python cannot count that backlog; it can see its age. (Across
+  clock when it decides. Past capacity, new streams wait before the service reads their
+  first message (in the socket, or inside grpc's C core on grpc.aio): measured in the lab,
+  requests were hundreds of milliseconds old at decision while the event loop stayed on
+  time and a stream, once read, went on at once. Python cannot count that backlog; it can
+  see its age. (Across
   hosts this includes the clocks' skew, a millisecond or two with NTP.)
 * **the event loop's lag**: how late a timer fires. It catches a stall of the loop itself,
   which delays every stream at once, even when no request is deciding to notice it.

@@ -1,4 +1,8 @@
-"""The grpc.aio servicers: translate Envoy's streams to gateway calls and back.
+"""The gRPC servicers: translate Envoy's streams to gateway calls and back.
+
+They run on either gRPC server (``transport.h2grpc``, the default, or grpc.aio), which call
+them the same way: a request iterator and a context in, answers yielded or returned; a
+stream the client resets cancels the call's task.
 
 Deliberately thin. ``ExternalProcessor.Process`` runs once per HTTP request: it answers the
 headers message (or decides on it when there is no body), holds the request with

@@ -11,6 +11,7 @@ have no position, so its errors name the file without a line.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -56,6 +57,8 @@ class LocatedReader:
         self.warnings: list[str] = []
         """Located like errors, for what works but should change; they fail nothing."""
         self._constructor = SafeConstructor()
+        self.warned: Counter[str] = Counter()
+        """Warnings of each kind given to ``warn_at_most``, listed or not."""
 
     def error(self, node: Node | None, path: str, message: str) -> None:
         """Record ``file:line: path: message`` (``file: path: message`` for a node built in
@@ -65,6 +68,17 @@ class LocatedReader:
     def warn(self, node: Node | None, path: str, message: str) -> None:
         """Record a warning, located like an error."""
         self.warnings.append(self.located(node, path, message))
+
+    def warn_at_most(
+        self, kind: str, limit: int, node: Node | None, path: str, message: str
+    ) -> None:
+        """Record a warning of ``kind`` for the first ``limit`` of that kind; count the rest
+        (``warned``) for the caller to sum up in one line. A file with 100,000 of the same
+        warning (plain keys, one per tenant) would otherwise keep 100,000 located strings,
+        ~0.5 KiB each, for as long as its policy is in force."""
+        self.warned[kind] += 1
+        if self.warned[kind] <= limit:
+            self.warn(node, path, message)
 
     def located(self, node: Node | None, path: str, message: str) -> str:
         where = f"{path}: " if path else ""

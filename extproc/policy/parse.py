@@ -145,6 +145,12 @@ def _read_policy(reader: LocatedReader, root: Node, keys_dir: Path) -> Policy | 
     )
     rules = _read_rules(reader, top["rules"], tier_ranks) if "rules" in top else []
     settings = _read_settings(reader, top)
+    unlisted = reader.warned[_PLAINTEXT] - PLAINTEXT_WARNINGS_LISTED
+    if unlisted > 0:
+        reader.warnings.append(
+            f"{reader.filename}: warning: {unlisted} more plaintext API keys, not listed: "
+            f"{_PLAINTEXT_ADVICE}"
+        )
     if reader.errors or not tiers or not tenants:
         return None
     return Policy(
@@ -486,6 +492,9 @@ def _read_api_keys(
     return keys
 
 
+_PLAINTEXT = "plaintext key"
+PLAINTEXT_WARNINGS_LISTED = 20
+"""Plain keys warned about one by one, with their line; the rest in one line."""
 _PLAINTEXT_ADVICE = (
     "write it as sha256:HEX (`fairlane hash-key -` prints it), env:NAME or file:PATH "
     "to keep the secret out of the policy"
@@ -511,7 +520,7 @@ def _key_entry_digest(
             reader.error(node, path, "must not contain whitespace")
             return None
         advice = f"warning: plaintext API key {key_hint(entry)}: {_PLAINTEXT_ADVICE}"
-        reader.warn(node, path, advice)
+        reader.warn_at_most(_PLAINTEXT, PLAINTEXT_WARNINGS_LISTED, node, path, advice)
         return key_digest(entry)
     if key is None:
         return None

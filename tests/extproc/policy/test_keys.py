@@ -22,6 +22,7 @@ from extproc.policy import (
     parse_policy,
 )
 from extproc.policy.keys import KeyIndex, key_digest, self_contained_digest
+from extproc.policy.parse import PLAINTEXT_WARNINGS_LISTED as PLAINTEXT
 
 HEAD = """\
 tiers:
@@ -161,6 +162,21 @@ def test_only_plaintext_keys_are_warned_about_with_their_line(
     assert "plaintext API key sk-p…" in policy.warnings[0]
     assert "sha256:" in policy.warnings[0] and "env:NAME or file:PATH" in policy.warnings[0]
     assert "sk-plain-0001" not in policy.warnings[0]
+
+
+def test_past_twenty_plaintext_keys_the_rest_are_summed_up_in_one_warning() -> None:
+    # A policy in force keeps its warnings: 100,000 tenants with plain keys would keep
+    # 100,000 of them (~0.5 KiB each, issue 16's memory per tenant).
+    policy = policy_of(*(tenant(f"t{i}", f"sk-plain-{i:04d}") for i in range(PLAINTEXT + 5)))
+    listed, summary = policy.warnings[:PLAINTEXT], policy.warnings[PLAINTEXT:]
+    assert [w.split(": warning: ")[0] for w in listed][-1] == f"p.yaml:{5 + 3 * PLAINTEXT}: " + (
+        f"tenants[{PLAINTEXT - 1}].api_keys[0]"
+    )
+    assert summary == (
+        "p.yaml: warning: 5 more plaintext API keys, not listed: write it as sha256:HEX "
+        "(`fairlane hash-key -` prints it), env:NAME or file:PATH to keep the secret out of "
+        "the policy",
+    )
 
 
 def test_labels_never_show_a_usable_key() -> None:

@@ -66,6 +66,10 @@ _H2_CONFIG = h2.config.H2Configuration(
 )
 
 
+SWEEP_MIN_STREAMS = 64
+"""The fewest new streams between two of h2's walks over the stream table."""
+
+
 class _H2Connection(h2.connection.H2Connection):
     """h2's connection, without its walk over every stream each time one opens.
 
@@ -79,7 +83,7 @@ class _H2Connection(h2.connection.H2Connection):
     """
 
     _opened_since_sweep = 0
-    _next_sweep = 64
+    _next_sweep = SWEEP_MIN_STREAMS
     """New streams until the next walk: as many as the table held after the last one."""
 
     @property
@@ -91,9 +95,6 @@ class _H2Connection(h2.connection.H2Connection):
         self._opened_since_sweep = 0
         self._next_sweep = max(SWEEP_MIN_STREAMS, len(self.streams))
         return count
-
-
-SWEEP_MIN_STREAMS = 64
 
 
 class GrpcServer:

@@ -4,7 +4,7 @@ alternates from a spread of the fleet. Small fleets stay exact (the other admiss
 
 from __future__ import annotations
 
-from extproc.core.sampling import ALTERNATES_SAMPLE, LARGE_FLEET, SAMPLE, FleetSample
+from extproc.core.sampling import ALTERNATES_SAMPLE, LARGE_FLEET, SAMPLE, WINDOW, FleetSample
 from extproc.fleet.backend import BackendPool, BackendSpec
 from tests.extproc.factories import API, BATCH, Request, make_admission
 
@@ -48,6 +48,50 @@ def test_the_sample_stops_at_its_size_and_a_walk_of_nothing_marks_the_band_full(
     sample.freed(pool.backends[5])
     assert sample.candidates("batch", pool.backends, admits, 0.06, 0.1) == [pool.backends[5]]
     assert len(sample.candidates("batch", pool.backends, admits, 0.2, 0.1)) == SAMPLE  # refreshed
+
+
+def test_on_a_nearly_full_fleet_the_walk_settles_for_fewer_past_its_window() -> None:
+    # Collecting SAMPLE candidates when a few backends have room would walk most of the
+    # fleet on every placement: past WINDOW, the first one that passes is enough.
+    pool = BackendPool([BackendSpec("127.0.0.1", 9000 + i) for i in range(BACKENDS)])
+    free = {pool.backends[WINDOW + 3], pool.backends[WINDOW + 20]}
+    looked: list[object] = []
+
+    def admits(backend: object) -> bool:
+        looked.append(backend)
+        return backend in free
+
+    found = FleetSample().candidates("batch", pool.backends, admits, 0.0, 1.0)
+    assert found == [pool.backends[WINDOW + 3]] and len(looked) == WINDOW + 4
+    # Within the window it keeps collecting.
+    free = {pool.backends[1], pool.backends[5]}
+    looked.clear()
+    found = FleetSample().candidates("batch", pool.backends, admits, 0.0, 1.0)
+    assert found == [pool.backends[1], pool.backends[5]] and len(looked) == WINDOW
+
+
+def test_a_freed_backend_found_without_room_again_is_not_looked_at_again() -> None:
+    # A deep backlog fills each freed seat at once: the freed backends must not pile up and
+    # be checked on every placement until the refresh (O(fleet) per completion again).
+    pool = BackendPool([BackendSpec("127.0.0.1", 9000 + i) for i in range(BACKENDS)])
+    sample = FleetSample()
+    assert sample.candidates("batch", pool.backends, lambda b: False, 0.0, 1.0) == []
+    for backend in pool.backends[:40]:
+        sample.freed(backend)
+    looked: list[object] = []
+
+    def no_room(backend: object) -> bool:
+        looked.append(backend)
+        return False
+
+    assert sample.candidates("batch", pool.backends, no_room, 0.1, 1.0) == []
+    assert len(looked) == 40
+    looked.clear()
+    sample.freed(pool.backends[3])  # its next completion brings it back
+    assert sample.candidates("batch", pool.backends, no_room, 0.2, 1.0) == []
+    assert looked == [pool.backends[3]]
+    sample.freed(pool.backends[9])
+    assert sample.candidates("batch", pool.backends, lambda b: True, 0.3, 1.0) == [pool.backends[9]]
 
 
 def test_alternates_come_from_a_spread_that_covers_every_region() -> None:

@@ -3,10 +3,11 @@
 Why not grpc.aio, which the service used before: each stream there goes through grpc's C
 core, its poller thread and a cross-thread wake-up of the loop for every message. Behind the
 same Envoy, a servicer that decides nothing served 2,700-2,850 requests/s per core on
-grpc.aio and 6,000-6,900 on this server (``python -m loadtests.bench.overhead.floor``, both
-in one run). The per-stream work here is h2's framing and HPACK, a task, and the
-servicer: the same servicers grpc.aio runs, registered the same way (the generated
-``add_XServicer_to_server(servicer, server)`` calls ``add_registered_method_handlers``).
+grpc.aio and 6,000-6,900 on this server, and 2,218-2,362 against 3,951-4,495 in a busier
+hour (``python -m loadtests.bench.overhead.floor``, both in one run). The per-stream work
+here is h2's framing and HPACK, a task, and the servicer: the same servicers grpc.aio runs,
+registered the same way (the generated ``add_XServicer_to_server(servicer, server)`` calls
+``add_registered_method_handlers``).
 
 Scope: what Envoy's gRPC clients (and grpc's own, in the tests) use towards this service:
 HTTP/2 with prior knowledge over cleartext TCP, streaming methods (stream-stream and

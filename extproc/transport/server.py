@@ -1,13 +1,13 @@
 """``fairlane serve``: the ext_proc and access-log gRPC services in one process.
 
 Two gRPC servers can carry them, the same servicers on either (``--grpc-server``): ``h2``
-(the default, ``extproc.transport.h2grpc``: h2 in the event loop's thread, 2.4x the
-requests per core of grpc.aio behind the same Envoy) and ``grpcio`` (grpc.aio, kept as the
-reference the benchmarks compare with). For grpcio the server options matter for held
-requests: Envoy pings its HTTP/2 connections while requests sit in queues, and grpc's
-defaults answer frequent pings with GOAWAY ("too many pings"), which would fail every held
-request; bodies larger than grpc's 4 MiB default must still be accepted up to the policy's
-limit.
+(the default, ``extproc.transport.h2grpc``: h2 in the event loop's thread, 1.8-2.4x the
+requests per core of grpc.aio behind the same Envoy for a servicer deciding nothing) and
+``grpcio`` (grpc.aio, kept as the reference the benchmarks compare with). For grpcio the
+server options matter for held requests: Envoy pings its HTTP/2 connections while requests
+sit in queues, and grpc's defaults answer frequent pings with GOAWAY ("too many pings"),
+which would fail every held request; bodies larger than grpc's 4 MiB default must still be
+accepted up to the policy's limit.
 """
 
 from __future__ import annotations

@@ -184,21 +184,15 @@ class RuntimeDiscovery(rtds_pb2_grpc.RuntimeDiscoveryServiceServicer):
         request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
-        first = await anext(aiter(request_iterator), None)
-        if first is None:
-            return
-        if self.layer.name not in first.resource_names:
-            log.warning(
-                "an Envoy subscribed to runtime layers %s; this service serves %r",
-                list(first.resource_names),
-                self.layer.name,
-            )
         layer = self.layer
 
         def response(version: int) -> discovery_pb2.DiscoveryResponse:
             return codec.runtime_response(layer.name, version, layer.values)
 
-        async for answer in _state_of_the_world(request_iterator, layer, response, "runtime layer"):
+        subscription = _state_of_the_world(
+            request_iterator, layer, response, layer.name, "runtime layer", wildcard=False
+        )
+        async for answer in subscription:
             yield answer
 
 
@@ -215,23 +209,16 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
         request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
-        first = await anext(aiter(request_iterator), None)
-        if first is None:
-            return
         cluster = self.endpoints.cluster
-        if first.resource_names and cluster not in first.resource_names:
-            log.warning(
-                "an Envoy asked for the endpoints of %s; this service serves %r",
-                list(first.resource_names),
-                cluster,
-            )
         endpoints = self.endpoints
 
         def response(version: int) -> discovery_pb2.DiscoveryResponse:
             return codec.endpoints_response(cluster, version, endpoints.levels)
 
-        what = "backends' host set"
-        async for answer in _state_of_the_world(request_iterator, endpoints, response, what):
+        subscription = _state_of_the_world(
+            request_iterator, endpoints, response, cluster, "backends' host set", wildcard=True
+        )
+        async for answer in subscription:
             yield answer
 
 
@@ -247,10 +234,20 @@ async def _state_of_the_world(
     requests: AsyncIterator[discovery_pb2.DiscoveryRequest],
     resource: _Versioned,
     response: Callable[[int], discovery_pb2.DiscoveryResponse],
+    name: str,
     what: str,
+    wildcard: bool,
 ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
-    """xDS state of the world after the first request: the whole resource now and again on
-    every change, while Envoy's acknowledgements are read (and a rejection logged)."""
+    """xDS state of the world: once Envoy's first request has come, the whole resource
+    ``name`` now and again on every change, while Envoy's acknowledgements are read (and a
+    rejection logged). A first request that names other resources is logged and served
+    anyway; one that names none is a wildcard where the type has them (``wildcard``)."""
+    first = await anext(aiter(requests), None)
+    if first is None:
+        return
+    names = list(first.resource_names)
+    if name not in names and not (wildcard and not names):
+        log.warning("an Envoy asked for %s; this service serves the %s %r", names, what, name)
     acks = asyncio.create_task(_read_acks(requests, what))
     try:
         while True:

@@ -23,6 +23,7 @@ from extproc.fleet.resolver import (
 )
 from extproc.ops.processes import ProcessGroup, free_port
 from tests.dns_server import DnsmasqMissing, DnsServer
+from tests.polling import until
 
 NAME = "vllm.fairlane.test"
 WAIT_S = 10.0
@@ -73,23 +74,14 @@ async def test_the_watcher_follows_the_name_and_keeps_the_set_through_an_outage(
     running = asyncio.create_task(watcher.run())
     try:
         dns.set(NAME, ["10.0.0.1", "10.0.0.2"])
-        await until(lambda: "10.0.0.2:8000" in pool.by_address)
+        await until(lambda: "10.0.0.2:8000" in pool.by_address, "the new address", WAIT_S, 0.05)
         dns.stop()
-        await until(lambda: members.failures[source.url] >= 1)
+        await until(lambda: members.failures[source.url] >= 1, "a failure counted", WAIT_S, 0.05)
         assert source.url in members.failing
         assert set(pool.by_address) == {"10.0.0.1:8000", "10.0.0.2:8000"}  # kept
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
-
-
-async def until(condition: object, timeout_s: float = WAIT_S) -> None:
-    assert callable(condition)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < deadline, "not in time"
-        await asyncio.sleep(0.05)
 
 
 def test_the_next_resolution_follows_the_ttl_within_bounds() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import grpc
@@ -14,12 +15,12 @@ from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.endpoint.v3 import eds_pb2_grpc
 
 from extproc.fleet.backend import BackendPool, BackendSpec
-from extproc.ops.processes import free_port
 from extproc.transport.codec import ENDPOINTS_TYPE_URL, endpoints_response
 from extproc.transport.endpoints import Endpoint, EndpointSet, Level, levels_of
 from extproc.transport.server import GRPC_SERVERS, grpc_server
 from extproc.transport.servicer import EndpointDiscovery
 from extproc.wire import BACKEND_CLUSTER
+from tests.loopback_grpc import serving
 
 WAIT_S = 5.0
 
@@ -92,19 +93,10 @@ async def eds(
     grpc.aio), and a grpc.aio channel to it."""
     endpoints = EndpointSet()
     endpoints.publish((Level("a", 0, (Endpoint("10.0.0.1", 8000, 1),)),))
-    server = grpc_server(request.param)
-    eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(
-        EndpointDiscovery(endpoints), server
-    )
-    port = free_port()
-    assert server.add_insecure_port(f"127.0.0.1:{port}") == port
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
+    servicer = EndpointDiscovery(endpoints)
+    register = partial(eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server, servicer)
+    async with serving(grpc_server(request.param), register) as channel:
         yield endpoints, channel
-    finally:
-        await channel.close()
-        await server.stop(grace=None)
 
 
 async def test_eds_serves_the_set_and_every_change(

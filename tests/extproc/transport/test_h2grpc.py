@@ -15,6 +15,8 @@ import grpc
 import pytest
 
 from extproc.transport.h2grpc import GrpcServer
+from tests.loopback_grpc import serving
+from tests.polling import until
 
 WAIT_S = 10.0
 SERVICE = "test.Echo"
@@ -64,17 +66,18 @@ def handlers(calls: Calls) -> dict[str, Any]:
 async def served() -> AsyncIterator[tuple[GrpcServer, grpc.aio.Channel, Calls]]:
     calls = Calls()
     server = GrpcServer(max_message_bytes=1 << 20)
-    server.add_registered_method_handlers(SERVICE, handlers(calls))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+
+    def register(server: GrpcServer) -> None:
+        server.add_registered_method_handlers(SERVICE, handlers(calls))
+
     # Without BDP probing grpc's client keeps HTTP/2's 64 KiB window, so a bigger answer
     # must wait for its WINDOW_UPDATEs.
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.http2.bdp_probe", 0)])
-    try:
+    async with serving(server, register, [("grpc.http2.bdp_probe", 0)]) as channel:
         yield server, channel, calls
-    finally:
-        await channel.close()
-        await server.stop(None)
+
+
+def open_streams(server: GrpcServer) -> int:
+    return sum(len(c.streams) for c in server._connections)
 
 
 def chat(channel: grpc.aio.Channel, messages: list[bytes]) -> Any:
@@ -154,9 +157,10 @@ async def test_a_cancelled_call_cancels_its_handler(
     call = chat(channel, [b"hold"])
     await asyncio.wait_for(calls.started.wait(), WAIT_S)
     call.cancel()
-    async with asyncio.timeout(WAIT_S):
-        while calls.cancelled == 0 or any(c.streams for c in server._connections):
-            await asyncio.sleep(0.01)
+    await until(
+        lambda: calls.cancelled and not any(c.streams for c in server._connections),
+        "the handler cancelled and its stream gone",
+    )
     assert calls.finished == 1
 
 
@@ -166,16 +170,12 @@ async def test_more_streams_at_once_than_h2s_default_limit(
     # Held requests are open streams: h2 would refuse the 101st by default.
     server, channel, calls = served
     held = [chat(channel, [b"hold"]) for _ in range(300)]
-    async with asyncio.timeout(WAIT_S):
-        while sum(len(c.streams) for c in server._connections) < 300:
-            await asyncio.sleep(0.01)
+    await until(lambda: open_streams(server) >= 300, "300 streams open")
     answer = chat(channel, [b"after"])
     assert await answer.read() == b"retfa"
     for call in held:
         call.cancel()
-    async with asyncio.timeout(WAIT_S):
-        while calls.cancelled < 300:
-            await asyncio.sleep(0.01)
+    await until(lambda: calls.cancelled >= 300, "300 handlers cancelled")
 
 
 async def test_stop_refuses_new_streams_and_cancels_the_rest_after_the_grace(
@@ -202,9 +202,7 @@ async def test_finished_streams_do_not_pile_up_behind_held_ones(
     # once per as many new streams as it then held (amortised): the table stays bounded.
     server, channel, _ = served
     held = [chat(channel, [b"hold"]) for _ in range(100)]
-    async with asyncio.timeout(WAIT_S):
-        while sum(len(c.streams) for c in server._connections) < 100:
-            await asyncio.sleep(0.01)
+    await until(lambda: open_streams(server) >= 100, "100 streams open")
     for _ in range(500):
         assert await chat(channel, [b"x"]).read() == b"x"
     (connection,) = server._connections

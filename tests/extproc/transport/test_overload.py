@@ -6,7 +6,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from functools import partial
 
 import pytest
 
@@ -14,6 +15,7 @@ from extproc.core.overload import OverloadControl, OverloadSettings
 from extproc.transport.overload import Ages, watch_overload
 from extproc.transport.runtime import RuntimeLayer
 from extproc.wire import SHED_RUNTIME_KEY
+from tests.polling import until as poll_until
 
 # Short periods, and bounds far above what a busy test machine's loop lags on its own. No
 # CPU floor: these tests are about the lag and age signals; the floor has its own test.
@@ -78,12 +80,8 @@ class Watch:
         return len(self.control.lags)
 
 
-async def until(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
-    """Poll ``condition()`` on the running loop until it holds (bounded)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not in {timeout_s}s: {what}"
-        await asyncio.sleep(0.005)
+until = partial(poll_until, timeout_s=WAIT_S, every_s=0.005)
+"""Polling finer than the 50 ms control period the tests wait on."""
 
 
 @pytest.fixture

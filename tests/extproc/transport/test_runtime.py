@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from typing import Any
 
 import grpc
@@ -13,12 +13,13 @@ import pytest
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.runtime.v3 import rtds_pb2, rtds_pb2_grpc
 
-from extproc.ops.processes import free_port
 from extproc.transport.codec import RUNTIME_TYPE_URL
 from extproc.transport.runtime import RuntimeLayer
 from extproc.transport.server import GRPC_SERVERS, grpc_server
 from extproc.transport.servicer import RuntimeDiscovery
 from extproc.wire import RUNTIME_LAYER, SHED_RUNTIME_KEY
+from tests.loopback_grpc import serving
+from tests.polling import until
 
 WAIT_S = 5.0
 
@@ -138,31 +139,16 @@ async def rtds(
     grpc.aio), and a grpc.aio channel to it."""
     layer = RuntimeLayer()
     layer.publish(SHED_RUNTIME_KEY, 0)
-    server = grpc_server(request.param)
-    rtds_pb2_grpc.add_RuntimeDiscoveryServiceServicer_to_server(RuntimeDiscovery(layer), server)
-    port = free_port()
-    assert server.add_insecure_port(f"127.0.0.1:{port}") == port
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
+    servicer = RuntimeDiscovery(layer)
+    register = partial(rtds_pb2_grpc.add_RuntimeDiscoveryServiceServicer_to_server, servicer)
+    async with serving(grpc_server(request.param), register) as channel:
         yield layer, channel
-    finally:
-        await channel.close()
-        await server.stop(grace=None)
 
 
 @pytest.fixture
 def service_errors(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
     caplog.set_level(logging.WARNING, logger="fairlane.service")
     yield caplog
-
-
-async def until(condition: Any, timeout_s: float = WAIT_S) -> None:
-    """Poll ``condition()`` until it holds (bounded)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 async def test_rtds_serves_the_layer_and_every_change(
@@ -196,7 +182,9 @@ async def test_rtds_serves_the_layer_and_every_change(
             lambda: any(
                 r.levelno == logging.ERROR and "bad runtime value" in r.getMessage()
                 for r in service_errors.records
-            )
+            ),
+            "the rejection logged",
+            WAIT_S,
         )
         layer.publish(SHED_RUNTIME_KEY, 0)
         third, runtime = await envoy.read()

@@ -27,7 +27,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, Protocol
 from urllib.parse import urlsplit
 
 from extproc.fleet.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS, PrefixLRU
@@ -151,11 +151,7 @@ def parse_backend(text: str) -> BackendSpec:
     is read from (``env:NAME``, ``file:PATH``). The options are a URL fragment, so they can
     never be mistaken for part of the address, and are split off before the region's ``=``.
     """
-    address, hash_sign, options = text.partition("#")
-    seats, credential = _backend_options(text, options) if hash_sign else (None, None)
-    region, sep, url = address.partition("=")
-    if not sep:
-        region, url = DEFAULT_REGION, address
+    region, url, seats, credential = split_backend_argument(text)
     if "://" not in url:
         url = f"http://{url}"
     parts = urlsplit(url)
@@ -177,10 +173,24 @@ def parse_backend(text: str) -> BackendSpec:
         raise ValueError(f"backend {text!r}: {exc}") from None
 
 
-def backend_argument(spec: BackendSpec) -> str:
-    """``spec`` as ``--backend`` takes it (``parse_backend`` reads it back unchanged), so
-    ``fairlane up`` and the rendered Kubernetes workload hand the service its backends with
-    their declared seats and key references."""
+class ConfiguredBackend(Protocol):
+    """What a ``--backend`` value says: a fixed backend (``BackendSpec``) or a DNS name
+    (``extproc.fleet.discovery.DnsBackendSpec``)."""
+
+    @property
+    def region(self) -> str: ...
+    @property
+    def url(self) -> str: ...
+    @property
+    def seats(self) -> int | None: ...
+    @property
+    def credential(self) -> str | None: ...
+
+
+def backend_argument(spec: ConfiguredBackend) -> str:
+    """``spec`` as ``--backend`` takes it (``parse_backend`` or ``parse_dns_backend`` reads
+    it back unchanged), so ``fairlane up`` and the rendered Kubernetes workload hand the
+    service its backends with their declared seats and key references."""
     options = []
     if spec.seats is not None:
         options.append(f"seats={spec.seats}")
@@ -188,6 +198,17 @@ def backend_argument(spec: BackendSpec) -> str:
         options.append(f"key={spec.credential}")
     fragment = f"#{','.join(options)}" if options else ""
     return f"{spec.region}={spec.url}{fragment}"
+
+
+def split_backend_argument(text: str) -> tuple[str, str, int | None, str | None]:
+    """A ``--backend`` value's parts, URL unchecked: (region as written, or the default one
+    when none is; URL; declared seats; key reference)."""
+    address, hash_sign, options = text.partition("#")
+    seats, credential = _backend_options(text, options) if hash_sign else (None, None)
+    region, sep, url = address.partition("=")
+    if not sep:
+        region, url = DEFAULT_REGION, address
+    return region, url, seats, credential
 
 
 def _backend_options(text: str, options: str) -> tuple[int | None, str | None]:

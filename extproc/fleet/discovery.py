@@ -25,9 +25,9 @@ from extproc.fleet.backend import (
     BACKEND_SYNTAX,
     DEFAULT_REGION,
     BackendSpec,
-    _backend_options,
     check_endpoint_fields,
     parse_backend,
+    split_backend_argument,
 )
 
 DNS_SCHEME = "dns"
@@ -106,11 +106,7 @@ def is_dns_backend(text: str) -> bool:
 
 def parse_dns_backend(text: str) -> DnsBackendSpec:
     """Parse ``[REGION=]dns://NAME:PORT[#seats=N][,key=env:NAME|file:PATH]``."""
-    address, hash_sign, options = text.partition("#")
-    seats, credential = _backend_options(text, options) if hash_sign else (None, None)
-    region, sep, url = address.partition("=")
-    if not sep:
-        region, url = DEFAULT_REGION, address
+    region, url, seats, credential = split_backend_argument(text)
     rest = url.strip()[len(DNS_SCHEME) + 3 :]
     name, colon, port_text = rest.rpartition(":")
     if not colon or not port_text.isdigit() or "/" in rest:
@@ -125,17 +121,6 @@ def parse_dns_backend(text: str) -> DnsBackendSpec:
         )
     except ValueError as exc:
         raise ValueError(f"backend {text!r}: {exc}") from None
-
-
-def dns_backend_argument(spec: DnsBackendSpec) -> str:
-    """``spec`` as ``--backend`` takes it (``parse_dns_backend`` reads it back unchanged)."""
-    options = []
-    if spec.seats is not None:
-        options.append(f"seats={spec.seats}")
-    if spec.credential is not None:
-        options.append(f"key={spec.credential}")
-    fragment = f"#{','.join(options)}" if options else ""
-    return f"{spec.region}={spec.url}{fragment}"
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from types import FrameType
 from extproc.envoy.binary import envoy_argv, write_bootstrap
 from extproc.envoy.params import MAX_MESSAGE_TIMEOUT_S, EnvoyParams
 from extproc.fleet.backend import BackendSpec, backend_argument
-from extproc.fleet.discovery import DnsBackendSpec, dns_backend_argument
+from extproc.fleet.discovery import DnsBackendSpec
 from extproc.ops.first_request import curl_lines, served_model
 from extproc.ops.processes import (
     Child,
@@ -186,12 +186,7 @@ class Stack:
         specs.sort(key=lambda spec: rank[spec.region])
         flags: list[str] = []
         for spec in specs:
-            text = (
-                backend_argument(spec)
-                if isinstance(spec, BackendSpec)
-                else dns_backend_argument(spec)
-            )
-            flags += ["--backend", text]
+            flags += ["--backend", backend_argument(spec)]
         return tuple(flags)
 
     def _service_args(self) -> tuple[str, ...]:

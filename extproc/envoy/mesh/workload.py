@@ -24,7 +24,6 @@ from extproc.envoy.mesh import FAIRLANE_IMAGE, METRICS_PORT, KubeNames
 from extproc.envoy.params import EnvoyParams
 from extproc.envoy.replicas import pod_service_host
 from extproc.fleet.backend import backend_argument
-from extproc.fleet.discovery import dns_backend_argument
 
 POD_NAME_LABEL = "statefulset.kubernetes.io/pod-name"
 """The label Kubernetes sets on each StatefulSet pod, to its pod name."""
@@ -65,7 +64,7 @@ def _args(params: EnvoyParams) -> list[str]:
         *(f"--backend={backend_argument(b)}" for b in params.backends),
         # A headless vLLM Service: the service follows its pods through DNS; the mesh's own
         # control plane gives Envoy the same pods (the mesh owns its Envoys' EDS).
-        *(f"--backend={dns_backend_argument(d)}" for d in params.dns_backends),
+        *(f"--backend={backend_argument(d)}" for d in params.dns_backends),
     ]
     if params.replicated:
         # $(POD_NAME) is expanded by Kubernetes from the container's env (below)

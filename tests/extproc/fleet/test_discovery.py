@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.fleet.backend import BackendSpec
+from extproc.fleet.backend import BackendSpec, backend_argument
 from extproc.fleet.discovery import (
     DnsBackendSpec,
     FleetSpec,
-    dns_backend_argument,
     is_dns_backend,
     parse_dns_backend,
 )
@@ -21,7 +20,7 @@ def test_parse_a_dns_backend_with_region_and_options() -> None:
     )
     assert spec.url == "dns://vllm.llm.svc.cluster.local:8000"
     assert parse_dns_backend("dns://vllm:8000") == DnsBackendSpec("vllm", 8000, "default")
-    assert parse_dns_backend(dns_backend_argument(spec)) == spec  # round trip, as `up` hands it on
+    assert parse_dns_backend(backend_argument(spec)) == spec  # round trip, as `up` hands it on
 
 
 def test_every_address_is_a_backend_with_the_names_settings() -> None:

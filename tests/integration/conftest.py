@@ -16,8 +16,22 @@ import pytest
 from extproc.ops.processes import ProcessGroup, free_port
 from extproc.ops.up import Stack, StackConfig
 
+DEMO_TENANTS = """\
+tenants:
+  - name: chat-app
+    api_keys: [sk-chat-demo]
+    tiers: [interactive]
+  - name: code-review
+    api_keys: [sk-api-demo]
+    tiers: [api]
+  - name: nightly-batch
+    api_keys: [sk-batch-demo]
+    tiers: [batch]
+"""
+"""The policies' three tenants, one per tier, with the shipped demo keys."""
+
 # One backend that admits one request at a time: a single long request fills the fleet.
-TEST_POLICY = """\
+TEST_POLICY = f"""\
 max_body_bytes: 65536
 max_in_flight_per_backend: 1
 on_escalation: downgrade
@@ -38,19 +52,9 @@ tiers:
     priority: 20
     queue_limit: 8
     queue_deadline_s: 60
-tenants:
-  - name: chat-app
-    api_keys: [sk-chat-demo]
-    tiers: [interactive]
-  - name: code-review
-    api_keys: [sk-api-demo]
-    tiers: [api]
-  - name: nightly-batch
-    api_keys: [sk-batch-demo]
-    tiers: [batch]
-rules:
+{DEMO_TENANTS}rules:
   - name: batch-endpoint
-    match: {path_prefix: /v1/batch/}
+    match: {{path_prefix: /v1/batch/}}
     tier: batch
     strip_path_prefix: /v1/batch
     add_path_prefix: /v1

@@ -34,7 +34,7 @@ from loadtests.bench.overhead.loadgen import (
     settle,
 )
 from tests.exported_metrics import parse_samples
-from tests.integration.conftest import start_stack
+from tests.integration.conftest import DEMO_TENANTS, start_stack
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +53,7 @@ BURST_SIM_ARGS = ("--scheduling-policy", "priority", "--model", MODEL)
 
 # Four seats, small queues, short deadlines: the burst overflows at once and drains within
 # a couple of seconds of its end.
-BURST_POLICY = """\
+BURST_POLICY = f"""\
 max_body_bytes: 65536
 max_in_flight_per_backend: 4
 on_escalation: downgrade
@@ -70,17 +70,7 @@ tiers:
     priority: 20
     queue_limit: 8
     queue_deadline_s: 1
-tenants:
-  - name: chat-app
-    api_keys: [sk-chat-demo]
-    tiers: [interactive]
-  - name: code-review
-    api_keys: [sk-api-demo]
-    tiers: [api]
-  - name: nightly-batch
-    api_keys: [sk-batch-demo]
-    tiers: [batch]
-"""
+{DEMO_TENANTS}"""
 KEYS = ("sk-chat-demo", "sk-api-demo", "sk-batch-demo")
 
 

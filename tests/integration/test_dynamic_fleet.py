@@ -36,7 +36,7 @@ from extproc.ops.up import Stack, StackConfig
 from extproc.wire import BACKEND_CLUSTER
 from tests.dns_server import DnsmasqMissing, DnsServer
 from tests.exported_metrics import Samples, parse_samples
-from tests.integration.conftest import auth, read_request_log
+from tests.integration.conftest import DEMO_TENANTS, auth, read_request_log
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +49,7 @@ KEYS = ("sk-chat-demo", "sk-api-demo", "sk-batch-demo")
 """The steady load cycles through the three tiers."""
 WAIT_S = 20.0
 
-POLICY = """\
+POLICY = f"""\
 max_body_bytes: 65536
 max_in_flight_per_backend: 32
 on_escalation: downgrade
@@ -58,28 +58,18 @@ tiers:
     priority: 0
     queue_limit: 256
     queue_deadline_s: 30
-    gate: {max_waiting: 8}
+    gate: {{max_waiting: 8}}
   - name: api
     priority: 10
     queue_limit: 256
     queue_deadline_s: 30
-    gate: {max_waiting: 8}
+    gate: {{max_waiting: 8}}
   - name: batch
     priority: 20
     queue_limit: 256
     queue_deadline_s: 30
-    gate: {max_waiting: 4, max_itl_ms: null}
-tenants:
-  - name: chat-app
-    api_keys: [sk-chat-demo]
-    tiers: [interactive]
-  - name: code-review
-    api_keys: [sk-api-demo]
-    tiers: [api]
-  - name: nightly-batch
-    api_keys: [sk-batch-demo]
-    tiers: [batch]
-"""
+    gate: {{max_waiting: 4, max_itl_ms: null}}
+{DEMO_TENANTS}"""
 
 
 @dataclass

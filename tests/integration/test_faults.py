@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 
 from extproc.ops.up import Stack
-from tests.integration.conftest import auth, requests_by_backend, start_stack
+from tests.integration.conftest import DEMO_TENANTS, auth, requests_by_backend, start_stack
 
 pytestmark = pytest.mark.integration
 
@@ -62,17 +62,7 @@ tiers:
     queue_limit: 64
     queue_deadline_s: 10
     gate: {{max_waiting: 16, max_itl_ms: null}}
-tenants:
-  - name: chat-app
-    api_keys: [sk-chat-demo]
-    tiers: [interactive]
-  - name: code-review
-    api_keys: [sk-api-demo]
-    tiers: [api]
-  - name: nightly-batch
-    api_keys: [sk-batch-demo]
-    tiers: [batch]
-"""
+{DEMO_TENANTS}"""
 
 CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 

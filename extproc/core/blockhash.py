@@ -1,0 +1,171 @@
+"""vLLM's own prefix-cache block hashes, computed the way the engine computes them.
+
+Precise prefix routing (``extproc.fleet.kv_events``) matches a request's blocks against the
+blocks an engine says it holds, so the gateway must hash exactly as the engine does
+(``shared/reference/vllm.md`` A4, ``vllm/v1/core/kv_cache_utils.py``):
+
+- only full blocks of ``block_size`` token ids are hashed;
+- ``h_i = H((h_{i-1} or NONE_HASH, tuple(block_token_ids), extra_keys))``, where
+  ``extra_keys`` is None for plain text, and ``(("cache_salt", salt),)`` on the first
+  block of a request that carries a ``cache_salt``;
+- ``H`` is the engine's ``--prefix-caching-hash-algo``: ``sha256`` (pickle, vLLM 0.32's
+  default) or ``sha256_cbor`` (canonical CBOR);
+- ``NONE_HASH = H(seed)``, the seed being the engine's ``PYTHONHASHSEED`` when it has one
+  and ``"vllm-none-hash"`` otherwise.
+
+The KV events carry each hash as the last 8 bytes of its digest read as a big-endian int
+(``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the default; ``event_key``), so that 64-bit
+int is what indexes compare. The xxhash algorithms are not offered: their seed is random
+per engine process unless ``PYTHONHASHSEED`` is set, and they need a package the gateway
+does not otherwise use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, get_args
+
+HashAlgo = Literal["sha256", "sha256_cbor"]
+HASH_ALGOS: tuple[str, ...] = get_args(HashAlgo)
+DEFAULT_SEED = "vllm-none-hash"
+"""vLLM's ``NONE_HASH`` seed for the sha256 algorithms when ``PYTHONHASHSEED`` is unset."""
+MAX_HASHED_BLOCKS = 2048
+"""At most this many leading blocks are hashed: bounds a huge prompt's cost (32k tokens at
+16 a block); whether a prompt's head is cached is decided long before."""
+_LOW_64 = (1 << 64) - 1
+
+
+def event_key(value: bytes | int) -> int:
+    """The int an engine's KV events name a block by: the digest's last 8 bytes, big-endian.
+
+    Engines run with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` publish whole digests; both
+    forms map to the same key.
+    """
+    if isinstance(value, int):
+        return value & _LOW_64
+    return int.from_bytes(value[-8:], "big")
+
+
+def _sha256_pickle(obj: Any) -> bytes:
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def _sha256_cbor(obj: Any) -> bytes:
+    return hashlib.sha256(cbor(obj)).digest()
+
+
+_HASHERS: dict[str, Callable[[Any], bytes]] = {
+    "sha256": _sha256_pickle,
+    "sha256_cbor": _sha256_cbor,
+}
+
+
+class BlockHasher:
+    """One engine configuration's hash chain: its algorithm and its ``NONE_HASH`` seed."""
+
+    __slots__ = ("_hash", "algo", "none_hash", "seed")
+
+    def __init__(self, algo: str = "sha256", seed: str | None = None) -> None:
+        hasher = _HASHERS.get(algo)
+        if hasher is None:
+            raise ValueError(
+                f"prefix-caching hash algorithm {algo!r} is not supported; expected one of "
+                f"{', '.join(HASH_ALGOS)}"
+            )
+        self.algo = algo
+        self.seed = DEFAULT_SEED if seed is None else seed
+        self._hash = hasher
+        self.none_hash = hasher(self.seed)
+
+    def chain(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        cache_salt: str | None = None,
+        limit: int = MAX_HASHED_BLOCKS,
+    ) -> list[bytes]:
+        """The digests of the first ``limit`` full blocks of ``token_ids``, chained."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        hash_ = self._hash
+        digests: list[bytes] = []
+        parent = self.none_hash
+        extra: tuple[tuple[str, str], ...] | None = (
+            (("cache_salt", cache_salt),) if cache_salt else None
+        )
+        end = min(len(token_ids) - block_size + 1, limit * block_size)
+        for start in range(0, max(end, 0), block_size):
+            parent = hash_((parent, tuple(token_ids[start : start + block_size]), extra))
+            digests.append(parent)
+            extra = None
+        return digests
+
+    def keys(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        cache_salt: str | None = None,
+        limit: int = MAX_HASHED_BLOCKS,
+    ) -> list[int]:
+        """``chain`` as the ints the engine's KV events carry (``event_key``)."""
+        return [
+            int.from_bytes(d[-8:], "big")
+            for d in self.chain(token_ids, block_size, cache_salt, limit)
+        ]
+
+
+# Canonical CBOR (RFC 8949 4.2.1) for the few types a block hash holds: what
+# ``cbor2.dumps(obj, canonical=True)`` writes for None, bool, non-negative and negative
+# ints, bytes, str, and tuples or lists (arrays). Written out here because it is short and
+# about twice as fast as a general encoder on a block's ints.
+_UINT_CACHE: dict[int, bytes] = {}
+
+
+def _head(major: int, value: int) -> bytes:
+    """A data item's initial byte(s): major type and the shortest length or value field."""
+    mt = major << 5
+    if value < 24:
+        return bytes((mt | value,))
+    if value < 0x100:
+        return bytes((mt | 24, value))
+    if value < 0x10000:
+        return struct.pack(">BH", mt | 25, value)
+    if value < 0x100000000:
+        return struct.pack(">BI", mt | 26, value)
+    if value < 0x10000000000000000:
+        return struct.pack(">BQ", mt | 27, value)
+    raise ValueError(f"integer {value} does not fit canonical CBOR's 64-bit heads")
+
+
+def _uint(value: int) -> bytes:
+    found = _UINT_CACHE.get(value)
+    if found is None:
+        found = _head(0, value)
+        if len(_UINT_CACHE) < 1 << 18:
+            _UINT_CACHE[value] = found
+    return found
+
+
+def cbor(obj: Any) -> bytes:
+    """``obj`` as canonical CBOR (only the types a block hash is made of)."""
+    if obj is None:
+        return b"\xf6"
+    if obj is True:
+        return b"\xf5"
+    if obj is False:
+        return b"\xf4"
+    if isinstance(obj, int):
+        return _uint(obj) if obj >= 0 else _head(1, -1 - obj)
+    if isinstance(obj, bytes):
+        return _head(2, len(obj)) + obj
+    if isinstance(obj, str):
+        data = obj.encode("utf-8")
+        return _head(3, len(data)) + data
+    if isinstance(obj, (tuple, list)):
+        if obj and all(type(item) is int and item >= 0 for item in obj):
+            return _head(4, len(obj)) + b"".join(map(_uint, obj))
+        return _head(4, len(obj)) + b"".join(map(cbor, obj))
+    raise TypeError(f"cannot encode {type(obj).__name__} in a block hash")

@@ -1,0 +1,209 @@
+"""The served model's own tokenizer and chat template, so the gateway sees the engine's tokens.
+
+Precise prefix routing compares a request's block hashes with the blocks an engine holds
+(``extproc.fleet.kv_events``); the hashes are over token ids, so the gateway must produce
+the ids the engine will: the same ``tokenizer.json`` (HF ``tokenizers``, Rust), the same
+chat template (``tokenizer_config.json``'s ``chat_template``, Jinja in a sandbox, as
+transformers renders it), and vLLM's choices around them:
+
+- chat completions: the template rendered with ``add_generation_prompt`` (default true),
+  then encoded *without* the tokenizer's special tokens (vLLM's ``add_special_tokens``
+  default for chat: the template writes them);
+- completions: the prompt encoded *with* them (vLLM's default there).
+
+Tokenizing is the expensive part (about 4 ms for 8k tokens here). Text between two special
+tokens is tokenized independently of the rest (``tokenizers`` splits added tokens out
+first), so each such segment, typically one message's content, is cached: a conversation
+re-sent with one more turn, or a shared system prompt, costs only its new text. The cache
+is used only when that independence holds for this tokenizer (no added token strips the
+whitespace around it), checked when it is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from array import array
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+log = logging.getLogger("fairlane.tokenizer")
+
+SEGMENT_CACHE_TOKENS = 2_000_000
+"""Token ids the segment cache keeps (4 bytes each): 8 MB, thousands of long prompts."""
+MAX_PROMPT_CHARS = 512 * 1024
+"""Longer prompts are cut before tokenizing: only their head decides prefix affinity, and
+the cost stays bounded (about 128k tokens)."""
+
+
+class TokenizerError(ValueError):
+    """The model directory cannot give the engine's tokenizer (missing or broken files)."""
+
+
+class EngineTokenizer:
+    """Token ids for a request body, as the engine serving the model would compute them."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        chat_template: str | None,
+        special: Mapping[str, str],
+        source: str = "",
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.source = source
+        self._template = _compile(chat_template) if chat_template else None
+        self._special = dict(special)
+        added = tokenizer.get_added_tokens_decoder()
+        self._added_ids = {token.content: token_id for token_id, token in added.items()}
+        cacheable = all(
+            not (token.lstrip or token.rstrip or token.single_word) for token in added.values()
+        )
+        self._splitter = (
+            re.compile(
+                "|".join(re.escape(t) for t in sorted(self._added_ids, key=len, reverse=True))
+            )
+            if cacheable and self._added_ids
+            else None
+        )
+        self._segments: OrderedDict[str, array[int]] = OrderedDict()
+        self._cached_tokens = 0
+        self.segment_hits = 0
+        self.segment_misses = 0
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> EngineTokenizer:
+        """Load ``tokenizer.json`` and ``tokenizer_config.json`` from a model directory."""
+        directory = Path(path)
+        tokenizer_file = directory / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise TokenizerError(f"{tokenizer_file}: no such file (a model directory holds it)")
+        try:
+            tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the Rust side raises plain Exception
+            raise TokenizerError(f"{tokenizer_file}: {exc}") from None
+        config: dict[str, Any] = {}
+        config_file = directory / "tokenizer_config.json"
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text())
+            except (OSError, ValueError) as exc:
+                raise TokenizerError(f"{config_file}: {exc}") from None
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: vLLM uses "default"
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        special = {
+            name: _token_text(config.get(name))
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if config.get(name) is not None
+        }
+        return cls(
+            tokenizer, template if isinstance(template, str) else None, special, str(directory)
+        )
+
+    def body_ids(self, body: Mapping[str, Any]) -> list[int] | None:
+        """The prompt's token ids for a chat (``messages``) or completion (``prompt``) body;
+        None when the body has no single text prompt (token ids, several prompts, a chat
+        without a template)."""
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            if self._template is None:
+                return None
+            text = self.render_chat(messages, bool(body.get("add_generation_prompt", True)))
+            return self.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.encode(
+                prompt, add_special_tokens=bool(body.get("add_special_tokens", True))
+            )
+        return None
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """The chat template over ``messages``, content parts joined as vLLM joins them."""
+        if self._template is None:
+            raise TokenizerError(f"{self.source}: the tokenizer has no chat template")
+        conversation = [
+            {**message, "content": _content(message.get("content"))}
+            for message in messages
+            if isinstance(message, Mapping)
+        ]
+        return self._template.render(
+            messages=conversation, add_generation_prompt=add_generation_prompt, **self._special
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        text = text[:MAX_PROMPT_CHARS]
+        if add_special_tokens or self._splitter is None:
+            return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        ids: list[int] = []
+        start = 0
+        for match in self._splitter.finditer(text):
+            if match.start() > start:
+                ids.extend(self._segment(text[start : match.start()]))
+            ids.append(self._added_ids[match.group()])
+            start = match.end()
+        if start < len(text):
+            ids.extend(self._segment(text[start:]))
+        return ids
+
+    def _segment(self, text: str) -> array[int]:
+        found = self._segments.get(text)
+        if found is not None:
+            self._segments.move_to_end(text)
+            self.segment_hits += 1
+            return found
+        self.segment_misses += 1
+        ids = array("I", self._tokenizer.encode(text, add_special_tokens=False).ids)
+        if len(ids) <= SEGMENT_CACHE_TOKENS // 4:
+            self._segments[text] = ids
+            self._cached_tokens += len(ids)
+            while self._cached_tokens > SEGMENT_CACHE_TOKENS:
+                _, dropped = self._segments.popitem(last=False)
+                self._cached_tokens -= len(dropped)
+        return ids
+
+
+def _token_text(value: Any) -> str:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return str(value)
+
+
+def _content(content: Any) -> Any:
+    """vLLM's "string" content format: text parts joined by newlines."""
+    if isinstance(content, list):
+        return "\n".join(
+            str(part.get("text", ""))
+            for part in content
+            if isinstance(part, Mapping) and part.get("type", "text") == "text"
+        )
+    return content
+
+
+def _compile(source: str) -> Any:
+    """The template compiled as transformers compiles chat templates (a sandbox, trimmed
+    blocks, ``raise_exception`` and ``tojson``)."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(value: Any, indent: int | None = None) -> str:
+        return json.dumps(value, indent=indent, ensure_ascii=False)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
+    return environment.from_string(source)

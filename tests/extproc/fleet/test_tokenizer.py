@@ -1,0 +1,94 @@
+"""The engine's tokenizer and chat template in the gateway (extproc.fleet.tokenizer).
+
+The tokenizer is the tiny model's (loadtests/conformance/tiny_model.py trains it offline in
+a fraction of a second): a byte-level BPE with special role tokens, as real chat models have.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from extproc.fleet.tokenizer import EngineTokenizer, TokenizerError
+from loadtests.conformance.tiny_model import BOS, build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-tokenizer")
+    build_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture
+def tokenizer(model_dir: Path) -> EngineTokenizer:
+    return EngineTokenizer.from_dir(model_dir)
+
+
+def test_segments_encode_as_the_whole_text(tokenizer: EngineTokenizer, model_dir: Path) -> None:
+    """Text between special tokens is tokenized on its own, so caching it changes nothing."""
+    plain = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    rng = random.Random(7)
+    words = ["kaloto", " the", "gen", "12", " 345", ".", "\n", "  ", "<|user|>", "</s>", "<s>", "é"]
+    for _ in range(200):
+        text = "".join(rng.choice(words) for _ in range(rng.randrange(0, 60)))
+        assert tokenizer.encode(text) == plain.encode(text, add_special_tokens=False).ids, text
+    assert tokenizer.segment_hits > 0
+
+
+def test_chat_renders_the_template_without_added_special_tokens(
+    tokenizer: EngineTokenizer, model_dir: Path
+) -> None:
+    plain = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}],
+        },
+    ]
+    text = tokenizer.render_chat(messages)
+    assert text == f"{BOS}<|system|>be brief</s>\n<|user|>hello\nthere</s>\n<|assistant|>"
+    ids = tokenizer.body_ids({"messages": messages})
+    assert ids == plain.encode(text, add_special_tokens=False).ids
+    assert ids is not None and ids[0] == plain.token_to_id(BOS)
+
+
+def test_completion_prompt_and_bodies_without_one(
+    tokenizer: EngineTokenizer, model_dir: Path
+) -> None:
+    plain = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    assert tokenizer.body_ids({"prompt": "the kaloto"}) == plain.encode("the kaloto").ids
+    assert tokenizer.body_ids({"prompt": ["the kaloto"]}) == plain.encode("the kaloto").ids
+    assert tokenizer.body_ids({"prompt": [1, 2, 3]}) is None
+    assert tokenizer.body_ids({"prompt": ["a", "b"]}) is None
+    assert tokenizer.body_ids({"input": "x"}) is None
+
+
+def test_a_conversation_resent_costs_only_its_new_turn(tokenizer: EngineTokenizer) -> None:
+    history = [{"role": "user", "content": "the kaloto " * 200}]
+    tokenizer.body_ids({"messages": history})
+    misses = tokenizer.segment_misses
+    longer = [*history, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    tokenizer.body_ids({"messages": longer})
+    assert tokenizer.segment_misses - misses == 2  # "ok" and "more"
+
+
+def test_missing_or_broken_files_say_which(tmp_path: Path) -> None:
+    with pytest.raises(TokenizerError, match="tokenizer.json: no such file"):
+        EngineTokenizer.from_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        EngineTokenizer.from_dir(tmp_path)
+
+
+def test_no_template_means_no_chat_ids(model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text((model_dir / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS}))
+    tokenizer = EngineTokenizer.from_dir(tmp_path)
+    assert tokenizer.body_ids({"messages": [{"role": "user", "content": "x"}]}) is None
+    assert tokenizer.body_ids({"prompt": "x"}) is not None

@@ -87,7 +87,11 @@ def build_tokenizer(out_dir: Path) -> dict[str, int]:
     tokenizer.train_from_iterator(corpus(), trainer=trainer)
     tokenizer.save(str(out_dir / "tokenizer.json"))
 
-    ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
+    ids: dict[str, int] = {}
+    for tok in SPECIAL_TOKENS:
+        token_id = tokenizer.token_to_id(tok)
+        assert token_id is not None, f"{tok} is a special token of the trainer"
+        ids[tok] = token_id
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,

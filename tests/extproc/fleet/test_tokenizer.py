@@ -44,7 +44,7 @@ def test_chat_renders_the_template_without_added_special_tokens(
     tokenizer: EngineTokenizer, model_dir: Path
 ) -> None:
     plain = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    messages = [
+    messages: list[dict[str, object]] = [
         {"role": "system", "content": "be brief"},
         {
             "role": "user",
@@ -79,10 +79,10 @@ def test_a_conversation_resent_costs_only_its_new_turn(tokenizer: EngineTokenize
 
 
 def test_missing_or_broken_files_say_which(tmp_path: Path) -> None:
-    with pytest.raises(TokenizerError, match="tokenizer.json: no such file"):
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json: no such file"):
         EngineTokenizer.from_dir(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{}")
-    with pytest.raises(TokenizerError, match="tokenizer.json"):
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json"):
         EngineTokenizer.from_dir(tmp_path)
 
 

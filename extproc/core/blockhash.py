@@ -28,6 +28,8 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, get_args
 
+from extproc.fleet.kv_events import event_key
+
 HashAlgo = Literal["sha256", "sha256_cbor"]
 HASH_ALGOS: tuple[str, ...] = get_args(HashAlgo)
 DEFAULT_SEED = "vllm-none-hash"
@@ -35,18 +37,6 @@ DEFAULT_SEED = "vllm-none-hash"
 MAX_HASHED_BLOCKS = 2048
 """At most this many leading blocks are hashed: bounds a huge prompt's cost (32k tokens at
 16 a block); whether a prompt's head is cached is decided long before."""
-_LOW_64 = (1 << 64) - 1
-
-
-def event_key(value: bytes | int) -> int:
-    """The int an engine's KV events name a block by: the digest's last 8 bytes, big-endian.
-
-    Engines run with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` publish whole digests; both
-    forms map to the same key.
-    """
-    if isinstance(value, int):
-        return value & _LOW_64
-    return int.from_bytes(value[-8:], "big")
 
 
 def _sha256_pickle(obj: Any) -> bytes:
@@ -111,10 +101,7 @@ class BlockHasher:
         limit: int = MAX_HASHED_BLOCKS,
     ) -> list[int]:
         """``chain`` as the ints the engine's KV events carry (``event_key``)."""
-        return [
-            int.from_bytes(d[-8:], "big")
-            for d in self.chain(token_ids, block_size, cache_salt, limit)
-        ]
+        return [event_key(d) for d in self.chain(token_ids, block_size, cache_salt, limit)]
 
 
 # Canonical CBOR (RFC 8949 4.2.1) for the few types a block hash holds: what

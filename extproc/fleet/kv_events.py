@@ -10,7 +10,7 @@ sequence number 8 bytes big-endian, the payload a msgpack ``EventBatch``
 This module is the pure part: decoding a payload (``decode_batch``) and the per-engine
 index the events maintain (``KVBlockIndex``); ``extproc.fleet.kv_subscriber`` does the
 sockets, the sequence checks and the replays. Block hashes are kept as the 64-bit ints the
-events carry (``extproc.core.blockhash.event_key``), which the gateway computes for a
+events carry (``event_key``), which the gateway computes for a
 request with the engine's tokenizer and hash chain.
 
 Between a grant and the engine's ``BlockStored`` for it lies the request's prefill: a burst
@@ -27,11 +27,21 @@ from typing import Any
 
 import msgpack
 
-from extproc.core.blockhash import event_key
-
+_LOW_64 = (1 << 64) - 1
 EXPECT_S = 2.0
 """How long blocks sent to an engine count as held before its events confirm them: longer
 than a prefill under load, shorter than an eviction cycle."""
+
+
+def event_key(value: bytes | int) -> int:
+    """The int an engine's KV events name a block by: the digest's last 8 bytes, big-endian.
+
+    Engines run with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` publish whole digests; both
+    forms map to the same key.
+    """
+    if isinstance(value, int):
+        return value & _LOW_64
+    return int.from_bytes(value[-8:], "big")
 
 
 class EventFormatError(ValueError):

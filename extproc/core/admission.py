@@ -54,7 +54,7 @@ from extproc.core.peers import (
 )
 from extproc.core.picker import PickReason, choose
 from extproc.core.preemption import LEND_MAX_SEATS, Cancellable
-from extproc.core.prefix import PromptBlocks
+from extproc.core.prefix import EngineHashing, PromptBlocks
 from extproc.core.priority import vllm_priority
 from extproc.core.reservations import Demand, Reservation, headroom, reserved_seats
 from extproc.core.sampling import LARGE_FLEET, FleetSample
@@ -145,6 +145,12 @@ class Admission:
         self._demand = Demand()
         self._last_arrival: dict[str, float] = {}
         self.picks: Counter[tuple[str, PickReason]] = Counter()
+        self.prefix_index: Counter[tuple[str, str]] = Counter()
+        """Grants per backend by which index matched their prefix: ``precise`` (the
+        engine's KV events) or ``approximate`` (what was sent there)."""
+        self.engine: EngineHashing | None = None
+        """The engines' tokenizer and hash chain (``fairlane serve --tokenizer``): set, the
+        picker matches prompts against what engines with KV events report holding."""
         """Grants per (backend address, reason it was chosen): ``fairlane_picks_total``."""
         self.peers = PeerView()
         """The other replicas' state (``extproc.core.peers``); empty when alone."""
@@ -507,7 +513,7 @@ class Admission:
         user = (request.tenant.name, request.user)
         base = where.tier.priority if where.tier is not None else request.tier.priority
         priority = vllm_priority(base, self._pending[user])
-        prompt = PromptBlocks(request.prompt_text, request.model or "")
+        prompt = PromptBlocks(request.prompt_text, request.model or "", request.body, self.engine)
         fleet = self.pool.backends
         pick = choose(
             where.backends,
@@ -523,8 +529,17 @@ class Admission:
         if backend.free_seats() < 1 and self._worth_preempting(backend, where.tier):
             self._preempt_for(backend, where.rank)
         blocks = prompt.blocks(backend.block_size)
-        shared_tokens = backend.prefix_cache.match(blocks) * backend.block_size
-        backend.prefix_cache.record(blocks)
+        keys = prompt.keys(backend.block_size) if backend.kv_index is not None else None
+        held = backend.precise_prefix(keys) if keys else None
+        if held is None:
+            held = backend.prefix_cache.match(blocks)
+            self.prefix_index[(backend.address, "approximate")] += 1
+        else:
+            self.prefix_index[(backend.address, "precise")] += 1
+        shared_tokens = held * backend.block_size
+        if keys:
+            backend.expect_blocks(keys)
+        backend.prefix_cache.record(blocks)  # kept warm: the fallback when events stop
         self.picks[(backend.address, pick.reason)] += 1
         kv_tokens = max(0, entry.input_tokens - shared_tokens) + self._expected_output(entry)
         backend.note_grant(entry.input_tokens + entry.output_tokens_estimate, where.rank, kv_tokens)
@@ -661,6 +676,8 @@ class Admission:
         self._preemptible_runs_s.pop(address, None)
         for key in [k for k in self.picks if k[0] == address]:
             del self.picks[key]
+        for index_key in [k for k in self.prefix_index if k[0] == address]:
+            del self.prefix_index[index_key]
         self._sample.forget()
         return self.dispatch()
 

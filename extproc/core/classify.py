@@ -51,6 +51,9 @@ class RequestClass:
     """The prompt as the engine sees it (chat messages rendered), for prefix affinity:
     rendered once here, where its tokens are counted. Empty when the prompt has no single
     text (token ids, several prompts)."""
+    body: Mapping[str, Any] | None
+    """The request body as parsed, for the engine's own tokenizer when the picker matches
+    prompts against the blocks engines report (``extproc.core.prefix.PromptBlocks.keys``)."""
     max_tokens: int | None
     path: str
     """The path to send upstream (a rule may have rewritten it)."""
@@ -117,6 +120,7 @@ def classify(policy: Policy, info: RequestInfo, body: Mapping[str, Any]) -> Requ
         stream=body.get("stream") is True,
         prompt_tokens=tokens,
         prompt_text=text,
+        body=body,
         max_tokens=max_tokens,
         path=path_rule.rewrite(info.path) if path_rule is not None else info.path,
         asked_tier=asked.name if asked is not None else None,

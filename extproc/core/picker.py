@@ -10,7 +10,9 @@ lower wins (weights from the policy's ``routing``):
   backend was never scraped);
 - region: ``region_weight`` for a backend outside the local region (the fleet's first);
 - prefix affinity: ``- prefix_weight * matched / blocks``, the share of the prompt's leading
-  blocks this backend was sent before (``extproc.core.prefix``).
+  blocks this backend holds: by its own KV events when it publishes them and the engine's
+  tokenizer is configured (precise), else by what it was sent before (approximate;
+  ``extproc.core.prefix``).
 
 The first three are the *load* score. Sticky until saturated (llm-d's affinity filter): the
 candidate holding the longest prefix stays the choice while its load score is at most the
@@ -118,9 +120,15 @@ def _best(
 
 
 def _share(backend: Backend, prompt: PromptBlocks | None) -> float:
-    """The share of the prompt's leading blocks ``backend`` was sent before (0..1)."""
+    """The share of the prompt's leading blocks ``backend`` holds (0..1): what its KV events
+    say when it publishes them, else what it was sent before (the approximate index)."""
     if prompt is None:
         return 0.0
+    if backend.kv_index is not None and backend.kv_index.live:
+        keys = prompt.keys(backend.block_size)
+        if keys is not None:
+            held = backend.precise_prefix(keys) if keys else 0
+            return held / len(keys) if held else 0.0
     blocks = prompt.blocks(backend.block_size)
     if not blocks:
         return 0.0

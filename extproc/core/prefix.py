@@ -20,7 +20,13 @@ give, so every granted request is hashed, whatever the number of candidates.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the service loads them only when precise routing is configured
+    from extproc.core.blockhash import BlockHasher
+    from extproc.fleet.tokenizer import EngineTokenizer
 
 CHARS_PER_TOKEN = 4
 """About four characters of English per token (the shared tokenizer's rate, and llm-d's)."""
@@ -51,19 +57,60 @@ def prefix_blocks(
     return hashes
 
 
+@dataclass(frozen=True, slots=True)
+class EngineHashing:
+    """How the engines turn a request into the block keys their KV events name: the served
+    model's tokenizer and chat template, and their hash chain (algorithm and seed)."""
+
+    tokenizer: EngineTokenizer
+    hasher: BlockHasher
+
+
 class PromptBlocks:
     """One prompt's chained block hashes, per block size, computed on first use.
 
-    Backends may run different block sizes (vLLM's CPU platform forces 128); each size is
-    hashed once per request however many backends are scored. ``salt`` (the model name)
-    keeps equal prompts for different models apart, as vLLM's cache is per model.
+    Two kinds: ``blocks`` chains character chunks (the approximate index, no tokenizer);
+    ``keys`` chains the engine's own token ids with its hash (the precise index, when
+    ``engine`` is configured and the body has one text prompt). Tokenizing is the dear part,
+    done at most once per request, and only when a backend with a live event index is
+    scored. Backends may run different block sizes (vLLM's CPU platform forces 128); each
+    size is hashed once per request however many backends are scored. ``salt`` (the model
+    name) keeps equal prompts for different models apart, as vLLM's cache is per model.
     """
 
-    __slots__ = ("_by_size", "salt", "text")
+    __slots__ = ("_body", "_by_size", "_engine", "_ids", "_keys_by_size", "salt", "text")
 
-    def __init__(self, text: str, salt: str = "") -> None:
+    def __init__(
+        self,
+        text: str,
+        salt: str = "",
+        body: Mapping[str, Any] | None = None,
+        engine: EngineHashing | None = None,
+    ) -> None:
         self.text = salt + "\x00" + text if salt and text else text
         self._by_size: dict[int, list[int]] = {}
+        self._body = body
+        self._engine = engine
+        self._ids: list[int] | None = None
+        self._keys_by_size: dict[int, list[int] | None] = {}
+
+    def keys(self, block_size: int) -> list[int] | None:
+        """The engine's block keys of the prompt's full blocks (``event_key`` ints), or None
+        when they cannot be known (no tokenizer configured, no single text prompt)."""
+        if block_size in self._keys_by_size:
+            return self._keys_by_size[block_size]
+        engine, body = self._engine, self._body
+        keys: list[int] | None = None
+        if engine is not None and body is not None:
+            if self._ids is None:
+                self._ids = _engine_ids(engine.tokenizer, body)
+            if self._ids:
+                salt = body.get("cache_salt")
+                keys = engine.hasher.keys(
+                    self._ids, block_size, salt if isinstance(salt, str) else None
+                )
+        self._keys_by_size[block_size] = keys
+        return keys
 
     def blocks(self, block_size: int) -> list[int]:
         """Hashes of the prompt's full blocks of ``block_size`` tokens (character chunks)."""
@@ -72,3 +119,12 @@ class PromptBlocks:
             found = prefix_blocks(self.text, block_size * CHARS_PER_TOKEN)
             self._by_size[block_size] = found
         return found
+
+
+def _engine_ids(tokenizer: EngineTokenizer, body: Mapping[str, Any]) -> list[int]:
+    """The prompt's token ids, or none when the body has no single text prompt, or the
+    template fails on it (the engine will answer that request with its own error)."""
+    try:
+        return tokenizer.body_ids(body) or []
+    except Exception:  # a template's raise_exception, or odd content: no precise keys
+        return []

@@ -25,13 +25,16 @@ from extproc.fleet.backend import (
     BACKEND_SYNTAX,
     DEFAULT_REGION,
     BackendSpec,
+    KVEventPorts,
     check_endpoint_fields,
     parse_backend,
     split_backend_argument,
 )
 
 DNS_SCHEME = "dns"
-DNS_BACKEND_SYNTAX = "[REGION=]dns://NAME:PORT[#seats=N][,key=env:NAME|file:PATH]"
+DNS_BACKEND_SYNTAX = (
+    "[REGION=]dns://NAME:PORT[#seats=N][,key=env:NAME|file:PATH][,kv-events=PORT[,kv-replay=PORT]]"
+)
 """How a backend found through DNS is written on the command line (``--backend``)."""
 ANY_BACKEND_SYNTAX = f"{BACKEND_SYNTAX} or {DNS_BACKEND_SYNTAX}"
 
@@ -73,6 +76,7 @@ class DnsBackendSpec:
     weight: int = 1
     seats: int | None = None
     credential: str | None = None
+    kv_events: KVEventPorts | None = None
 
     def __post_init__(self) -> None:
         problem = _name_problem(self.name)
@@ -94,6 +98,7 @@ class DnsBackendSpec:
             weight=self.weight,
             seats=self.seats,
             credential=self.credential,
+            kv_events=self.kv_events,
         )
 
 
@@ -105,8 +110,8 @@ def is_dns_backend(text: str) -> bool:
 
 
 def parse_dns_backend(text: str) -> DnsBackendSpec:
-    """Parse ``[REGION=]dns://NAME:PORT[#seats=N][,key=env:NAME|file:PATH]``."""
-    region, url, seats, credential = split_backend_argument(text)
+    """Parse ``DNS_BACKEND_SYNTAX``."""
+    region, url, options = split_backend_argument(text)
     rest = url.strip()[len(DNS_SCHEME) + 3 :]
     name, colon, port_text = rest.rpartition(":")
     if not colon or not port_text.isdigit() or "/" in rest:
@@ -116,8 +121,9 @@ def parse_dns_backend(text: str) -> DnsBackendSpec:
             name,
             int(port_text),
             region.strip() or DEFAULT_REGION,
-            seats=seats,
-            credential=credential,
+            seats=options.seats,
+            credential=options.credential,
+            kv_events=options.kv_events,
         )
     except ValueError as exc:
         raise ValueError(f"backend {text!r}: {exc}") from None

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from extproc.core.admission import Admission
 from extproc.core.events import RequestInfo
@@ -40,6 +41,7 @@ class Request:
     stream: bool = False
     prompt_text: str = ""
     model: str | None = None
+    body: Mapping[str, Any] | None = None
 
 
 class FakeClock:

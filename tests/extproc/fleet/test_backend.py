@@ -4,7 +4,14 @@ import dataclasses
 
 import pytest
 
-from extproc.fleet.backend import Backend, BackendPool, BackendSpec, parse_backend
+from extproc.fleet.backend import (
+    Backend,
+    BackendPool,
+    BackendSpec,
+    KVEventPorts,
+    backend_argument,
+    parse_backend,
+)
 from extproc.fleet.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS
 from extproc.fleet.vllm_metrics import EngineMetrics
 
@@ -147,3 +154,26 @@ def test_parse_backend_refuses_a_key_that_is_not_a_reference(bad: str) -> None:
 def test_a_spec_refuses_a_plaintext_credential() -> None:
     with pytest.raises(ValueError, match="env:NAME or file:PATH"):
         BackendSpec("10.0.0.5", 8000, credential="sk-plaintext")
+
+
+def test_kv_event_ports_are_backend_options_and_round_trip() -> None:
+    spec = parse_backend("eu=http://10.0.0.1:8000#seats=4,kv-events=5557,kv-replay=5558")
+    assert spec.kv_events == KVEventPorts(5557, 5558)
+    assert parse_backend(backend_argument(spec)) == spec
+    assert parse_backend("http://10.0.0.1:8000#kv-events=5557").kv_events == KVEventPorts(5557)
+    assert parse_backend("http://10.0.0.1:8000").kv_events is None
+    assert Backend(spec).kv_index is not None
+    assert Backend(parse_backend("http://10.0.0.1:8000")).kv_index is None
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("http://10.0.0.1:8000#kv-events=0", "kv-events must be a port"),
+        ("http://10.0.0.1:8000#kv-events=x", "kv-events must be a port"),
+        ("http://10.0.0.1:8000#kv-replay=5558", "kv-replay needs kv-events"),
+    ],
+)
+def test_bad_kv_event_ports_say_which(text: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        parse_backend(text)

@@ -1,0 +1,128 @@
+"""Precise prefix affinity: prompts matched against what engines' KV events say they hold.
+
+The gateway tokenizes with the engine's tokenizer and chat template (the tiny model's,
+trained offline in a fraction of a second) and hashes with vLLM's chain; the engines' block
+indexes are filled here as their KV events would fill them (``KVBlockIndex.apply``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from extproc.core.admission import Admission
+from extproc.core.blockhash import BlockHasher
+from extproc.core.prefix import EngineHashing, PromptBlocks
+from extproc.fleet.backend import Backend, BackendPool, BackendSpec, KVEventPorts
+from extproc.fleet.kv_events import EXPECT_S, BlocksStored
+from extproc.fleet.tokenizer import EngineTokenizer
+from loadtests.conformance.tiny_model import build_tokenizer
+from tests.extproc.factories import API, FakeClock, Request, policy, scraped
+
+SYSTEM = "You are the support assistant of kaloto. Answer with the generation of minerals. " * 8
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> EngineHashing:
+    directory: Path = tmp_path_factory.mktemp("tiny-tokenizer")
+    build_tokenizer(directory)
+    return EngineHashing(EngineTokenizer.from_dir(directory), BlockHasher())
+
+
+def chat(question: str) -> dict[str, Any]:
+    return {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    }
+
+
+def setup(
+    engine: EngineHashing, backends: int = 2, events: bool = True
+) -> tuple[Admission, BackendPool, FakeClock]:
+    clock = FakeClock()
+    ports = KVEventPorts(5557) if events else None
+    specs = [
+        BackendSpec("127.0.0.1", 9000 + i, "r", seats=16, kv_events=ports) for i in range(backends)
+    ]
+    pool = BackendPool(specs, clock=clock)
+    for backend in pool.backends:
+        scraped(backend, clock)
+        if backend.kv_index is not None:
+            backend.kv_index.live = True
+    admission = Admission(pool, policy(16))
+    admission.engine = engine
+    return admission, pool, clock
+
+
+def submit(admission: Admission, request_id: str, request: Request) -> None:
+    admission.submit(request_id, request)  # type: ignore[arg-type]
+
+
+def request(body: dict[str, Any]) -> Request:
+    return Request(API, prompt_text="", body=body)
+
+
+def holds(backend: Backend, engine: EngineHashing, body: dict[str, Any]) -> None:
+    keys = PromptBlocks("", "", body, engine).keys(backend.block_size)
+    assert keys, "the prompt must span full blocks"
+    assert backend.kv_index is not None
+    backend.kv_index.apply([BlocksStored(tuple(keys), backend.block_size)])
+
+
+def test_the_engine_that_holds_the_prefix_gets_the_request(engine: EngineHashing) -> None:
+    admission, pool, _ = setup(engine)
+    second = pool.backends[1]
+    holds(second, engine, chat("an earlier question"))
+    submit(admission, "q", request(chat("a new question")))
+    assert admission.backend_of("q") is second
+    assert admission.picks[(second.address, "prefix")] == 1
+    assert admission.prefix_index[(second.address, "precise")] == 1
+
+
+def test_a_burst_follows_the_first_before_the_engine_confirms(engine: EngineHashing) -> None:
+    admission, pool, clock = setup(engine)
+    submit(admission, "a", request(chat("one")))
+    chosen = admission.backend_of("a")
+    submit(admission, "b", request(chat("two")))
+    assert admission.backend_of("b") is chosen  # expected there, not yet stored
+    admission.release("a")
+    admission.release("b")
+    clock.now += EXPECT_S + 1  # never confirmed by an event: the expectation lapses
+    for backend in pool.backends:
+        scraped(backend, clock)
+    other = next(b for b in pool.backends if b is not chosen)
+    holds(other, engine, chat("x"))
+    submit(admission, "c", request(chat("three")))
+    assert admission.backend_of("c") is other
+
+
+def test_an_index_not_yet_live_falls_back_to_the_approximate_one(engine: EngineHashing) -> None:
+    admission, pool, _ = setup(engine)
+    first, second = pool.backends
+    holds(second, engine, chat("y"))
+    assert second.kv_index is not None
+    second.kv_index.live = False
+    submit(admission, "q", Request(API, prompt_text="unrelated", body=chat("z")))
+    assert admission.backend_of("q") is first  # load tie: the first configured
+    assert admission.prefix_index[(first.address, "precise")] == 1
+    assert second.precise_prefix([1, 2]) is None
+
+
+def test_without_events_or_tokenizer_affinity_is_approximate(engine: EngineHashing) -> None:
+    admission, pool, _ = setup(engine, events=False)
+    assert all(b.kv_index is None for b in pool.backends)
+    submit(admission, "q", request(chat("q")))
+    assert sum(admission.prefix_index[(b.address, "approximate")] for b in pool.backends) == 1
+    assert PromptBlocks("text", "", chat("q"), None).keys(16) is None
+
+
+def test_bodies_without_one_text_prompt_have_no_keys(engine: EngineHashing) -> None:
+    assert PromptBlocks("", "", {"prompt": [1, 2, 3]}, engine).keys(16) is None
+    assert PromptBlocks("", "", {"prompt": "too short"}, engine).keys(16) == []
+
+
+def test_cache_salt_keeps_tenants_apart(engine: EngineHashing) -> None:
+    plain = PromptBlocks("", "", chat("q"), engine).keys(16)
+    salted = PromptBlocks("", "", {**chat("q"), "cache_salt": "t1"}, engine).keys(16)
+    assert plain and salted and not set(plain) & set(salted)

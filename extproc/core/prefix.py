@@ -22,11 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-if TYPE_CHECKING:  # the service loads them only when precise routing is configured
+if TYPE_CHECKING:  # the service loads it only when precise routing is configured
     from extproc.core.blockhash import BlockHasher
-    from extproc.fleet.tokenizer import EngineTokenizer
 
 CHARS_PER_TOKEN = 4
 """About four characters of English per token (the shared tokenizer's rate, and llm-d's)."""
@@ -57,12 +56,19 @@ def prefix_blocks(
     return hashes
 
 
+class PromptTokenizer(Protocol):
+    """The engines' tokenizer: ``extproc.fleet.tokenizer.EngineTokenizer`` (a model's own
+    files) or ``extproc.core.prompt.BuiltinTokenizer`` (fairlane's simulated engines)."""
+
+    def body_ids(self, body: Mapping[str, Any]) -> list[int] | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class EngineHashing:
     """How the engines turn a request into the block keys their KV events name: the served
     model's tokenizer and chat template, and their hash chain (algorithm and seed)."""
 
-    tokenizer: EngineTokenizer
+    tokenizer: PromptTokenizer
     hasher: BlockHasher
 
 
@@ -121,7 +127,7 @@ class PromptBlocks:
         return found
 
 
-def _engine_ids(tokenizer: EngineTokenizer, body: Mapping[str, Any]) -> list[int]:
+def _engine_ids(tokenizer: PromptTokenizer, body: Mapping[str, Any]) -> list[int]:
     """The prompt's token ids, or none when the body has no single text prompt, or the
     template fails on it (the engine will answer that request with its own error)."""
     try:

@@ -55,3 +55,21 @@ def render_chat(messages: Iterable[Mapping[str, Any]]) -> str:
         parts.append(f"<|{role}|>\n{_content_text(message.get('content'))}\n")
     parts.append("<|assistant|>\n")
     return "".join(parts)
+
+
+class BuiltinTokenizer:
+    """This module's tokenizer as an engine's (``fairlane serve --tokenizer builtin``): the
+    one fairlane's simulator tokenizes with, so precise prefix routing can be run against
+    simulated engines whatever model name they serve."""
+
+    source = "builtin"
+
+    def body_ids(self, body: Mapping[str, Any]) -> list[int] | None:
+        """The token ids the simulator computes for a chat or completion body."""
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            return tokenize(render_chat(messages))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return tokenize(prompt) if isinstance(prompt, str) else None

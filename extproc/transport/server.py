@@ -30,8 +30,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.runtime.v3 import rtds_pb2_grpc
 
 from extproc.core.admission import Admission
+from extproc.core.blockhash import HASH_ALGOS, BlockHasher
 from extproc.core.gateway import Gateway
 from extproc.core.overload import OverloadControl
+from extproc.core.prefix import EngineHashing, PromptTokenizer
+from extproc.core.prompt import BuiltinTokenizer
 from extproc.fleet.backend import BackendPool, BackendSpec
 from extproc.fleet.discovery import ANY_BACKEND_SYNTAX, DnsBackendSpec, FleetSpec
 from extproc.fleet.membership import Changes, Membership
@@ -44,6 +47,7 @@ from extproc.fleet.resolver import (
     DnsWatcher,
     parse_nameserver,
 )
+from extproc.fleet.tokenizer import EngineTokenizer, TokenizerError
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyStore
 from extproc.state.exchange import RedisExchange
 from extproc.state.replica import PERIOD_S, SharedState
@@ -117,6 +121,14 @@ class ServiceConfig:
     """The longest time between two resolutions of a name, whatever its TTL."""
     grpc_server: str = "h2"
     """Which gRPC server carries the servicers: ``h2`` or ``grpcio`` (see the module)."""
+    tokenizer: str | None = None
+    """The served model's directory (``tokenizer.json``, ``tokenizer_config.json``), or
+    ``builtin`` (fairlane's simulated engines): with it, prompts are matched against the
+    blocks engines report in their KV events."""
+    kv_hash_algo: str = "sha256"
+    """The engines' ``--prefix-caching-hash-algo``."""
+    kv_hash_seed: str | None = None
+    """The engines' ``PYTHONHASHSEED``, when they set one (their block hashes start from it)."""
 
 
 class Service:
@@ -128,6 +140,7 @@ class Service:
         regions = config.regions or FleetSpec(config.backends, config.dns_backends).regions
         self.pool = BackendPool(config.backends, regions=regions, dynamic=bool(config.dns_backends))
         self.admission = Admission(self.pool, self.policies.current)
+        self.admission.engine = engine_hashing(config)
         self.policies.on_change(self._policy_changed)
         self.overload = OverloadControl()
         self.runtime = RuntimeLayer()
@@ -285,6 +298,38 @@ class Service:
         while True:
             await asyncio.sleep(interval)
             self.held.expire(self.config.completion_timeout_s)
+
+
+BUILTIN_TOKENIZER = "builtin"
+"""``--tokenizer builtin``: the simulator's tokenizer (``extproc.core.prompt``)."""
+
+
+def engine_hashing(config: ServiceConfig) -> EngineHashing | None:
+    """The engines' tokenizer and hash chain, when precise prefix routing is configured;
+    ``TokenizerError``/``ValueError`` (stopping the service before it serves) when the
+    configuration is wrong, a warning when it is half there."""
+    with_events = [b.address for b in config.backends if b.kv_events is not None]
+    with_events += [d.url for d in config.dns_backends if d.kv_events is not None]
+    if config.tokenizer is None:
+        if with_events:
+            log.warning(
+                "backends %s publish KV events, but no --tokenizer names the model's "
+                "tokenizer: their prefix affinity stays approximate",
+                ", ".join(with_events),
+            )
+        return None
+    tokenizer: PromptTokenizer = (
+        BuiltinTokenizer()
+        if config.tokenizer == BUILTIN_TOKENIZER
+        else EngineTokenizer.from_dir(config.tokenizer)
+    )
+    engine = EngineHashing(tokenizer, BlockHasher(config.kv_hash_algo, config.kv_hash_seed))
+    if not with_events:
+        log.warning(
+            "--tokenizer given, but no backend names its kv-events port: prefix affinity "
+            "stays approximate"
+        )
+    return engine
 
 
 async def watch_policy(store: PolicyStore) -> None:
@@ -480,7 +525,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the gRPC server under the servicers: h2 (in the event loop's thread) or grpcio "
         "(grpc.aio, the reference) (default %(default)s)",
     )
+    add_kv_event_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
+
+
+def add_kv_event_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the engines hash their KV blocks, for precise prefix routing (backends that
+    name their ``kv-events`` port)."""
+    group = parser.add_argument_group(
+        "precise prefix routing (backends with #kv-events=PORT)",
+        "match prompts against the blocks engines report in their KV events; needs the "
+        "served model's tokenizer and the engines' hash settings",
+    )
+    group.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR|builtin",
+        help="the served model's directory (tokenizer.json, tokenizer_config.json), or "
+        "builtin: the tokenizer of fairlane's simulated engines (fairlane sim)",
+    )
+    group.add_argument(
+        "--prefix-caching-hash-algo",
+        choices=HASH_ALGOS,
+        default="sha256",
+        help="the engines' --prefix-caching-hash-algo (default %(default)s, vLLM 0.32's)",
+    )
+    group.add_argument(
+        "--kv-hash-seed",
+        default=None,
+        metavar="SEED",
+        help="the engines' PYTHONHASHSEED, if they set one (default: none, vLLM's fixed seed)",
+    )
 
 
 def add_dns_arguments(parser: argparse.ArgumentParser) -> None:
@@ -587,6 +662,9 @@ def run(args: argparse.Namespace) -> int:
         dns_interval_s=args.dns_interval,
         dns_max_interval_s=args.dns_max_interval,
         grpc_server=args.grpc_server,
+        tokenizer=args.tokenizer,
+        kv_hash_algo=args.prefix_caching_hash_algo,
+        kv_hash_seed=args.kv_hash_seed,
     )
     try:
         import uvloop
@@ -596,6 +674,6 @@ def run(args: argparse.Namespace) -> int:
         runner = uvloop.run
     try:
         runner(serve(config))
-    except (CredentialError, DnsError) as exc:  # raised before anything listens
+    except (CredentialError, DnsError, TokenizerError) as exc:  # raised before anything listens
         raise SystemExit(f"fairlane: {exc}") from None
     return 0

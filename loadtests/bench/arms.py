@@ -26,6 +26,7 @@ on failure.
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,10 +36,11 @@ import yaml
 
 from extproc.envoy.binary import envoy_argv
 from extproc.envoy.params import EnvoyParams
-from extproc.fleet.backend import BackendSpec
+from extproc.fleet.backend import BackendSpec, KVEventPorts
 from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
 from extproc.ops.up import Stack, StackConfig
 from extproc.state.replica import PERIOD_S
+from extproc.transport.server import BUILTIN_TOKENIZER
 from loadtests.bench.fifo_bootstrap import FIFO_CLUSTER, render_fifo_bootstrap
 from loadtests.bench.scenario import ENVOY_ONLY_KINDS, Arm, Scenario
 
@@ -100,14 +102,40 @@ def sim_argv(
     ]
 
 
+def kv_events_config(port: int, replay_port: int) -> str:
+    """vLLM's ``--kv-events-config`` for a publisher bound on loopback ports (the PUB binds
+    because the endpoint names ``*``; the bench reaches it on 127.0.0.1 only)."""
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port}",
+            "replay_endpoint": f"tcp://*:{replay_port}",
+            "topic": "",
+        }
+    )
+
+
 def start_simulators(
-    scenario: Scenario, group: ProcessGroup, scheduling: str, balanced: bool = False
+    scenario: Scenario,
+    group: ProcessGroup,
+    scheduling: str,
+    balanced: bool = False,
+    kv_events: bool = False,
 ) -> tuple[BackendSpec, ...]:
+    """The scenario's simulators; with ``kv_events`` each publishes its KV events and its
+    spec names the ports (``#kv-events=PORT,kv-replay=PORT``)."""
     started = []
     for i in range(scenario.backends.count):
         port = free_port()
-        child = group.start(f"sim-{i}", sim_argv(scenario, port, scheduling, i, balanced))
-        started.append((BackendSpec("127.0.0.1", port, REGION), child))
+        argv = sim_argv(scenario, port, scheduling, i, balanced)
+        events = None
+        if kv_events:
+            events = KVEventPorts(free_port(), free_port())
+            assert events.replay_port is not None
+            argv += ["--kv-events-config", kv_events_config(events.port, events.replay_port)]
+        child = group.start(f"sim-{i}", argv)
+        started.append((BackendSpec("127.0.0.1", port, REGION, kv_events=events), child))
     for spec, child in started:
         wait_http_ready(f"{spec.url}/health", child, timeout=30)
     return tuple(spec for spec, _ in started)
@@ -138,7 +166,10 @@ def start_arm(
     them, and their scheduling policy is whatever they run. ``policy``: the file the
     gateway reads; by default the scenario's (for ``policy: default`` its copy rescaled to
     the speedup, written into the arm's log directory)."""
-    backends = external or start_simulators(scenario, group, SCHEDULING[arm.kind], arm.balanced)
+    precise = arm.prefix_index == "precise"
+    backends = external or start_simulators(
+        scenario, group, SCHEDULING[arm.kind], arm.balanced, kv_events=precise
+    )
     if arm.kind in ENVOY_ONLY_KINDS:
         url = _start_envoy_only(backends, group, arm.kind)
     else:
@@ -150,7 +181,11 @@ def start_arm(
             completion_flush_s=completion_flush_s(scenario.speedup),
             replicas=scenario.replicas,
             shared_state=scenario.shared_state or None,
-            service_args=("--state-period-ms", f"{state_period_ms(scenario.speedup):g}"),
+            service_args=(
+                "--state-period-ms",
+                f"{state_period_ms(scenario.speedup):g}",
+                *(("--tokenizer", BUILTIN_TOKENIZER) if precise else ()),
+            ),
         )
         url = Stack(config, group).start().url
     pids = {child.name: child.popen.pid for child in group.children}

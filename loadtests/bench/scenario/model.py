@@ -70,6 +70,7 @@ RESERVED_SIM_FLAGS = (
     "--scheduling-policy",
     "--model",
     "--served-model-name",
+    "--kv-events-config",
 )
 
 
@@ -153,6 +154,9 @@ class Backends:
         return (*self.flags, *extra)
 
 
+PREFIX_INDEXES = ("approximate", "precise")
+
+
 @dataclass(frozen=True)
 class Arm:
     name: str
@@ -160,6 +164,10 @@ class Arm:
     drop_groups: tuple[str, ...] = ()
     balanced: bool = False
     """Run every backend with the common flags only (the baseline of an unbalanced fleet)."""
+    prefix_index: str = "approximate"
+    """The fairlane picker's prefix index: ``approximate`` (what was sent where) or
+    ``precise`` (the simulators publish KV events, the service follows them with the
+    simulator's tokenizer)."""
 
 
 @dataclass(frozen=True)

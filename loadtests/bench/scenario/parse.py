@@ -33,6 +33,7 @@ from loadtests.bench.scenario.model import (
     ARM_METRICS,
     ENVOY_ONLY_KINDS,
     METRICS,
+    PREFIX_INDEXES,
     RESERVED_SIM_FLAGS,
     Arm,
     Backends,
@@ -255,12 +256,17 @@ def _read_arms(reader: FieldReader, top: Section, group_names: set[str]) -> tupl
         return ()
     arms: list[Arm] = []
     for item in items:
-        raw = reader.section(item, ("name", "kind", "drop_groups", "balanced"))
+        raw = reader.section(item, ("name", "kind", "drop_groups", "balanced", "prefix_index"))
         if raw is None:
             continue
         name = reader.get(raw, "name", text, "a non-empty string")
         kind = reader.get(raw, "kind", choice(*ARM_KINDS), " or ".join(ARM_KINDS))
         balanced = reader.get(raw, "balanced", boolean, "true or false", False)
+        prefix = reader.get(
+            raw, "prefix_index", choice(*PREFIX_INDEXES), " or ".join(PREFIX_INDEXES), "approximate"
+        )
+        if prefix == "precise" and kind != "fairlane":
+            reader.error_in(raw, "prefix_index", "precise needs a fairlane arm (its picker)")
         drop = reader.get(raw, "drop_groups", string_list, "a list of group names", [])
         for g in drop or []:
             if g not in group_names:
@@ -270,7 +276,7 @@ def _read_arms(reader: FieldReader, top: Section, group_names: set[str]) -> tupl
         if name in {a.name for a in arms}:
             reader.error_in(raw, "name", f"duplicate arm name {name!r}")
         if name and kind:
-            arms.append(Arm(name, kind, tuple(drop or ()), bool(balanced)))
+            arms.append(Arm(name, kind, tuple(drop or ()), bool(balanced), prefix or "approximate"))
     kinds = {a.kind for a in arms}
     if arms and not ("fairlane" in kinds and kinds & set(ENVOY_ONLY_KINDS)):
         reader.error_in(

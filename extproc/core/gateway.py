@@ -26,6 +26,7 @@ from extproc.core.decisions import Decision, Forward, Hold, Respond
 from extproc.core.errors import Rejection, error_body
 from extproc.core.events import Completion, RequestInfo
 from extproc.core.feedback import settle
+from extproc.core.gates import unusable_metrics, unusable_since
 from extproc.core.overload import OverloadControl
 from extproc.core.picker import choose
 from extproc.policy import PolicyStore
@@ -60,6 +61,14 @@ OVERLOAD_RETRY_AFTER_S = 1
 
 #: What a request cancelled for a more urgent one is told to wait before sending it again.
 PREEMPTED_RETRY_AFTER_S = 1
+
+#: A new request is refused at once (not held to its deadline) once no backend has had
+#: usable metrics for this long: long enough for the first scrapes at start-up and for a
+#: scrape that timed out twice to be retried, short against a tier's queue deadline.
+NO_METRICS_GRACE_S = 5.0
+
+#: What a request refused because no backend has usable metrics is told to wait.
+NO_METRICS_RETRY_AFTER_S = 5
 
 #: Envoy holds a request at most this long past its queue deadline before giving up on us.
 HOLD_MARGIN_S = 5.0
@@ -117,6 +126,7 @@ class Gateway:
         self.stats = GatewayStats()
         self._new_request_id = new_request_id
         self.overload = overload or OverloadControl()
+        self._started_at = admission.pool.clock()
 
     def handle(self, info: RequestInfo) -> Decision:
         """A new request: forward it, answer it, or hold it in its tier's queue."""
@@ -158,13 +168,14 @@ class Gateway:
         return len(tiers) > 1 and tiers[-1].name == tier
 
     def give_up(self, hold: Hold, cancelled: bool = False) -> Decision:
-        """A held request's wait ended without a grant: its deadline passed (a 503), or its
-        client went away (``cancelled``: nobody to answer). Takes it out of its queue, or
-        gives back a grant made in the same instant."""
+        """A held request's wait ended without a grant: its deadline passed (a 503, that
+        says so, or that no backend has usable metrics when none has), or its client went
+        away (``cancelled``: nobody to answer). Takes it out of its queue, or gives back a
+        grant made in the same instant."""
         grants = tuple(self.admission.abandon(hold.request_id))
         if cancelled:
             return Decision(None, grants)
-        rejection = Rejection(
+        rejection = self._no_usable_metrics(hold.tier) or Rejection(
             503,
             f"request waited {hold.deadline_s:g}s in the {hold.tier!r} queue "
             "without a backend becoming free",
@@ -172,6 +183,28 @@ class Gateway:
             tier=hold.tier,
         )
         return Decision(self.respond_to(rejection), grants)
+
+    def _no_usable_metrics(self, tier: str, grace_s: float = 0.0) -> Rejection | None:
+        """The 503 for a request of ``tier`` that no backend can take because none has
+        usable metrics (every scrape failing, stale or not made yet), and has not for
+        ``grace_s``; None when some backend has them. Without it a client waits out its
+        queue deadline to hear that a backend did not "become free", when in fact none
+        could ever be a candidate (``extproc.core.gates.unusable_metrics``)."""
+        pool = self.admission.pool
+        now = pool.clock()
+        stale_after_s = self.policies.current.backpressure.stale_after_s
+        problems = unusable_metrics(pool.backends, now, stale_after_s)
+        if problems is None:
+            return None
+        if grace_s and now - unusable_since(pool.backends, self._started_at) <= grace_s:
+            return None  # start-up, or a blip: the request waits for the next scrapes
+        return Rejection(
+            503,
+            "no backend has usable metrics: " + ", ".join(problems),
+            code="no_usable_metrics",
+            headers={"retry-after": str(NO_METRICS_RETRY_AFTER_S)},
+            tier=tier,
+        )
 
     def respond_to(self, rejection: Rejection) -> Respond:
         if rejection.tier is not None:
@@ -191,6 +224,9 @@ class Gateway:
         self.overload.handled(least_urgent)
         if least_urgent and self.overload.overloaded:
             raise _overloaded(tier.name)
+        refusal = self._no_usable_metrics(tier.name, NO_METRICS_GRACE_S)
+        if refusal is not None:
+            raise refusal
         request_id = info.request_id
         if not request_id or self.admission.knows(request_id):
             request_id = self._new_request_id()  # a client reused an id: keep ours unique

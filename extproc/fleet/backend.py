@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 from extproc.fleet.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS, PrefixLRU
 from extproc.fleet.seats import Seats, restarted
 from extproc.fleet.shared_scrape import SharedScrape
-from extproc.fleet.vllm_metrics import EngineMetrics, interval_itl
+from extproc.fleet.vllm_metrics import OPTIONAL, EngineMetrics, interval_itl
 
 log = logging.getLogger("fairlane.backends")
 
@@ -292,6 +292,7 @@ class Backend:
         "peer_in_flight",
         "peer_in_flight_by_rank",
         "prefix_cache",
+        "scrape_error",
         "scrape_here",
         "scrape_ok",
         "seats",
@@ -303,6 +304,7 @@ class Backend:
         self.spec = spec
         self.health_ok = True
         self.scrape_ok = True
+        self.scrape_error: str | None = None  # why the last scrape failed (the poller's word)
         self.in_flight = 0
         self.in_flight_by_rank: Counter[int] = Counter()
         self.peer_in_flight = 0
@@ -541,13 +543,16 @@ class Backend:
         mean inter-token latency since the previous scrape; with no token in between it
         keeps its value while requests run (a step longer than the scrape interval, or a
         stalled engine, must not read as fast) and becomes None when the engine is idle
-        (nothing to protect).
+        (nothing to protect) or its page has no ITL histogram (nothing to measure with: the
+        ITL bounds are off for it, and the first such page says so in the log).
         """
         itl = interval_itl(self.metrics, metrics)
         if itl is not None:
             self.itl_s = itl
-        elif metrics.running == 0:
+        elif metrics.running == 0 or metrics.itl_count is None:
             self.itl_s = None
+        if metrics.absent or (self.metrics is not None and self.metrics.absent):
+            _note_absent(self.address, self.metrics, metrics)
         if self.metrics is None and self.seats.source == "fallback":
             log.info(
                 "backend %s: seat count not declared and not learned yet; planning with %d "
@@ -639,6 +644,19 @@ class Backend:
     def __repr__(self) -> str:
         state = "up" if self.healthy else "down"
         return f"<Backend {self.address} {self.region} {state} in_flight={self.in_flight}>"
+
+
+def _note_absent(address: str, before: EngineMetrics | None, after: EngineMetrics) -> None:
+    """Log the optional series a backend's ``/metrics`` lacks when that changes: once per
+    backend, not once per scrape (ten a second), and again when a restarted engine
+    exports them or stops."""
+    was = () if before is None else before.absent
+    for name in after.absent:
+        if name not in was:
+            log.warning("backend %s: /metrics has no %s; %s", address, name, OPTIONAL[name])
+    for name in was:
+        if name not in after.absent:
+            log.warning("backend %s: /metrics has %s again", address, name)
 
 
 class BackendPool:

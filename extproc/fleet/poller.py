@@ -130,6 +130,7 @@ class Poller:
             self._scrape_failed(backend, exc, unexpected=True)
             return False
         backend.timeouts = 0
+        backend.scrape_error = None
         if not backend.scrape_ok:
             log.warning("backend %s metrics are readable again", backend.address)
         backend.record_scrape(metrics, granted_before, completed_before, kv_tokens_before)
@@ -137,9 +138,13 @@ class Poller:
 
     @staticmethod
     def _scrape_failed(backend: Backend, exc: BaseException, unexpected: bool = False) -> None:
-        """Mark ``backend`` unscrapable; log only when that is news (not once per scrape)."""
+        """Mark ``backend`` unscrapable; log only when that is news (not once per scrape).
+        The reason stays on the backend for the answer to a request that no backend could
+        take (``extproc.core.gates.unusable_metrics``)."""
+        timed_out = isinstance(exc, TimeoutError)
+        reason = str(exc)[:200] or ("timed out" if timed_out else type(exc).__name__)
+        backend.scrape_error = reason
         if backend.scrape_ok:
-            reason = str(exc) or type(exc).__name__
             log.warning(
                 "backend %s metrics unreadable (%s); treating it as saturated",
                 backend.address,

@@ -11,10 +11,12 @@ gateway can keep one free only if it knows how many there are. vLLM does not exp
   it had a seat, so the running count is the seat count. One such scrape can be a request
   caught between its arrival and the next step, or a queue waiting for the step's token
   budget (chunked prefill), so the same running count must hold, with the queue, over
-  ``STEPS_TO_CONFIRM`` engine steps (counted from the decode tokens it produced). A prompt
-  longer than several steps' budget can still fool it; the count is then raised as soon as
-  the engine runs more (below). A KV-bound scrape (usage at or above ``KV_BOUND``)
-  says nothing about seats: the KV gate handles that limit.
+  ``STEPS_TO_CONFIRM`` engine steps (counted from the decode tokens it produced, the ITL
+  histogram's count: an engine whose ``/metrics`` lacks it stays on the estimate below
+  unless its seats are declared). A prompt longer than several steps' budget can still
+  fool it; the count is then raised as soon as the engine runs more (below). A KV-bound
+  scrape (usage at or above ``KV_BOUND``) says nothing about seats: the KV gate handles
+  that limit.
 - **More running than thought**: a scrape with more running than the learned count raises it
   at once (the engine proved it has those seats).
 - **A restarted engine** (its counters went backwards, or its ``cache_config_info`` changed)
@@ -102,12 +104,14 @@ class Seats:
         self.peak_running = max(self.peak_running, running)
         if self.learned is not None and running > self.learned:
             self.learned = running
-        if current.waiting > 0 and current.kv_cache_usage < KV_BOUND and running > 0:
+        tokens = current.itl_count  # None without the ITL histogram: no steps to count
+        seat_bound = current.waiting > 0 and current.kv_cache_usage < KV_BOUND
+        if seat_bound and running > 0 and tokens is not None:
             if running != self._candidate:
-                self._candidate, self._tokens_at = running, current.itl_count
+                self._candidate, self._tokens_at = running, tokens
             # Full decode steps since the queue was first seen with this running count:
             # the engine scheduled again and again and still admitted nobody.
-            steps = (current.itl_count - self._tokens_at) / running
+            steps = (tokens - self._tokens_at) / running
             confirmed = steps >= STEPS_TO_CONFIRM
             if confirmed and (self.learned is None or running > self.learned):
                 self.learned = running
@@ -131,9 +135,14 @@ def probe(peak_running: int) -> int:
 
 def restarted(previous: EngineMetrics, current: EngineMetrics) -> bool:
     """Whether two scrapes of one address come from different engine processes: cumulative
-    counters went backwards, or the KV cache was configured differently."""
-    if current.itl_count < previous.itl_count or current.itl_sum_s < previous.itl_sum_s:
-        return True
+    counters went backwards, or the KV cache was configured differently. A page without the
+    ITL histogram has no counters to compare."""
+    for before, now in (
+        (previous.itl_count, current.itl_count),
+        (previous.itl_sum_s, current.itl_sum_s),
+    ):
+        if before is not None and now is not None and now < before:
+            return True
     return (previous.block_size, previous.num_gpu_blocks) != (
         current.block_size,
         current.num_gpu_blocks,

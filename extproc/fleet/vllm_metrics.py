@@ -22,6 +22,13 @@ picker's model of each server's prefix cache: ``block_size`` and ``num_gpu_block
 Inter-token latency comes from the ``vllm:inter_token_latency_seconds`` histogram: only its
 cumulative ``_sum`` and ``_count`` are kept, and :func:`interval_itl` turns two scrapes into
 the mean inter-token latency of the tokens produced between them.
+
+Only the waiting and running counts and KV-cache usage are required: without them an engine
+cannot be gated at all, so a page that lacks one is not vLLM metrics (``MetricsError``).
+The ITL histogram and ``cache_config_info`` are optional (:data:`OPTIONAL`): a server that
+does not export them (another vLLM version, a metrics filter in between) parses with
+``None`` in their place, and only what they feed is switched off for it (the ITL gate, the
+KV projection and the prefix model's block size); ``EngineMetrics.absent`` names them.
 """
 
 from __future__ import annotations
@@ -37,6 +44,13 @@ ITL = "vllm:inter_token_latency_seconds"
 # vLLM before 0.11 exported the same histogram under this name (removed by 0.32).
 LEGACY_ITL = "vllm:time_per_output_token_seconds"
 CACHE_CONFIG = "vllm:cache_config_info"
+OPTIONAL = {
+    ITL: "its tiers' ITL bounds are off for it, and its seat count is not learned",
+    CACHE_CONFIG: "its KV bounds read the scraped usage alone (no projection of the grants "
+    "since), and its prefix model assumes the default block size",
+}
+"""The series a page may lack and still gate its engine (``EngineMetrics.absent``), and
+what the gateway does without each: the operator reads it in the log line."""
 
 
 class MetricsError(ValueError):
@@ -48,22 +62,32 @@ class EngineMetrics:
     """One scrape of one backend, summed over its engines.
 
     ``itl_sum_s``/``itl_count`` are cumulative (since the server started); only the
-    difference between two scrapes means anything (:func:`interval_itl`). ``scraped_at``
-    is the gateway's monotonic clock when the scrape was sent, so staleness is measured
-    conservatively.
+    difference between two scrapes means anything (:func:`interval_itl`). Both are None
+    when the page has no ITL histogram: zero would be a real count, and a later page that
+    has it would read as tokens produced. ``scraped_at`` is the gateway's monotonic clock
+    when the scrape was sent, so staleness is measured conservatively.
     """
 
     waiting: float
     running: float
     kv_cache_usage: float
-    itl_sum_s: float
-    itl_count: float
+    itl_sum_s: float | None
+    itl_count: float | None
     scraped_at: float
     block_size: int | None = None
     """KV block size in tokens, from ``vllm:cache_config_info`` (None when not exported)."""
     num_gpu_blocks: int | None = None
     """KV blocks of all engines, from ``vllm:cache_config_info``: how much prefix the
     server can hold (None when not exported or not yet known)."""
+
+    @property
+    def absent(self) -> tuple[str, ...]:
+        """The optional series (:data:`OPTIONAL`) this page did not have, in that order:
+        what the gates and the picker do without for this engine. A ``cache_config_info``
+        without ``block_size`` counts as absent; one whose ``num_gpu_blocks`` is not known
+        yet does not (vLLM sizes the cache after start-up)."""
+        missing: tuple[str, ...] = () if self.itl_count is not None else (ITL,)
+        return missing if self.block_size is not None else (*missing, CACHE_CONFIG)
 
 
 # One C-level scan finds every sample line of the series above: ``\nNAME{labels} value`` or
@@ -91,6 +115,9 @@ def parse_metrics(text: str, scraped_at: float) -> EngineMetrics:
             continue
         values.setdefault(match[1], []).append(_number(match[1], match[3]))
     itl = LEGACY_ITL if LEGACY_ITL + "_count" in values and ITL + "_count" not in values else ITL
+    itl_sum, itl_count = values.get(itl + "_sum"), values.get(itl + "_count")
+    if not itl_sum or not itl_count:  # a histogram with only one of the two is no ITL either
+        itl_sum = itl_count = None
     kv_values = _required(values, KV_CACHE_USAGE)
     kv = sum(kv_values) / len(kv_values)
     if kv > 1.0 + 1e-9:
@@ -99,8 +126,8 @@ def parse_metrics(text: str, scraped_at: float) -> EngineMetrics:
         waiting=sum(_required(values, WAITING)),
         running=sum(_required(values, RUNNING)),
         kv_cache_usage=kv,
-        itl_sum_s=sum(_required(values, itl + "_sum")),
-        itl_count=sum(_required(values, itl + "_count")),
+        itl_sum_s=None if itl_sum is None else sum(itl_sum),
+        itl_count=None if itl_count is None else sum(itl_count),
         scraped_at=scraped_at,
         block_size=_block_size(cache_configs),
         num_gpu_blocks=_num_gpu_blocks(cache_configs),
@@ -132,13 +159,18 @@ def _num_gpu_blocks(labels: list[str]) -> int | None:
 def interval_itl(previous: EngineMetrics | None, current: EngineMetrics) -> float | None:
     """Mean inter-token latency (s) of the tokens produced between two scrapes.
 
-    None when there is no earlier scrape, when no token was produced in between, or when
-    the counters went backwards (the server restarted).
+    None when there is no earlier scrape, when either page lacks the ITL histogram, when no
+    token was produced in between, or when the counters went backwards (the server
+    restarted).
     """
     if previous is None:
         return None
-    tokens = current.itl_count - previous.itl_count
-    seconds = current.itl_sum_s - previous.itl_sum_s
+    count_before, count_now = previous.itl_count, current.itl_count
+    sum_before, sum_now = previous.itl_sum_s, current.itl_sum_s
+    if count_before is None or count_now is None or sum_before is None or sum_now is None:
+        return None
+    tokens = count_now - count_before
+    seconds = sum_now - sum_before
     if tokens <= 0 or seconds < 0:
         return None
     return seconds / tokens

@@ -4,12 +4,12 @@ A report is ``{"i": {backend: {rank: n}}, "w": {band: [n, oldest_wait_s, head_co
 "a": {tier: idle_s}, "s": {backend: [scraped_at, age_s, ok, waiting, running, kv_cache_usage,
 itl_sum_s, itl_count, block_size, num_gpu_blocks]}}`` (``s``: the engines this replica scrapes
 for the fleet, ``extproc.fleet.shared_scrape``; ``scraped_at`` is on the scraper's clock and
-only tells its scrapes apart), and ``"b": [[tenant, user|null, n], ...]``, the requests it
-has in progress per budgeted key (``extproc.core.budgets``); charges are
-``[[band, flow, cost], ...]``, budget charges ``[[tenant, user|null, tokens, requests],
-...]``. JSON
-because every replica of any version can read it and ``redis-cli`` shows it; the reports are
-a few hundred bytes.
+only tells its scrapes apart; ``itl_sum_s`` and ``itl_count`` are both null for an engine
+without the ITL histogram, and a replica of an earlier version skips such a report), and
+``"b": [[tenant, user|null, n], ...]``, the requests it has in progress per budgeted key
+(``extproc.core.budgets``); charges are ``[[band, flow, cost], ...]``, budget charges
+``[[tenant, user|null, tokens, requests], ...]``. JSON because every replica of any version
+can read it and ``redis-cli`` shows it; the reports are a few hundred bytes.
 Anything malformed (another version, a hand-edited key) is skipped, never raised into the
 exchange loop.
 """
@@ -99,15 +99,18 @@ def _shared(row: Any) -> SharedScrape:
     """A scrape row read back; ValueError for numbers no engine reports (the reader must
     not plan with a negative queue or a KV cache over full)."""
     at, age, ok, waiting, running, kv, itl_sum, itl_count, block_size, blocks = row
-    numbers = [float(x) for x in (age, waiting, running, kv, itl_sum, itl_count)]
+    if (itl_sum is None) != (itl_count is None):
+        raise ValueError(f"half an ITL histogram: {row!r}")
+    itl = () if itl_count is None else (itl_sum, itl_count)  # null: the engine exports none
+    numbers = [float(x) for x in (age, waiting, running, kv, *itl)]
     if not all(math.isfinite(x) and x >= 0 for x in numbers) or numbers[3] > 1.0 + 1e-9:
         raise ValueError(f"scrape numbers out of range: {row!r}")
     metrics = EngineMetrics(
         waiting=numbers[1],
         running=numbers[2],
         kv_cache_usage=numbers[3],
-        itl_sum_s=numbers[4],
-        itl_count=numbers[5],
+        itl_sum_s=numbers[4] if itl else None,
+        itl_count=numbers[5] if itl else None,
         scraped_at=float(at),
         block_size=None if block_size is None else int(block_size),
         num_gpu_blocks=None if blocks is None else int(blocks),

@@ -32,6 +32,7 @@ from extproc.core.admission import Admission
 from extproc.core.counters import GatewayStats, Histogram
 from extproc.core.overload import OverloadControl
 from extproc.fleet.membership import CHANGES, Membership
+from extproc.fleet.vllm_metrics import OPTIONAL
 from extproc.state.replica import SharedState
 
 if TYPE_CHECKING:
@@ -208,6 +209,13 @@ class GatewayCollector(Collector):
             "1 when the last good scrape is older than the policy's stale_after_s: every gate "
             "then treats the backend as saturated.",
         )
+        absent = GaugeMetricFamily(
+            "fairlane_backend_metrics_absent",
+            "1 for an optional series the backend's /metrics lacks, so what it feeds is off "
+            "for that backend (vllm:inter_token_latency_seconds: the tiers' ITL bounds; "
+            "vllm:cache_config_info: the KV projection), 0 when the last good scrape had it.",
+            labels=[*BACKEND_LABELS, "series"],
+        )
         now = self.admission.pool.clock()
         stale_after = self.admission.policy.backpressure.stale_after_s
         for backend in self.admission.pool.backends:
@@ -224,7 +232,10 @@ class GatewayCollector(Collector):
                 waiting.add_metric(labels, metrics.waiting)
                 running.add_metric(labels, metrics.running)
                 kv.add_metric(labels, metrics.kv_cache_usage)
-        return (in_flight, cancellable, healthy, cooling, waiting, running, kv, age, stale)
+                missing = metrics.absent
+                for series in OPTIONAL:
+                    absent.add_metric([*labels, series], int(series in missing))
+        return (in_flight, cancellable, healthy, cooling, waiting, running, kv, age, stale, absent)
 
     def _fleet(self) -> Iterable[Metric]:
         """Who is in the fleet and how it changed (``dns://`` backends come and go)."""
@@ -280,8 +291,9 @@ class GatewayCollector(Collector):
         yield _counter(
             "fairlane_requests_shed",
             "Requests a tier's queue turned away: queue_full, early_shed (429), "
-            "queue_deadline_exceeded, tier_removed (503); and preempted (503: cancelled "
-            "while it ran, to seat a more urgent request).",
+            "queue_deadline_exceeded, no_usable_metrics (no backend's metrics could be "
+            "read), tier_removed (503); and preempted (503: cancelled while it ran, to seat a "
+            "more urgent request).",
             ["tier", "reason"],
             stats.shed.items(),
         )

@@ -1,6 +1,6 @@
 import pytest
 
-from extproc.core.gates import passes
+from extproc.core.gates import LISTED, passes, unusable_metrics, unusable_since
 from extproc.fleet.backend import Backend, BackendSpec
 from extproc.fleet.vllm_metrics import EngineMetrics
 from extproc.policy.model import DEFAULT_GATES, DEFAULT_STALE_AFTER_S, Gate
@@ -70,6 +70,20 @@ def test_itl_bound_applies_only_when_itl_is_known() -> None:
     assert passes(Gate(max_itl_s=None), backend(itl_s=5.0), NOW, STALE)
 
 
+def test_a_backend_without_the_itl_histogram_is_usable_with_its_itl_bound_off() -> None:
+    """Another vLLM version, or a metrics filter, drops the ITL histogram: the backend is
+    gated on everything else, and an ITL measured before is not kept as if it still held."""
+    gate = Gate(max_waiting=3, max_kv_cache_usage=0.9, max_itl_s=0.1)
+    slow = backend(itl_s=0.5)  # 0.5 s a token: the bound holds the tier back
+    assert not passes(gate, slow, NOW, STALE)
+    slow.record_scrape(EngineMetrics(1, 4, 0.2, None, None, scraped_at=NOW), granted_before=0)
+    assert slow.itl_s is None and slow.healthy
+    assert passes(gate, slow, NOW, STALE)
+    full = Backend(BackendSpec("127.0.0.1", 9001))  # the other bounds still bind
+    full.record_scrape(EngineMetrics(3, 4, 0.2, None, None, scraped_at=NOW), granted_before=0)
+    assert not passes(gate, full, NOW, STALE)
+
+
 def test_max_in_flight_caps_the_gateways_own_count() -> None:
     gate = Gate(max_in_flight=2)
     assert passes(gate, backend(in_flight=1), NOW, STALE)
@@ -135,3 +149,45 @@ def test_chat_waits_behind_no_batch_request_in_a_priority_queue() -> None:
     assert not passes(chat, b, NOW, STALE)  # without a rank: every waiting request counts
     assert not passes(Gate(max_waiting=0, max_kv_cache_usage=None), b, NOW, STALE, rank=2)
     assert b.waiting_ahead_of(0) == 0 and b.waiting_ahead_of(2) == b.effective_waiting()
+
+
+def test_no_usable_metrics_names_each_backend_and_why() -> None:
+    failing = backend()
+    failing.scrape_ok, failing.scrape_error = False, "HTTP 404"
+    never = Backend(BackendSpec("127.0.0.1", 9001))
+    stale = backend(age_s=7.0)
+    assert unusable_metrics([failing, never, stale], NOW, STALE) == [
+        "127.0.0.1:9000 (scrape failed: HTTP 404)",
+        "127.0.0.1:9001 (not scraped yet)",
+        "127.0.0.1:9000 (last good scrape 7.0s ago)",
+    ]
+    failing.scrape_error = None  # unreadable as another replica reports it
+    assert unusable_metrics([failing], NOW, STALE) == [
+        "127.0.0.1:9000 (scrape failed: metrics unreadable)"
+    ]
+
+
+def test_one_usable_backend_is_enough_whatever_its_load_or_health() -> None:
+    never = Backend(BackendSpec("127.0.0.1", 9001))
+    busy = backend(waiting=50, kv=1.0)
+    busy.healthy = False  # /health failing is another problem, with its own answer
+    assert unusable_metrics([never, busy], NOW, STALE) is None
+
+
+def test_a_large_dead_fleet_is_summed_up_not_listed() -> None:
+    fleet = [Backend(BackendSpec("127.0.0.1", 9000 + i)) for i in range(LISTED + 5)]
+    problems = unusable_metrics(fleet, NOW, STALE)
+    assert problems is not None and len(problems) == LISTED + 1
+    assert problems[-1] == "5 more"
+    assert unusable_metrics([], NOW, STALE) == [
+        "the fleet has no backend (none configured or discovered yet)"
+    ]
+
+
+def test_unusable_since_the_newest_good_scrape_or_the_start() -> None:
+    never = Backend(BackendSpec("127.0.0.1", 9001))
+    assert unusable_since([never], started_at=50.0) == 50.0
+    old, newer = backend(age_s=30.0), backend(age_s=20.0)
+    old.scrape_ok = False
+    assert unusable_since([old, newer, never], started_at=50.0) == NOW - 20.0
+    assert unusable_since([old], started_at=90.0) == 90.0  # scraped before this start

@@ -10,9 +10,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from extproc.core.admission import Grant
 from extproc.core.decisions import Forward, Hold, Respond
 from extproc.core.events import Completion, RequestInfo
-from extproc.core.gateway import OVERLOAD_RETRY_AFTER_S, Gateway
+from extproc.core.gateway import (
+    NO_METRICS_GRACE_S,
+    NO_METRICS_RETRY_AFTER_S,
+    OVERLOAD_RETRY_AFTER_S,
+    Gateway,
+)
 from extproc.transport.prometheus import GatewayCollector
-from tests.extproc.factories import CHAT, make_gateway, request
+from tests.extproc.factories import CHAT, FakeClock, make_gateway, request, scraped
 
 
 def test_forward_injects_priority_in_body_and_header_and_names_endpoints() -> None:
@@ -86,6 +91,85 @@ def test_held_request_is_released_by_a_completion() -> None:
     decision = gateway.resume(held, grant)
     assert isinstance(decision, Forward)
     assert decision.endpoints[0] == "127.0.0.1:8101"
+
+
+def unusable(gateway: Gateway) -> FakeClock:
+    """Make every backend's metrics unusable, one failing, one never scraped (as at
+    start-up); returns the pool's clock."""
+    failing, never = gateway.admission.pool.backends
+    failing.scrape_ok, failing.scrape_error = False, "HTTP 404"
+    never.metrics = None
+    clock = gateway.admission.pool.clock
+    assert isinstance(clock, FakeClock)
+    return clock
+
+
+NO_METRICS = (
+    "no backend has usable metrics: 127.0.0.1:8101 (scrape failed: HTTP 404), "
+    "127.0.0.1:8102 (not scraped yet)"
+)
+
+
+def test_a_request_no_backend_could_ever_take_is_told_why_at_its_deadline() -> None:
+    gateway = make_gateway()
+    unusable(gateway)
+    held = gateway.handle(request()).answer
+    assert isinstance(held, Hold)  # within the grace: the next scrapes may come any moment
+    answer = gateway.give_up(held).answer
+    assert isinstance(answer, Respond) and answer.status == 503
+    assert answer.headers == {"retry-after": str(NO_METRICS_RETRY_AFTER_S)}
+    error = json.loads(answer.body)["error"]
+    assert error == {
+        "message": NO_METRICS,
+        "type": "service_unavailable",
+        "param": None,
+        "code": "no_usable_metrics",
+    }
+    assert gateway.stats.shed == {("interactive", "no_usable_metrics"): 1}
+    assert len(gateway.admission.scheduler) == 0
+
+
+def test_a_request_that_waited_for_a_busy_fleet_is_told_it_waited() -> None:
+    gateway = make_gateway(limit=1)
+    for i in range(2):
+        assert isinstance(gateway.handle(request(request_id=f"busy-{i}")).answer, Forward)
+    held = gateway.handle(request(request_id="late")).answer
+    assert isinstance(held, Hold)
+    answer = gateway.give_up(held).answer
+    assert isinstance(answer, Respond) and answer.status == 503
+    error = json.loads(answer.body)["error"]
+    assert error["code"] == "queue_deadline_exceeded" and "waited" in error["message"]
+
+
+def test_past_the_grace_a_new_request_is_refused_at_once_without_queueing() -> None:
+    gateway = make_gateway()
+    clock = unusable(gateway)
+    clock.now += NO_METRICS_GRACE_S - 0.5  # a blip: it still waits
+    assert isinstance(gateway.handle(request(request_id="blip")).answer, Hold)
+    clock.now += 1.0
+    answer = gateway.handle(request(request_id="now")).answer
+    assert isinstance(answer, Respond) and answer.status == 503
+    assert json.loads(answer.body)["error"]["message"] == NO_METRICS
+    assert not gateway.admission.knows("now")
+    # One backend readable again: requests queue (and go) as usual.
+    failing, _ = gateway.admission.pool.backends
+    failing.scrape_ok = True
+    scraped(failing, clock)
+    assert isinstance(gateway.handle(request(request_id="back")).answer, Forward)
+
+
+def test_the_grace_runs_from_start_up_while_nothing_was_ever_scraped() -> None:
+    gateway = make_gateway()
+    for backend in gateway.admission.pool.backends:
+        backend.metrics = None  # the first scrapes are still on their way
+    clock = unusable(gateway)
+    gateway.admission.pool.backends[0].scrape_ok = True
+    clock.now += NO_METRICS_GRACE_S  # a slow start: still within the grace
+    assert isinstance(gateway.handle(request(request_id="early")).answer, Hold)
+    clock.now += 0.5
+    answer = gateway.handle(request(request_id="late")).answer
+    assert isinstance(answer, Respond) and answer.status == 503
+    assert "127.0.0.1:8101 (not scraped yet)" in json.loads(answer.body)["error"]["message"]
 
 
 def test_batch_path_is_rewritten_and_served_as_batch() -> None:

@@ -1,6 +1,7 @@
 """A backend's state without I/O: parsing specs, recording scrapes, grants and seats."""
 
 import dataclasses
+import logging
 
 import pytest
 
@@ -90,6 +91,32 @@ def test_itl_is_the_interval_mean_kept_through_tokenless_intervals_while_busy() 
     assert backend.itl_s == pytest.approx(0.2)
     backend.record_scrape(_metrics(0, 1.8, 14), 0)  # idle: nothing to protect
     assert backend.itl_s is None
+
+
+def test_a_page_without_itl_is_logged_once_and_again_when_that_changes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="fairlane.backends")
+    backend = Backend(BackendSpec("127.0.0.1", 8001))
+    with_itl = dataclasses.replace(_metrics(4, 1.0, 10), block_size=16, num_gpu_blocks=20)
+    without = dataclasses.replace(with_itl, itl_sum_s=None, itl_count=None)
+    backend.record_scrape(with_itl, 0)
+    assert caplog.messages == []
+    for _ in range(5):  # ten scrapes a second: one line, not one per scrape
+        backend.record_scrape(without, 0)
+    assert caplog.messages == [
+        "backend 127.0.0.1:8001: /metrics has no vllm:inter_token_latency_seconds; its "
+        "tiers' ITL bounds are off for it, and its seat count is not learned"
+    ]
+    assert backend.itl_s is None and backend.healthy
+    backend.scrape_ok = False  # a failed scrape in between is no change of the page
+    backend.record_scrape(without, 0)
+    assert len(caplog.messages) == 1
+    backend.record_scrape(with_itl, 0)  # a restarted engine exports it again
+    backend.record_scrape(with_itl, 0)
+    assert caplog.messages[1:] == [
+        "backend 127.0.0.1:8001: /metrics has vllm:inter_token_latency_seconds again"
+    ]
 
 
 def test_scrapes_size_the_prefix_model_from_cache_config_info() -> None:

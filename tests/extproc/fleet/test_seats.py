@@ -231,6 +231,19 @@ def test_restarted_compares_counters_and_cache_configuration() -> None:
     assert restarted(second, other.scrape(4))
 
 
+def test_without_the_itl_histogram_no_counters_say_restart_and_no_steps_teach_seats() -> None:
+    """The ITL count is what counts engine steps; a page without it cannot confirm a
+    count (the fallback keeps probing), nor tell a restart by counters."""
+    engine, seats = Engine(), Seats()
+    blind = [
+        dataclasses.replace(m, itl_sum_s=None, itl_count=None) for m in seat_bound(engine, 8, 4)
+    ]
+    feed(seats, blind)
+    assert seats.learned is None and seats.source == "fallback" and seats.count > 8
+    with_itl = engine.scrape(4)
+    assert not restarted(with_itl, blind[0]) and not restarted(blind[0], with_itl)
+
+
 def test_a_cache_size_not_known_yet_is_not_a_restart() -> None:
     """vLLM reports ``num_gpu_blocks`` as None until its memory profiling has run."""
     engine = Engine(blocks=None)

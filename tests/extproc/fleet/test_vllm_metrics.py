@@ -4,7 +4,14 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.fleet.vllm_metrics import EngineMetrics, MetricsError, interval_itl, parse_metrics
+from extproc.fleet.vllm_metrics import (
+    CACHE_CONFIG,
+    ITL,
+    EngineMetrics,
+    MetricsError,
+    interval_itl,
+    parse_metrics,
+)
 
 SAMPLE = (Path(__file__).parents[1] / "data" / "vllm-0.32-metrics.txt").read_text()
 
@@ -137,13 +144,39 @@ def test_older_vllm_time_per_output_token_histogram_is_the_fallback() -> None:
     assert (metrics.itl_sum_s, metrics.itl_count) == (0.5, 5.0)
 
 
+def without_itl(text: str) -> str:
+    """``text`` with every line of the ITL histogram dropped, as a server that does not
+    export it (or a metrics filter in between) serves it."""
+    return "".join(line for line in text.splitlines(True) if ITL not in line)
+
+
+def test_a_page_without_the_itl_histogram_parses_with_itl_unknown() -> None:
+    metrics = parse_metrics(without_itl(SAMPLE), 3.0)
+    assert (metrics.itl_sum_s, metrics.itl_count) == (None, None)
+    assert (metrics.waiting, metrics.running, metrics.block_size) == (0.0, 0.0, 128)
+    assert metrics.absent == (ITL,)
+    assert parse_metrics(SAMPLE, 3.0).absent == ()
+
+
+def test_half_an_itl_histogram_is_no_itl_either() -> None:
+    for half in (page().replace("_count{", "_total{"), page().replace("_sum{", "_total{")):
+        metrics = parse_metrics(half, 0.0)
+        assert (metrics.itl_sum_s, metrics.itl_count) == (None, None)
+
+
+def test_absent_names_each_optional_series_missing() -> None:
+    assert parse_metrics(page(), 0.0).absent == (CACHE_CONFIG,)
+    assert parse_metrics(without_itl(page()), 0.0).absent == (ITL, CACHE_CONFIG)
+    # a cache vLLM has not sized yet is not a missing series
+    assert parse_metrics(page() + cache_config("0", "16", "None"), 0.0).absent == ()
+
+
 @pytest.mark.parametrize(
     ("text", "complaint"),
     [
         ("", "missing"),
         ("<html><body>502 Bad Gateway</body></html>", "missing"),
         (page().replace("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"), "kv_cache"),
-        (page().replace("_count{", "_total{"), "inter_token_latency_seconds_count"),
         (page(waiting="abc"), "not a number"),
         (page(running="NaN"), "finite"),
         (page(waiting="-1"), "non-negative"),
@@ -166,6 +199,13 @@ def test_itl_is_the_mean_over_the_interval_between_two_scrapes() -> None:
     assert interval_itl(at(1.0, 10), at(1.6, 14)) == pytest.approx(0.15)
     assert interval_itl(at(1.0, 10), at(1.0, 10)) is None  # no token in between
     assert interval_itl(at(5.0, 100), at(0.2, 2)) is None  # counters reset: server restarted
+
+
+def test_itl_is_unknown_when_either_scrape_lacks_the_histogram() -> None:
+    absent = EngineMetrics(0, 1, 0.1, None, None, 0.0)
+    assert interval_itl(at(1.0, 10), absent) is None
+    assert interval_itl(absent, at(1.6, 14)) is None  # not 14 tokens "since" nothing
+    assert interval_itl(absent, absent) is None
 
 
 def test_the_focused_parse_is_cheap_enough_to_run_ten_times_a_second_per_backend() -> None:

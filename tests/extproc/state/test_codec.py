@@ -45,11 +45,19 @@ def test_a_band_head_and_shared_scrapes_round_trip() -> None:
     assert decoded == report
 
 
+def test_a_scrape_without_the_itl_histogram_round_trips_as_unknown() -> None:
+    metrics = EngineMetrics(3, 4, 0.5, None, None, scraped_at=71.5)
+    report = ReplicaReport("r1", scrapes={"10.0.0.1:8000": SharedScrape(metrics, 0.05)})
+    decoded = decode_report("r1", encode_report(report), age_s=0.0)
+    assert decoded == report
+
+
 def test_scrapes_no_engine_reports_are_refused() -> None:
     for row in (
         "[1, 0.1, true, -1, 4, 0.5, 1, 1, 16, 9]",
         "[1, 0.1, true, 1, 4, 1.5, 1, 1, 16, 9]",
         "[1, 0.1, true, 1, 4, 0.5, 1]",
+        "[1, 0.1, true, 1, 4, 0.5, null, 1, 16, 9]",  # half a histogram
     ):
         assert decode_report("r1", '{"s": {"10.0.0.1:8000": ' + row + "}}", 0.0) is None
 

@@ -126,6 +126,26 @@ def test_backend_state_shows_staleness_and_never_scraped_engines() -> None:
     assert ("fairlane_backend_waiting", frozenset(fresh.items())) not in parse_samples(text)
 
 
+def test_each_optional_series_a_backend_lacks_is_shown() -> None:
+    gateway = make_gateway()
+    first, second = gateway.admission.pool.backends
+    first.record_scrape(
+        EngineMetrics(0, 0, 0.1, None, None, scraped_at=1000.0, block_size=16), granted_before=0
+    )
+    second.metrics = None  # never scraped: nothing to say yet
+    text = exposition(gateway)
+    labels = {"backend": first.address, "region": first.region}
+    itl, config = "vllm:inter_token_latency_seconds", "vllm:cache_config_info"
+    assert value(text, "fairlane_backend_metrics_absent", **labels, series=itl) == 1
+    assert value(text, "fairlane_backend_metrics_absent", **labels, series=config) == 0
+    shown = {
+        dict(sample)["backend"]
+        for name, sample in parse_samples(text)
+        if name == "fairlane_backend_metrics_absent"
+    }
+    assert shown == {first.address}
+
+
 def test_thousands_of_made_up_users_and_models_cannot_grow_the_exposition() -> None:
     gateway = make_gateway(limit=64)
     gateway.policies.current = dataclasses.replace(

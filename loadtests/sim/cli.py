@@ -78,9 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     faults.add_argument(
         "--fault-metrics",
-        choices=("garbage", "hang"),
+        choices=("garbage", "hang", "no-itl"),
         default=None,
-        help="/metrics answers junk (200) or never answers",
+        help="/metrics answers junk (200), never answers, or lacks the ITL histogram",
     )
 
 

@@ -45,7 +45,9 @@ from loadtests.sim.response import (
 )
 from loadtests.sim.runner import Runner
 
-FAULT_METRICS = (None, "garbage", "hang")
+FAULT_METRICS = (None, "garbage", "hang", "no-itl")
+ITL_SERIES = b"vllm:inter_token_latency_seconds"
+"""What ``--fault-metrics no-itl`` leaves out: every line of the histogram, HELP and TYPE too."""
 # Binary junk, a half-written page and a series with a value that is not a number.
 GARBAGE_METRICS = (
     b"<html>\x00\xff\xfe not a Prometheus exposition {{{\n"
@@ -74,7 +76,9 @@ class SimConfig:
     """Fault injection: hold every generation request this many wall seconds before the
     engine sees it, so the response headers (streams too) come that much later."""
     fault_metrics: str | None = None
-    """Fault injection: ``garbage`` answers ``/metrics`` with junk, ``hang`` never answers."""
+    """Fault injection: ``garbage`` answers ``/metrics`` with junk, ``hang`` never answers,
+    ``no-itl`` leaves the inter-token latency histogram out (a vLLM without it, or a
+    metrics filter in between: the gateway must still use the engine)."""
     api_key: str | None = None
     """vLLM's ``--api-key``: every ``/v1`` path answers 401 without ``Bearer <key>``."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -218,9 +222,14 @@ class SimServer:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
 
     async def faulty_metrics_handler(self, _: web.Request) -> web.Response:
-        """``--fault-metrics``: junk with a 200, or no answer at all (until the client leaves)."""
+        """``--fault-metrics``: junk with a 200, no answer at all (until the client leaves),
+        or the real page without its ITL histogram."""
         if self.config.fault_metrics == "hang":
             await asyncio.Event().wait()  # cancelled when the scraper gives up
+        if self.config.fault_metrics == "no-itl":
+            lines = self.metrics.exposition().splitlines(keepends=True)
+            body = b"".join(line for line in lines if ITL_SERIES not in line)
+            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
         return web.Response(body=GARBAGE_METRICS, content_type="text/plain")
 
     # -- generation -------------------------------------------------------------------------

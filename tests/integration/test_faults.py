@@ -396,6 +396,74 @@ async def test_garbage_or_hanging_metrics_backends_are_never_picked(tmp_path: Pa
         assert service.alive()
 
 
+async def test_backends_without_the_itl_histogram_serve_with_their_itl_bounds_off(
+    tmp_path: Path,
+) -> None:
+    """Both backends' /metrics lack the ITL histogram (another vLLM version, a metrics
+    filter in between): they are still picked for every tier (interactive and api have an
+    ITL bound), the service says so once per backend, and its metrics show what is
+    absent."""
+    extra = {0: ("--fault-metrics", "no-itl"), 1: ("--fault-metrics", "no-itl")}
+    async with (
+        fault_stack(tmp_path, ("region-a", "region-b"), extra) as stack,
+        aiohttp.ClientSession() as session,
+    ):
+        addresses = [b.address for b in stack.backends]
+        keys = ("sk-chat-demo", "sk-api-demo", "sk-batch-demo")
+        for n in range(2):  # many scrapes apart: still one log line per backend
+            sends = [send(session, stack, f"no-itl-{n}-{k}-{i}", k) for k in keys for i in (0, 1)]
+            outcomes = await asyncio.gather(*sends)
+            assert all(o.status == 200 for o in outcomes), outcomes
+            await asyncio.sleep(0.5)
+        assert sum(len(r) for r in requests_by_backend(stack).values()) == 12
+        service = next(c for c in stack.group.children if c.name == "service")
+        service_log = service.log_path.read_text()
+        for address in addresses:
+            line = f"backend {address}: /metrics has no vllm:inter_token_latency_seconds"
+            assert service_log.count(line) == 1, service_log[-2000:]
+        url = f"http://127.0.0.1:{stack.metrics_port}/metrics"
+        async with session.get(url) as r:
+            exposition = await r.text()
+        absent = [
+            line
+            for line in exposition.splitlines()
+            if line.startswith("fairlane_backend_metrics_absent{")
+            and 'series="vllm:inter_token_latency_seconds"' in line
+        ]
+        assert len(absent) == 2 and all(line.endswith(" 1.0") for line in absent), absent
+
+
+async def test_with_no_readable_metrics_anywhere_the_503_says_so(tmp_path: Path) -> None:
+    """Every backend's /metrics is garbage (their /health is fine): no request can ever go.
+    The client is told that, with each backend and its scrape error, not that it "waited
+    10 s": a request held from start-up at its deadline, a later one at once."""
+    extra = {0: ("--fault-metrics", "garbage"), 1: ("--fault-metrics", "garbage")}
+    async with (
+        fault_stack(tmp_path, ("region-a", "region-b"), extra) as stack,
+        aiohttp.ClientSession() as session,
+    ):
+        addresses = [b.address for b in stack.backends]
+
+        async def refused() -> tuple[float, dict[str, Any]]:
+            started = time.monotonic()
+            headers = auth("sk-api-demo")
+            async with session.post(stack.url + CHAT, json=chat(), headers=headers) as r:
+                assert r.status == 503, await r.text()
+                assert r.headers["retry-after"] == "5"
+                body = await r.json()
+            return time.monotonic() - started, body["error"]
+
+        for _ in range(2):  # the first may be held until its deadline (10 s) or refused
+            elapsed_s, error = await refused()
+            assert error["code"] == "no_usable_metrics" and error["type"] == "service_unavailable"
+            message = error["message"]
+            assert message.startswith("no backend has usable metrics: "), message
+            assert all(f"{a} (scrape failed: " in message for a in addresses), message
+            assert "waited" not in message
+        assert elapsed_s < 2  # past the grace: refused at once, not held
+        assert not any(requests_by_backend(stack).values())
+
+
 async def test_hedge_never_reaches_a_backend_the_service_excluded(tmp_path: Path) -> None:
     """The only pickable backend is slow (1 s); the other one's /metrics is garbage (its
     /health is fine). The interactive request waits for the slow one: the excluded backend

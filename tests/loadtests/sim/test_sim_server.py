@@ -327,6 +327,25 @@ async def test_fault_flags_delay_headers_and_break_metrics(tmp_path: Path) -> No
         SimConfig(fault_metrics="slow")
 
 
+async def test_fault_no_itl_serves_the_real_page_without_the_itl_histogram() -> None:
+    port = free_port()
+    runner = await start(SimConfig(model="tiny", fault_metrics="no-itl"), "127.0.0.1", port)
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{port}/metrics") as resp,
+        ):
+            assert resp.status == 200
+            text = await resp.text()
+        assert "vllm:inter_token_latency_seconds" not in text
+        assert "vllm:time_to_first_token_seconds_count" in text  # the rest is all there
+        metrics = parse_metrics(text, 0.0)
+        assert (metrics.itl_sum_s, metrics.itl_count) == (None, None)
+        assert metrics.block_size is not None
+    finally:
+        await runner.cleanup()
+
+
 async def test_api_key_guards_the_v1_paths_as_vllm_does() -> None:
     """``--api-key``: without ``Bearer KEY`` every /v1 path is 401; probes and scrapers
     (``/health``, ``/metrics``) need no key."""

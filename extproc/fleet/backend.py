@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 from urllib.parse import urlsplit
 
+from extproc.fleet.kv_events import KVBlockIndex
 from extproc.fleet.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS, PrefixLRU
 from extproc.fleet.seats import Seats, restarted
 from extproc.fleet.shared_scrape import SharedScrape
@@ -75,6 +76,30 @@ def check_endpoint_fields(
 
 
 @dataclass(frozen=True, slots=True)
+class KVEventPorts:
+    """Where an engine publishes its KV events (``--kv-events-config``), on its own host:
+    the PUB socket's port, and the replay ROUTER's when it has one."""
+
+    port: int
+    replay_port: int | None = None
+
+    def __post_init__(self) -> None:
+        for port in (self.port, self.replay_port):
+            if port is not None and not 1 <= port <= 65535:
+                raise ValueError(f"KV events port must be in [1, 65535], got {port}")
+
+
+@dataclass(frozen=True, slots=True)
+class BackendOptions:
+    """What may follow a backend's ``#``: ``seats=N``, ``key=REF``, ``kv-events=PORT``,
+    ``kv-replay=PORT`` (each optional, in any order)."""
+
+    seats: int | None = None
+    credential: str | None = None
+    kv_events: KVEventPorts | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class BackendSpec:
     """A backend as configured: ``[REGION=]http://IP:PORT[#seats=N]`` on the command line
     (``parse_backend``), or ``{url, region, weight, seats}`` in the deployment file.
@@ -105,6 +130,9 @@ class BackendSpec:
     credential: str | None = None
     """``env:NAME`` or ``file:PATH``: where the engine's ``--api-key`` is read from (None:
     the engine wants none)."""
+    kv_events: KVEventPorts | None = None
+    """Where the engine publishes its KV events (None: it does not, or they are not used;
+    prefix affinity is then approximate for it)."""
 
     def __post_init__(self) -> None:
         try:
@@ -128,7 +156,9 @@ class BackendSpec:
         return f"http://{self.address}"
 
 
-BACKEND_SYNTAX = "[REGION=]http://IP:PORT[#seats=N][,key=env:NAME|file:PATH]"
+BACKEND_SYNTAX = (
+    "[REGION=]http://IP:PORT[#seats=N][,key=env:NAME|file:PATH][,kv-events=PORT[,kv-replay=PORT]]"
+)
 """How a backend is written on the command line (``--backend``)."""
 
 SECRET_PREFIXES = ("env:", "file:")
@@ -151,7 +181,7 @@ def parse_backend(text: str) -> BackendSpec:
     is read from (``env:NAME``, ``file:PATH``). The options are a URL fragment, so they can
     never be mistaken for part of the address, and are split off before the region's ``=``.
     """
-    region, url, seats, credential = split_backend_argument(text)
+    region, url, options = split_backend_argument(text)
     if "://" not in url:
         url = f"http://{url}"
     parts = urlsplit(url)
@@ -166,8 +196,9 @@ def parse_backend(text: str) -> BackendSpec:
             parts.hostname,
             port,
             region.strip() or DEFAULT_REGION,
-            seats=seats,
-            credential=credential,
+            seats=options.seats,
+            credential=options.credential,
+            kv_events=options.kv_events,
         )
     except ValueError as exc:
         raise ValueError(f"backend {text!r}: {exc}") from None
@@ -185,6 +216,8 @@ class ConfiguredBackend(Protocol):
     def seats(self) -> int | None: ...
     @property
     def credential(self) -> str | None: ...
+    @property
+    def kv_events(self) -> KVEventPorts | None: ...
 
 
 def backend_argument(spec: ConfiguredBackend) -> str:
@@ -196,31 +229,39 @@ def backend_argument(spec: ConfiguredBackend) -> str:
         options.append(f"seats={spec.seats}")
     if spec.credential is not None:
         options.append(f"key={spec.credential}")
+    if spec.kv_events is not None:
+        options.append(f"kv-events={spec.kv_events.port}")
+        if spec.kv_events.replay_port is not None:
+            options.append(f"kv-replay={spec.kv_events.replay_port}")
     fragment = f"#{','.join(options)}" if options else ""
     return f"{spec.region}={spec.url}{fragment}"
 
 
-def split_backend_argument(text: str) -> tuple[str, str, int | None, str | None]:
+def split_backend_argument(text: str) -> tuple[str, str, BackendOptions]:
     """A ``--backend`` value's parts, URL unchecked: (region as written, or the default one
-    when none is; URL; declared seats; key reference)."""
+    when none is; URL; the options after ``#``)."""
     address, hash_sign, options = text.partition("#")
-    seats, credential = _backend_options(text, options) if hash_sign else (None, None)
+    parsed = _backend_options(text, options) if hash_sign else BackendOptions()
     region, sep, url = address.partition("=")
     if not sep:
         region, url = DEFAULT_REGION, address
-    return region, url, seats, credential
+    return region, url, parsed
 
 
-def _backend_options(text: str, options: str) -> tuple[int | None, str | None]:
-    """The seat count and the key reference of a backend's ``#seats=N,key=REF`` (each
-    optional, in any order)."""
+def _backend_options(text: str, options: str) -> BackendOptions:
+    """The options of a backend's ``#seats=N,key=REF,kv-events=PORT,kv-replay=PORT``."""
     seats: int | None = None
     credential: str | None = None
+    kv_port: int | None = None
+    replay_port: int | None = None
     for option in options.split(","):
         key, sep, value = option.partition("=")
         name = key.strip()
         if name == "seats" and sep:
             seats = _seats_option(text, value)
+        elif name in ("kv-events", "kv-replay") and sep:
+            port = _port_option(text, name, value)
+            kv_port, replay_port = (port, replay_port) if name == "kv-events" else (kv_port, port)
         elif name == "key" and sep:
             credential = value.strip()
             if not is_secret_reference(credential):
@@ -231,9 +272,23 @@ def _backend_options(text: str, options: str) -> tuple[int | None, str | None]:
         else:
             raise ValueError(
                 f"backend {text!r}: unknown option {option!r} after '#' (expected seats=N, the "
-                "requests the engine runs at once, or key=env:NAME|file:PATH)"
+                "requests the engine runs at once, key=env:NAME|file:PATH, or "
+                "kv-events=PORT and kv-replay=PORT, where it publishes its KV events)"
             )
-    return seats, credential
+    if replay_port is not None and kv_port is None:
+        raise ValueError(f"backend {text!r}: kv-replay needs kv-events (the stream it replays)")
+    kv_events = KVEventPorts(kv_port, replay_port) if kv_port is not None else None
+    return BackendOptions(seats, credential, kv_events)
+
+
+def _port_option(text: str, name: str, value: str) -> int:
+    try:
+        port = int(value.strip())
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise ValueError(f"backend {text!r}: {name} must be a port in [1, 65535], got {value!r}")
+    return port
 
 
 def _seats_option(text: str, value: str) -> int:
@@ -285,6 +340,7 @@ class Backend:
         "in_flight_by_rank",
         "itl_s",
         "kv_committed_tokens",
+        "kv_index",
         "kv_tokens_since_scrape",
         "kv_tokens_total",
         "membership",
@@ -329,6 +385,9 @@ class Backend:
         self.cool_off_until: float | None = None
         self.block_size = DEFAULT_BLOCK_SIZE
         self.prefix_cache = PrefixLRU(DEFAULT_CAPACITY_BLOCKS)
+        # What the engine says it holds, from its KV events (``extproc.fleet.kv_subscriber``
+        # fills it); None when it publishes none: ``prefix_cache`` models it instead.
+        self.kv_index: KVBlockIndex | None = KVBlockIndex() if spec.kv_events else None
         self.seats = Seats(declared=spec.seats)
         self.membership: Membership = "serving"
         self._clock = clock
@@ -580,6 +639,20 @@ class Backend:
         if self.membership == "warming":
             self.membership = "serving"
             log.info("backend %s %s: first good scrape; serving", self.region, self.address)
+
+    def precise_prefix(self, keys: Sequence[int]) -> int | None:
+        """How many leading blocks of ``keys`` (the engine's block keys of a prompt) the
+        engine holds or was just sent; None while its KV events cannot tell (none
+        configured, or the stream is not followed from a known point)."""
+        index = self.kv_index
+        if index is None or not index.live:
+            return None
+        return index.match(keys, self._clock())
+
+    def expect_blocks(self, keys: Sequence[int]) -> None:
+        """``keys`` were just sent here: count them as held until the events confirm them."""
+        if self.kv_index is not None:
+            self.kv_index.expect(keys, self._clock())
 
     def mark(self, now: float) -> None:
         """Remember the grant, completion and KV totals as of ``now`` (the replica loop

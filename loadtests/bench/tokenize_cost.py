@@ -1,0 +1,115 @@
+"""What precise prefix routing costs the service per request: tokenizing and hashing.
+
+``python -m loadtests.bench.tokenize_cost [--out FILE]`` measures, for chat prompts of
+about 2k, 8k and 32k tokens, the CPU time of what the picker needs before it can match a
+prompt against an engine's KV events: the engine's chat template and tokenizer
+(``extproc.fleet.tokenizer``) and vLLM's block hash chain (``extproc.core.blockhash``), at
+block sizes 16 (vLLM's default on GPUs) and 128 (its CPU platform's). Prompts longer than
+``MAX_PROMPT_CHARS`` are cut before tokenizing (``tokenized`` says how many tokens were
+kept). Two cases:
+
+- ``cold``: a system prompt never seen before (every segment tokenized);
+- ``warm``: the same system prompt and earlier turns with a new user message (the
+  segment cache serves all but the new text), what a multi-turn chat costs.
+
+The tokenizer is the tiny model's (``loadtests.conformance.tiny_model``: a byte-level BPE,
+trained offline here); a production model's tokenizer has a larger vocabulary and its own
+speed, so the figures are this machine's and this tokenizer's, measured in CPU time of the
+one process (``time.process_time``), not wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from extproc.core.blockhash import BlockHasher
+from extproc.fleet.tokenizer import EngineTokenizer
+from loadtests.conformance.tiny_model import build_tokenizer, corpus
+
+SIZES = (2_000, 8_000, 32_000)
+BLOCK_SIZES = (16, 128)
+ROUNDS = 20
+
+
+def text_of(tokenizer: Tokenizer, tokens: int, seed: int) -> str:
+    """Pseudo-English text of about ``tokens`` tokens for ``tokenizer``."""
+    text = " ".join(corpus(seed, lines=max(50, tokens // 4)))
+    while len(tokenizer.encode(text).ids) < tokens:
+        text += " " + text
+    return text[: int(len(text) * tokens / len(tokenizer.encode(text).ids))]
+
+
+def cpu_us(work: Callable[[Any], Any], inputs: list[Any]) -> float:
+    """Mean CPU microseconds of ``work`` over ``inputs`` (made beforehand, not timed)."""
+    start = time.process_time()
+    for item in inputs:
+        work(item)
+    return (time.process_time() - start) / len(inputs) * 1e6
+
+
+def measure(
+    tokenizer: EngineTokenizer, plain: Tokenizer, tokens: int, rounds: int = ROUNDS
+) -> dict[str, Any]:
+    hasher = BlockHasher()
+    system = text_of(plain, tokens, seed=tokens)
+    words = " ".join(corpus(1, 20)).split()
+    rng = random.Random(tokens)
+
+    def chat(n: int, fresh_system: bool) -> dict[str, Any]:
+        prompt = f"{n} {system}" if fresh_system else system
+        question = f"question {n}: " + " ".join(rng.choice(words) for _ in range(60))
+        return {
+            "messages": [
+                {"role": "system", "content": prompt},
+                {"role": "user", "content": question},
+            ]
+        }
+
+    ids = tokenizer.body_ids(chat(0, False)) or []
+    result: dict[str, Any] = {"prompt_tokens": len(plain.encode(system).ids), "tokenized": len(ids)}
+    for case, fresh in (("cold", True), ("warm", False)):
+        bodies = [chat(n, fresh) for n in range(1, rounds + 1)]
+        result[f"{case}_tokenize_us"] = round(cpu_us(tokenizer.body_ids, bodies))
+    for block_size in BLOCK_SIZES:
+        hash_us = cpu_us(lambda prompt: hasher.keys(prompt, block_size), [ids] * rounds)  # noqa: B023
+        result[f"hash_{block_size}_us"] = round(hash_us)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as directory:
+        build_tokenizer(Path(directory))
+        tokenizer = EngineTokenizer.from_dir(directory)
+        plain = Tokenizer.from_file(f"{directory}/tokenizer.json")
+        rows = [measure(tokenizer, plain, size, args.rounds) for size in SIZES]
+    header = (
+        f"{'prompt tokens':>14} {'tokenized':>14} {'cold tokenize':>14} {'warm tokenize':>14}"
+        + "".join(f" {'hash/' + str(b):>10}" for b in BLOCK_SIZES)
+    )
+    print(header + "   (CPU us per request)")
+    for row in rows:
+        cells = [
+            row[k] for k in ("prompt_tokens", "tokenized", "cold_tokenize_us", "warm_tokenize_us")
+        ]
+        hashes = "".join(f" {row[f'hash_{b}_us']:>10}" for b in BLOCK_SIZES)
+        print("".join(f"{cell:>14} " for cell in cells).rstrip() + hashes)
+    if args.out is not None:
+        args.out.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -130,16 +130,23 @@ _ARRAY_FIELDS = {
 class KVBlockIndex:
     """The blocks one engine holds (by its events), and the blocks just sent to it.
 
-    ``live`` is false until the index is known to be complete: a subscriber sets it once it
-    has the engine's stream from a known point (its first message after a replay or a
-    clear), and clears it after a gap it could not replay; the picker falls back to the
-    approximate index (``extproc.fleet.prefix_cache``) while it is false.
+    ``held`` counts copies: two requests that bring the same new prefix into one engine step
+    each fill a block of their own, and vLLM announces both (``BlockStored`` twice) and
+    removes each when it is evicted (``BlockRemoved`` per copy), so a plain set would forget
+    a prefix the engine still holds once the first copy goes.
+
+    ``live`` says the index can be trusted to be complete; the picker falls back to the
+    approximate index (``extproc.fleet.prefix_cache``) while it is false. Its owner, the
+    subscriber (``extproc.fleet.kv_subscriber``), sets it once it follows the engine's stream
+    from a point where it knew the whole cache (the stream's start, or an
+    ``AllBlocksCleared``) and clears it when it cannot (it joined late, or lost events that no
+    replay could give back); that module says when exactly.
     """
 
     __slots__ = ("_expected", "block_size", "held", "live", "removed", "stored")
 
     def __init__(self) -> None:
-        self.held: set[int] = set()
+        self.held: dict[int, int] = {}
         self._expected: dict[int, float] = {}
         self.block_size: int | None = None
         self.live = False
@@ -153,11 +160,15 @@ class KVBlockIndex:
         held = self.held
         for event in events:
             if isinstance(event, BlocksStored):
-                held.update(event.keys)
+                for key in event.keys:
+                    held[key] = held.get(key, 0) + 1
                 self.block_size = event.block_size
                 self.stored += len(event.keys)
             elif isinstance(event, BlocksRemoved):
-                held.difference_update(event.keys)
+                for key in event.keys:
+                    copies = held.pop(key, 0)
+                    if copies > 1:
+                        held[key] = copies - 1
                 self.removed += len(event.keys)
             else:
                 held.clear()

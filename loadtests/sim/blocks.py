@@ -5,38 +5,47 @@ The pool is what makes KV pressure real in the simulator: a request holds
 ``vllm:kv_cache_usage_perc`` is the fraction of blocks in use. Prefix caching follows
 ``shared/reference/vllm.md`` A4:
 
-- only full blocks are cached, keyed by a chained hash
-  ``h_i = sha256(pickle((h_{i-1} or NONE_HASH, tuple(tokens), None)))``;
+- only full blocks are cached, keyed by vLLM's chained hash
+  (``extproc.core.blockhash.BlockHasher``, the one the gateway predicts engines' blocks
+  with: ``--prefix-caching-hash-algo`` and the ``NONE_HASH`` seed, ``PYTHONHASHSEED`` when
+  the environment has one, as in vLLM);
 - a freed block keeps its hash and stays findable until it is reused (LRU free queue);
 - a request's blocks are freed in reverse order, so its tail blocks are evicted first.
+
+With ``record_events`` the pool also queues vLLM's KV events as vLLM's pool does
+(``kv_event_queue``): a ``BlockStored`` per request and step for the blocks it filled, a
+``BlockRemoved`` per cached block evicted to be reused, ``AllBlocksCleared`` on a reset; the
+server publishes them once per step (``loadtests.sim.kv_publisher``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import pickle
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
+
+from extproc.core.blockhash import BlockHasher
+from extproc.fleet.kv_events import event_key
+from loadtests.sim.kv_events import ALL_BLOCKS_CLEARED, Event, block_removed, block_stored
 
 BlockHash = bytes
 
 
-def _sha256(obj: object) -> bytes:
-    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+def engine_hasher(algo: str = "sha256") -> BlockHasher:
+    """The hash chain of an engine started with ``--prefix-caching-hash-algo algo`` in this
+    environment: vLLM seeds ``NONE_HASH`` with ``PYTHONHASHSEED`` when it is set."""
+    return BlockHasher(algo, os.environ.get("PYTHONHASHSEED"))
 
 
-# vLLM seeds the chain with H("vllm-none-hash") when PYTHONHASHSEED is unset (sha256 algos).
-NONE_HASH: BlockHash = _sha256("vllm-none-hash")
+DEFAULT_HASHER = engine_hasher()
+NONE_HASH: BlockHash = DEFAULT_HASHER.none_hash
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, hasher: BlockHasher = DEFAULT_HASHER
+) -> list[BlockHash]:
     """Chained hashes of every *full* block of ``token_ids`` (a partial tail has none)."""
-    hashes: list[BlockHash] = []
-    parent = NONE_HASH
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = _sha256((parent, tuple(token_ids[start : start + block_size]), None))
-        hashes.append(parent)
-    return hashes
+    return hasher.chain(token_ids, block_size, limit=len(token_ids) // block_size)
 
 
 class BlockPool:
@@ -52,6 +61,21 @@ class BlockPool:
         # Free blocks, least recently freed first. Insertion order is the eviction order.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        self.events: list[Event] | None = None
+        """vLLM's ``kv_event_queue``: None unless ``record_events`` (nobody takes them)."""
+
+    def record_events(self) -> None:
+        """Queue KV events from now on, for ``take_events``."""
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[Event]:
+        """The events queued since the last call (vLLM's ``take_events``, once per step)."""
+        events = self.events
+        if not events:
+            return []
+        self.events = []
+        return events
 
     @property
     def num_free(self) -> int:
@@ -88,6 +112,7 @@ class BlockPool:
         if n > len(self._free):
             return None
         blocks = []
+        events = self.events
         for _ in range(n):
             block, _ = self._free.popitem(last=False)
             old = self._hash[block]
@@ -95,6 +120,10 @@ class BlockPool:
                 if self._cached.get(old) == block:
                     del self._cached[old]
                 self._hash[block] = None
+                if events is not None:
+                    # vLLM announces every copy it drops, also a second block holding the
+                    # same hash (it indexes both; this pool finds hits in the first only).
+                    events.append(block_removed(event_key(old)))
             self._ref[block] = 1
             blocks.append(block)
         return blocks
@@ -113,9 +142,36 @@ class BlockPool:
         self._hash[block] = block_hash
         self._cached.setdefault(block_hash, block)
 
-    def reset(self) -> None:
-        """Forget every cached hash (vLLM's ``reset_prefix_cache``); only if nothing is held."""
-        for block, h in enumerate(self._hash):
-            if h is not None and self._ref[block] == 0:
-                self._hash[block] = None
-        self._cached = {h: b for h, b in self._cached.items() if self._ref[b] > 0}
+    def cache_full(
+        self,
+        blocks: Sequence[int],
+        hashes: Sequence[BlockHash],
+        start: int,
+        end: int,
+        token_ids: Sequence[int],
+    ) -> None:
+        """One request's blocks ``start..end-1`` just became full (vLLM's
+        ``cache_full_blocks``): cache them, and announce them in one ``BlockStored``."""
+        for k in range(start, end):
+            self.cache(blocks[k], hashes[k])
+        if self.events is not None:
+            size = self.block_size
+            self.events.append(
+                block_stored(
+                    [event_key(h) for h in hashes[start:end]],
+                    event_key(hashes[start - 1]) if start else None,
+                    token_ids[start * size : end * size],
+                    size,
+                )
+            )
+
+    def reset(self) -> bool:
+        """Forget every cached hash (vLLM's ``reset_prefix_cache``); refused (False) while a
+        request holds a block, as vLLM refuses it."""
+        if any(self._ref):
+            return False
+        self._hash = [None] * self.num_blocks
+        self._cached = {}
+        if self.events is not None:
+            self.events.append(ALL_BLOCKS_CLEARED)
+        return True

@@ -14,8 +14,10 @@ import signal
 import sys
 from pathlib import Path
 
+from extproc.core.blockhash import HASH_ALGOS
+from loadtests.sim.kv_publisher import KVEventsConfig
 from loadtests.sim.profiles import DEFAULT_PROFILE, PROFILES
-from loadtests.sim.server import SimConfig, start
+from loadtests.sim.server import SIM_KEY, SimConfig, start
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +70,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "key; unlike vLLM, $VLLM_API_KEY is not read, so a shell's key cannot lock out "
         "`fairlane up`)",
     )
+    parser.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        metavar="JSON",
+        help="as vLLM: publish KV cache events over ZMQ, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\'',
+    )
+    parser.add_argument(
+        "--prefix-caching-hash-algo",
+        choices=HASH_ALGOS,
+        default="sha256",
+        help="as vLLM: the block hash (the NONE_HASH seed is $PYTHONHASHSEED when set)",
+    )
     faults = parser.add_argument_group("fault injection (for the gateway's fault tests)")
     faults.add_argument(
         "--fault-delay-headers-s",
@@ -101,7 +118,16 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         fault_delay_headers_s=args.fault_delay_headers_s,
         fault_metrics=args.fault_metrics,
         api_key=args.api_key,
+        kv_events_config=args.kv_events_config,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
     )
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.parse(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 async def _serve(config: SimConfig, host: str, port: int) -> None:
@@ -111,6 +137,11 @@ async def _serve(config: SimConfig, host: str, port: int) -> None:
         faults += f", fault: headers delayed {config.fault_delay_headers_s:g}s"
     if config.fault_metrics:
         faults += f", fault: /metrics {config.fault_metrics}"
+    publisher = runner.app[SIM_KEY].publisher
+    if publisher is not None:
+        faults += f", KV events on {publisher.endpoint}"
+        if publisher.replay_endpoint is not None:
+            faults += f" (replay {publisher.replay_endpoint})"
     print(
         f"fairlane sim: {config.served[0]} ({config.profile}, x{config.speedup:g}) "
         f"on http://{host}:{port}{faults}",

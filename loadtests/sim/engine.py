@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -55,6 +55,9 @@ class EngineRequest:
     params_max_tokens: int | None = None
     # Opaque to the engine: whoever submitted the request hangs its reply channel here.
     sink: Any = None
+    # The prompt's token ids, only for the KV events' BlockStored (the hashes above are what
+    # the engine caches by); empty when nobody publishes events.
+    token_ids: Sequence[int] = ()
 
     seq: int = 0
     num_computed: int = 0
@@ -316,9 +319,10 @@ class Engine:
         for req, n in scheduled.items():
             req.num_computed += n
             full = min(req.num_computed // block_size, len(req.block_hashes))
-            for k in range(req.num_hashed_blocks, full):
-                pool.cache(req.blocks[k], req.block_hashes[k])
             if full > req.num_hashed_blocks:
+                pool.cache_full(
+                    req.blocks, req.block_hashes, req.num_hashed_blocks, full, req.token_ids
+                )
                 req.num_hashed_blocks = full
             if req.num_computed < req.num_tokens:
                 continue  # a prefill chunk: no token yet

@@ -28,6 +28,13 @@ reported: the end time, the tokens produced and the inter-token latencies (the s
 count a ``/metrics`` scrape reads, as ``loadtests.des.engines`` and
 ``loadtests.sim.metrics`` observe them: one gap per token after a request's first).
 
+KV events (``--kv-events-config``) need nothing here: a run caches no prompt block
+(``decode_run`` stops before one would be; the simulator hashes prompts only, so decode
+blocks are never cached), and every block it takes comes from ``pool.allocate``, which
+queues the ``BlockRemoved`` of each cached block it evicts, in the per-step loop's order.
+A caller that publishes would send a run's evictions as one batch instead of one per step;
+the only caller, ``loadtests.des``, publishes none (its pools do not ``record_events``).
+
 The arithmetic uses the profile's coefficients directly: it assumes ``Profile.step_seconds``
 is the linear model its docstring states (``tests/loadtests/sim/test_sim_fastforward.py``
 holds the fast-forward against ``Engine.step``, so a change there shows up).

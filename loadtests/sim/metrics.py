@@ -407,7 +407,7 @@ class SimMetrics:
         return generate_latest(self.registry)
 
 
-def cache_config_labels(engine: Engine) -> dict[str, str]:
+def cache_config_labels(engine: Engine, hash_algo: str = "sha256") -> dict[str, str]:
     """``vllm:cache_config_info`` labels, with the values this simulator actually uses."""
     c = engine.config
     tokens = c.num_gpu_blocks * c.block_size
@@ -439,7 +439,7 @@ def cache_config_labels(engine: Engine) -> dict[str, str]:
         "num_gpu_blocks": str(c.num_gpu_blocks),
         "num_gpu_blocks_override": str(c.num_gpu_blocks),
         "prefix_cache_retention_interval": "0",
-        "prefix_caching_hash_algo": "sha256",
+        "prefix_caching_hash_algo": hash_algo,
         "prefix_match_unit": "None",
         "replayssm_buffer_len": "16",
         "skip_page_size_padded": "None",

@@ -23,8 +23,10 @@ from typing import IO, Any
 
 from aiohttp import web
 
-from loadtests.sim.blocks import block_hashes
-from loadtests.sim.engine import Engine, EngineConfig, EngineRequest, Policy
+from extproc.core.blockhash import HASH_ALGOS
+from loadtests.sim.blocks import block_hashes, engine_hasher
+from loadtests.sim.engine import Engine, EngineConfig, EngineRequest, Policy, StepOutput
+from loadtests.sim.kv_publisher import KVEventPublisher, KVEventsConfig
 from loadtests.sim.metrics import CONTENT_TYPE, SimMetrics, cache_config_labels
 from loadtests.sim.profiles import DEFAULT_PROFILE, get_profile
 from loadtests.sim.request import (
@@ -81,6 +83,10 @@ class SimConfig:
     metrics filter in between: the gateway must still use the engine)."""
     api_key: str | None = None
     """vLLM's ``--api-key``: every ``/v1`` path answers 401 without ``Bearer <key>``."""
+    kv_events_config: KVEventsConfig | None = None
+    """vLLM's ``--kv-events-config``: publish the KV cache events over ZMQ."""
+    prefix_caching_hash_algo: str = "sha256"
+    """vLLM's ``--prefix-caching-hash-algo`` (``sha256`` or ``sha256_cbor``)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -88,6 +94,8 @@ class SimConfig:
             raise ValueError("fault_delay_headers_s must not be negative")
         if self.fault_metrics not in FAULT_METRICS:
             raise ValueError(f"fault_metrics must be one of {FAULT_METRICS}")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}")
 
     @property
     def served(self) -> tuple[str, ...]:
@@ -172,8 +180,19 @@ class SimServer:
         self.config = config
         self.engine = Engine(config.engine_config())
         self.max_model_len = self.engine.config.max_model_len
-        self.metrics = SimMetrics(self.engine, config.served[0], cache_config_labels(self.engine))
-        self.runner = Runner(self.engine, config.speedup, self.metrics.on_step)
+        self.metrics = SimMetrics(
+            self.engine,
+            config.served[0],
+            cache_config_labels(self.engine, config.prefix_caching_hash_algo),
+        )
+        self.hasher = engine_hasher(config.prefix_caching_hash_algo)
+        events = config.kv_events_config
+        self.kv_events = events if events is not None and events.publishes else None
+        self.publisher: KVEventPublisher | None = None
+        on_step = self.metrics.on_step if self.kv_events is None else self._on_step
+        if self.kv_events is not None:
+            self.engine.pool.record_events()
+        self.runner = Runner(self.engine, config.speedup, on_step)
         self._log: IO[str] | None = None
         self.fingerprint = system_fingerprint(config.served[0])
 
@@ -198,13 +217,27 @@ class SimServer:
     async def _startup(self, _: web.Application) -> None:
         if self.config.log_requests is not None:
             self._log = open(self.config.log_requests, "a", encoding="utf-8")  # noqa: SIM115
+        if self.kv_events is not None:
+            self.publisher = KVEventPublisher(self.kv_events)
+            self.publisher.start()
         self.runner.start()
 
     async def _cleanup(self, _: web.Application) -> None:
         await self.runner.stop()
+        if self.publisher is not None:
+            await self.publisher.close()
+            self.publisher = None
         if self._log is not None:
             self._log.close()
             self._log = None
+
+    def _on_step(self, out: StepOutput) -> None:
+        """At a step's end, as vLLM's scheduler does after the model ran: the metrics, then
+        the step's KV events as one batch (none when the step cached and evicted nothing)."""
+        self.metrics.on_step(out)
+        events = self.engine.pool.take_events()
+        if events and self.publisher is not None:
+            self.publisher.publish(events)
 
     # -- small endpoints --------------------------------------------------------------------
 
@@ -264,11 +297,14 @@ class SimServer:
         ereq = EngineRequest(
             request_id=gen.request_id,
             prompt_len=gen.prompt_len,
-            block_hashes=block_hashes(gen.prompt_token_ids, self.engine.config.block_size),
+            block_hashes=block_hashes(
+                gen.prompt_token_ids, self.engine.config.block_size, self.hasher
+            ),
             max_tokens=gen.max_tokens,
             output_len=gen.output_len,
             priority=gen.priority,
             params_max_tokens=gen.params_max_tokens,
+            token_ids=gen.prompt_token_ids,
         )
         created = int(time.time())
         response: web.StreamResponse | None = None

@@ -1,0 +1,68 @@
+"""vLLM 0.32's KV cache events, byte for byte: what ``--kv-events-config`` makes an engine say.
+
+A gateway that routes on what engines really cache (``extproc.fleet.kv_subscriber``) reads
+these, so the simulator writes them exactly as ``vllm/distributed/kv_events.py`` encodes
+them (msgspec, ``omit_defaults``; ``shared/reference/vllm.md`` A3):
+
+- the payload is the array ``[ts, events, data_parallel_rank]`` (the publisher always sets
+  the rank, so it is never left out);
+- an event is a map, its ``type`` tag first, then the struct's fields in their order.
+  Fields without a default are always written, even when None (``parent_block_hash``,
+  ``lora_id``, ``medium``, ``lora_name``); fields whose value equals their default (None)
+  are left out (``kv_cache_spec_sliding_window``, ``locality``, ``ownership``,
+  ``session_id``);
+- ``BlockStored`` is one per request and step, for the blocks that request filled (vLLM's
+  ``cache_full_blocks``): ``extra_keys`` holds one entry per block, None for plain text
+  (vLLM writes the list of Nones, not None), ``group_idx`` 0 (a model with one KV cache
+  group) and ``kv_cache_spec_kind`` ``"full_attention"`` (the scheduler's annotation);
+- ``BlockRemoved`` is one per evicted block (``_emit_block_removed_events``), with
+  ``group_idx`` 0;
+- hashes are the ints of ``extproc.fleet.kv_events.event_key`` (vLLM's default
+  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``).
+
+``tests/loadtests/sim/test_sim_kv_events.py`` holds a batch against the bytes vLLM 0.32's own
+structs encode to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+
+Event = dict[str, Any]
+
+MEDIUM_GPU = "GPU"
+FULL_ATTENTION = "full_attention"
+ALL_BLOCKS_CLEARED: Event = {"type": "AllBlocksCleared"}
+
+
+def block_stored(
+    keys: list[int], parent: int | None, token_ids: Sequence[int], block_size: int
+) -> Event:
+    """The full blocks ``keys`` one request just filled, chained after ``parent``."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": keys,
+        "parent_block_hash": parent,
+        "token_ids": token_ids if isinstance(token_ids, list) else list(token_ids),
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": MEDIUM_GPU,
+        "lora_name": None,
+        "extra_keys": [None] * len(keys),
+        "group_idx": 0,
+        "kv_cache_spec_kind": FULL_ATTENTION,
+    }
+
+
+def block_removed(key: int) -> Event:
+    """One cached block evicted to be reused."""
+    return {"type": "BlockRemoved", "block_hashes": [key], "medium": MEDIUM_GPU, "group_idx": 0}
+
+
+def encode_batch(ts: float, events: list[Event], data_parallel_rank: int = 0) -> bytes:
+    """One step's events as the payload vLLM's publisher sends (``KVEventBatch``)."""
+    payload: bytes = msgpack.packb([ts, events, data_parallel_rank])
+    return payload

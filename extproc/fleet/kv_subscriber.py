@@ -15,9 +15,11 @@ and the replay how it repairs:
   engine's batch ``last`` must come back byte for byte as applied, which tells a gap in
   the same engine's stream from another engine process that restarted on the same port and
   has already published past ``last`` while the subscriber was away;
-- **backwards** (``seq <= last``, and not a batch a replay already applied): the engine
-  restarted and counts from 0 again. The index is cleared and the message handled as a
-  first one;
+- **backwards** (``seq <= last``, and not a batch already applied, byte for byte): the
+  engine restarted and counts from 0 again. The index is cleared and the message handled
+  as a first one. A restarted engine whose first batch the subscriber sees is exactly
+  ``last + 1`` (it published ``last + 1`` batches while the subscriber was disconnected)
+  cannot be told from the old one by its sequence numbers and goes unnoticed;
 - a replay answers ``[b"", topic, seq, payload]`` frames and ends with seq -1. The frames
   that continue the stream are applied in order, then the live message that asked for it;
   live messages that arrived meanwhile wait in the SUB socket's queue (its high-water mark
@@ -28,9 +30,9 @@ and the replay how it repairs:
 - a payload that does not decode is counted, logged (at most once a minute), and skipped:
   its seq still counts as applied, since a replay would give the same bytes again.
 
-When ``index.live`` is true (the picker uses a live index, and the approximate per-backend
-LRU otherwise): once the index has everything the engine cached since a point where the
-subscriber knew the whole cache: the stream's start (``seq == 0``, first-hand or replayed),
+``index.live`` (the picker uses a live index, and the approximate per-backend LRU
+otherwise) is true while the index has everything the engine cached since a point where
+the subscriber knew the whole cache: the stream's start (``seq == 0``, first-hand or replayed),
 a replay that answered with nothing (a running engine that has not cached anything yet),
 or an ``AllBlocksCleared``. It becomes false when that no longer holds: after a late join
 (the engine cached blocks before the oldest batch it still buffers) or an unreplayable gap.
@@ -41,9 +43,10 @@ since, by which time LRU eviction has recycled nearly all the blocks the index m
 (those still held by requests that were running then may remain); without it, at the next
 restart or ``AllBlocksCleared``.
 
-The counters (``messages``, ``events``, ``gaps``, ``gaps_lost``, ``replays_ok``,
-``replays_failed``, ``restarts``, ``decode_errors``) and ``index_size`` are plain
-attributes for the service's Prometheus collector. All the work happens on the event loop
+The counters (``messages`` received live, ``events`` applied, ``gaps`` seen, ``gaps_lost``:
+history that could not be had, a late join the buffer could not fill included,
+``replays_ok``, ``replays_failed``, ``restarts``, ``decode_errors``) and ``index_size``
+are plain attributes for the service's Prometheus collector. All the work happens on the event loop
 in one task; a replay's wait is awaited, never blocking, and a long replay yields between
 batches.
 """
@@ -79,7 +82,7 @@ replay wait rather than drop."""
 LOG_EVERY_S = 60.0
 """At most one log line per subscriber and kind of trouble in this time."""
 YIELD_EVERY = 64
-"""A replay's batches are applied this many at a time between yields to the loop."""
+"""A replay's batches are read and applied this many at a time between yields to the loop."""
 END_SEQ = -1
 
 Batch = tuple[int, bytes]
@@ -425,3 +428,5 @@ async def _exchange(dealer: zmq.asyncio.Socket, start: int) -> list[Batch]:
         if seq == END_SEQ:
             return batches
         batches.append((seq, frames[3]))
+        if len(batches) % YIELD_EVERY == 0:
+            await asyncio.sleep(0)  # frames already queued are read without yielding

@@ -41,7 +41,7 @@ log = logging.getLogger("fairlane.sim.kv_events")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The replay's last frame's sequence number."""
-REPLAY_YIELD_EVERY = 256
+REPLAY_YIELD_EVERY = 64
 """A long replay lets the engine loop run between this many frames."""
 
 

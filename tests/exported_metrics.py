@@ -21,10 +21,13 @@ from extproc.core.decisions import Forward, Respond
 from extproc.core.events import Completion
 from extproc.core.peers import PeerView, ReplicaReport
 from extproc.fleet.discovery import DnsBackendSpec
+from extproc.fleet.kv_events import KVBlockIndex
+from extproc.fleet.kv_subscriber import KVEventSubscriber
 from extproc.fleet.membership import Membership
 from extproc.policy import DEFAULT_POLICY_PATH, Budget
 from extproc.state.exchange import RedisExchange
 from extproc.state.replica import SharedState
+from extproc.transport.kv_feeds import KVEventFeeds
 from extproc.transport.prometheus import GatewayCollector
 from tests.extproc.factories import make_gateway, request
 
@@ -123,10 +126,23 @@ def _drive() -> str:
         membership.update(name, {"10.9.0.1"}, 0.0)
         membership.failed(name, "no answer in time")
 
+        # The local engine publishes KV events (never connected: its subscriber is not
+        # started), so the KV event families are exported too.
+        local.kv_index = KVBlockIndex()
+        local.kv_index.live = True
+        feeds = KVEventFeeds(gateway.admission.pool)
+        feeds.subscribers[local.address] = KVEventSubscriber("tcp://127.0.0.1:1", local.kv_index)
+
         registry = CollectorRegistry(auto_describe=False)
         registry.register(
             GatewayCollector(
-                gateway.admission, gateway.stats, store, gateway.overload, state, membership
+                gateway.admission,
+                gateway.stats,
+                store,
+                gateway.overload,
+                state,
+                membership,
+                feeds,
             )
         )
         return generate_latest(registry).decode()

@@ -34,6 +34,7 @@ from extproc.core.overload import OverloadControl
 from extproc.fleet.membership import CHANGES, Membership
 from extproc.fleet.vllm_metrics import OPTIONAL
 from extproc.state.replica import SharedState
+from extproc.transport.kv_feeds import KVEventFeeds
 
 if TYPE_CHECKING:
     from extproc.policy import PolicyStore
@@ -59,6 +60,19 @@ def _histogram(
     return family
 
 
+KV_STREAM_COUNTERS = (
+    "messages",
+    "events",
+    "gaps",
+    "gaps_lost",
+    "replays_ok",
+    "replays_failed",
+    "restarts",
+    "decode_errors",
+)
+"""A KV event subscriber's counters, each a ``kind`` of ``fairlane_kv_events_total``."""
+
+
 class GatewayCollector(Collector):
     def __init__(
         self,
@@ -68,8 +82,10 @@ class GatewayCollector(Collector):
         overload: OverloadControl | None = None,
         state: SharedState | None = None,
         membership: Membership | None = None,
+        kv_feeds: KVEventFeeds | None = None,
     ) -> None:
         self.admission = admission
+        self.kv_feeds = kv_feeds
         self.stats = stats
         self.policies = policies
         self.overload = overload
@@ -82,6 +98,7 @@ class GatewayCollector(Collector):
         yield from self._seats()
         yield from self._backends()
         yield from self._fleet()
+        yield from self._prefix()
         yield from self._outcomes()
         yield from self._latencies()
         yield from self._overload()
@@ -279,6 +296,48 @@ class GatewayCollector(Collector):
                 addresses.add_metric([source.url], len(membership.addresses(source)))
                 failing.add_metric([source.url], int(source.url in membership.failing))
         yield from (failures, addresses, failing)
+
+    def _prefix(self) -> Iterable[Metric]:
+        yield _counter(
+            "fairlane_prefix_matches",
+            "Grants per backend by the index that matched their prompt's prefix there: "
+            "precise (the engine's KV events) or approximate (what was sent there: no events "
+            "configured, or the event stream is not followed from a known point).",
+            ["backend", "index"],
+            self.admission.prefix_index.items(),
+        )
+        live = GaugeMetricFamily(
+            "fairlane_backend_kv_events_live",
+            "1 while the backend's KV event index is complete (the picker trusts it), 0 "
+            "while it is not (after a late join or a gap that could not be replayed): its "
+            "prefix affinity is approximate meanwhile. Only backends with kv-events.",
+            labels=BACKEND_LABELS,
+        )
+        blocks = GaugeMetricFamily(
+            "fairlane_backend_kv_index_blocks",
+            "KV blocks the engine holds by its own events.",
+            labels=BACKEND_LABELS,
+        )
+        stream = CounterMetricFamily(
+            "fairlane_kv_events",
+            "The engines' KV event streams: messages (batches), events, gaps (sequence "
+            "jumps), gaps_lost (not replayable: the index was cleared), replays_ok, "
+            "replays_failed, restarts (the sequence started over), decode_errors.",
+            labels=[*BACKEND_LABELS, "kind"],
+        )
+        subscribers = self.kv_feeds.subscribers if self.kv_feeds is not None else {}
+        for backend in self.admission.pool.backends:
+            index = backend.kv_index
+            if index is None:
+                continue
+            labels = [backend.address, backend.region]
+            live.add_metric(labels, int(index.live))
+            blocks.add_metric(labels, len(index))
+            subscriber = subscribers.get(backend.address)
+            if subscriber is not None:
+                for kind in KV_STREAM_COUNTERS:
+                    stream.add_metric([*labels, kind], getattr(subscriber, kind))
+        yield from (live, blocks, stream)
 
     def _outcomes(self) -> Iterable[Metric]:
         stats = self.stats

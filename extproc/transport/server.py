@@ -60,6 +60,7 @@ from extproc.transport.credentials import (
 from extproc.transport.endpoints import EndpointSet, levels_of
 from extproc.transport.h2grpc import GrpcServer
 from extproc.transport.held import HeldRequests
+from extproc.transport.kv_feeds import KVEventFeeds
 from extproc.transport.overload import Ages, watch_overload
 from extproc.transport.prometheus import GatewayCollector, start_metrics_server
 from extproc.transport.runtime import RuntimeLayer
@@ -180,6 +181,7 @@ class Service:
         )
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         self._tasks: list[asyncio.Task[None]] = []
+        self._syncs: set[asyncio.Task[None]] = set()
         self.failed: asyncio.Future[str] | None = None
         """Set to why, when a background loop (scraping, health, shared state...) ended with
         an error: the service would go on answering but blind or cut off, so ``serve`` stops
@@ -188,6 +190,11 @@ class Service:
         self._scrape_interval_s = 0.0
         self._metrics: web.AppRunner | None = None
         self.metrics_port: int | None = None
+        self.kv_feeds: KVEventFeeds | None = None
+        publishing = [b.kv_events for b in config.backends]
+        publishing += [d.kv_events for d in config.dns_backends]
+        if any(publishing):
+            self.kv_feeds = KVEventFeeds(self.pool)
         self.state: SharedState | None = None
         if config.state_url is not None:
             replica = config.replica_id or f"{config.host}:{self.port}"
@@ -207,6 +214,10 @@ class Service:
                 self.credentials.forget(backend.address)
             self.held.forget_backend(backend.address)
         self.endpoints.publish(levels_of(self.pool))
+        if self.kv_feeds is not None and (changes.joined or changes.removed):
+            task = asyncio.create_task(self.kv_feeds.sync(), name="kv-events-sync")
+            self._syncs.add(task)
+            task.add_done_callback(self._syncs.discard)
 
     async def start(self) -> None:
         await self.server.start()
@@ -221,6 +232,7 @@ class Service:
                 self.overload,
                 self.state,
                 self.membership,
+                self.kv_feeds,
             )
             self._metrics, self.metrics_port = await start_metrics_server(
                 collector, self.config.host, self.config.metrics_port
@@ -239,6 +251,8 @@ class Service:
             self._tasks.append(asyncio.create_task(self.state.run(), name="shared-state"))
         if self.dns is not None:
             self._tasks.append(asyncio.create_task(self.dns.run(), name="dns"))
+        if self.kv_feeds is not None:
+            self._tasks.append(asyncio.create_task(self.kv_feeds.run(), name="kv-events"))
         self.failed = asyncio.get_running_loop().create_future()
         for task in self._tasks:
             task.add_done_callback(self._background_ended)
@@ -290,6 +304,8 @@ class Service:
             task.cancel()
         # A loop that failed was logged when it did (``_background_ended``).
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.kv_feeds is not None:
+            await self.kv_feeds.stop()
         if self._metrics is not None:
             await self._metrics.cleanup()
 

@@ -13,6 +13,7 @@ from extproc.core.admission import Admission
 from extproc.core.events import RequestInfo
 from extproc.core.gateway import Gateway
 from extproc.fleet.backend import Backend, BackendPool, BackendSpec
+from extproc.fleet.prefix_cache import DEFAULT_BLOCK_SIZE
 from extproc.fleet.vllm_metrics import EngineMetrics
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyStore, Tenant, Tier
 from extproc.policy.model import Gate
@@ -70,6 +71,7 @@ def scraped(
             itl_sum_s=0.0,
             itl_count=0.0,
             scraped_at=clock(),
+            block_size=DEFAULT_BLOCK_SIZE,  # as vLLM's cache_config_info says
         ),
         granted_before=backend.granted_since_scrape,
     )

@@ -145,6 +145,7 @@ def test_the_decode_fast_forward_changes_no_request_and_no_scrape(
             fm.itl_count,
         )
         assert close(pt, ft) and close(pm.kv_cache_usage, fm.kv_cache_usage)
+        assert pm.itl_sum_s is not None and fm.itl_sum_s is not None  # the sim exports ITL
         assert close(pm.itl_sum_s, fm.itl_sum_s)
     if outage:
         assert any(f.tried > 1 for f in fast.flights.values())  # retried after the loss

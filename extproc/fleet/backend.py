@@ -22,6 +22,7 @@ sized from the ``vllm:cache_config_info`` its scrapes report.
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import time
 from collections import Counter, deque
@@ -87,6 +88,19 @@ class KVEventPorts:
         for port in (self.port, self.replay_port):
             if port is not None and not 1 <= port <= 65535:
                 raise ValueError(f"KV events port must be in [1, 65535], got {port}")
+
+    def engine_config(self) -> str:
+        """The engine's ``--kv-events-config`` publishing on these ports (vLLM's PUB and
+        replay ROUTER bind when the endpoint names ``*``; the gateway connects to them)."""
+        config: dict[str, object] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.port}",
+            "topic": "",
+        }
+        if self.replay_port is not None:
+            config["replay_endpoint"] = f"tcp://*:{self.replay_port}"
+        return json.dumps(config)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from types import FrameType
 
 from extproc.envoy.binary import envoy_argv, write_bootstrap
 from extproc.envoy.params import MAX_MESSAGE_TIMEOUT_S, EnvoyParams
-from extproc.fleet.backend import BackendSpec, backend_argument
+from extproc.fleet.backend import BackendSpec, KVEventPorts, backend_argument
 from extproc.fleet.discovery import DnsBackendSpec
 from extproc.ops.first_request import curl_lines, served_model
 from extproc.ops.processes import (
@@ -46,13 +46,16 @@ from extproc.ops.seat_watch import SeatCount, SeatWatch
 from extproc.ops.service_replicas import ServiceProcess, Services, start_services
 from extproc.policy import DEFAULT_POLICY_PATH, load_policy
 from extproc.transport.server import (
+    BUILTIN_TOKENIZER,
     add_backend_argument,
     add_dns_arguments,
+    add_kv_event_arguments,
     add_policy_argument,
     add_region_key_argument,
     dns_arguments,
     dns_server_from_args,
     fleet_from_args,
+    kv_event_arguments,
     region_keys_from_args,
 )
 
@@ -81,6 +84,9 @@ class StackConfig:
     ``{0: ("--fault-delay-headers-s", "3")}``)."""
     sim_log_requests: bool = False
     """Have each simulator log the requests it receives (tests read them)."""
+    kv_events: bool = True
+    """Simulated backends publish their KV events and the service follows them (precise
+    prefix routing with the simulator's tokenizer); off, prefix affinity is approximate."""
     admin_port: int = 0
     service_port: int = 0
     metrics_port: int = 0
@@ -190,11 +196,15 @@ class Stack:
         return tuple(flags)
 
     def _service_args(self) -> tuple[str, ...]:
-        """``fairlane serve``'s extra flags; ``--host`` only off its loopback default."""
+        """``fairlane serve``'s extra flags; ``--host`` only off its loopback default; the
+        simulator's tokenizer when simulated backends publish KV events."""
         config = self.config
+        args = config.service_args
+        if self.simulators and config.kv_events:
+            args = (*args, "--tokenizer", BUILTIN_TOKENIZER)
         if config.bind_host == BIND_HOSTS[0]:
-            return config.service_args
-        return (*config.service_args, "--host", config.bind_host)
+            return args
+        return (*args, "--host", config.bind_host)
 
     def _replica_addresses(self) -> tuple[tuple[str, int], ...]:
         """Every replica's gRPC address for Envoy; empty for the one service (whose config
@@ -258,7 +268,11 @@ class Stack:
                 *self.config.sim_args,
                 *self.config.sim_extra_args.get(index, ()),
             ]
-            spec = BackendSpec("127.0.0.1", port, region)
+            events = None
+            if self.config.kv_events:
+                events = KVEventPorts(free_port(), free_port())
+                argv += ["--kv-events-config", events.engine_config()]
+            spec = BackendSpec("127.0.0.1", port, region, kv_events=events)
             if self.config.sim_log_requests:
                 log_path = self.group.log_dir / f"requests-{port}.jsonl"
                 argv += ["--log-requests", str(log_path)]
@@ -337,6 +351,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the ext_proc service as N active-active replicas sharing their state in a "
         "local Redis (redis-server on PATH; scripts/setup-tools installs it); default 1",
     )
+    parser.add_argument(
+        "--no-kv-events",
+        dest="kv_events",
+        action="store_false",
+        help="simulated backends publish no KV events: prefix affinity is approximate (by "
+        "default they publish them and the service follows them)",
+    )
+    add_kv_event_arguments(parser)
     parser.add_argument("--log-dir", type=Path, default=None, help="where process logs go")
 
 
@@ -368,7 +390,9 @@ def run(args: argparse.Namespace) -> int:
         service_args=(
             *(arg for key in args.region_key for arg in ("--region-key", key)),
             *dns_arguments(args),
+            *kv_event_arguments(args),
         ),
+        kv_events=args.kv_events,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         bind_host=args.bind,

@@ -574,6 +574,19 @@ def add_kv_event_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def kv_event_arguments(args: argparse.Namespace) -> tuple[str, ...]:
+    """``add_kv_event_arguments``' values as ``fairlane serve`` flags (``fairlane up``
+    passes them on)."""
+    flags: list[str] = []
+    if args.tokenizer is not None:
+        flags += ["--tokenizer", str(args.tokenizer)]
+    if args.prefix_caching_hash_algo != "sha256":
+        flags += ["--prefix-caching-hash-algo", args.prefix_caching_hash_algo]
+    if args.kv_hash_seed is not None:
+        flags += ["--kv-hash-seed", args.kv_hash_seed]
+    return tuple(flags)
+
+
 def add_dns_arguments(parser: argparse.ArgumentParser) -> None:
     """How ``dns://`` backends are resolved, shared by ``serve`` and ``up``."""
     parser.add_argument(

@@ -26,7 +26,6 @@ on failure.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,20 +101,6 @@ def sim_argv(
     ]
 
 
-def kv_events_config(port: int, replay_port: int) -> str:
-    """vLLM's ``--kv-events-config`` for a publisher bound on loopback ports (the PUB binds
-    because the endpoint names ``*``; the bench reaches it on 127.0.0.1 only)."""
-    return json.dumps(
-        {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{port}",
-            "replay_endpoint": f"tcp://*:{replay_port}",
-            "topic": "",
-        }
-    )
-
-
 def start_simulators(
     scenario: Scenario,
     group: ProcessGroup,
@@ -132,8 +117,7 @@ def start_simulators(
         events = None
         if kv_events:
             events = KVEventPorts(free_port(), free_port())
-            assert events.replay_port is not None
-            argv += ["--kv-events-config", kv_events_config(events.port, events.replay_port)]
+            argv += ["--kv-events-config", events.engine_config()]
         child = group.start(f"sim-{i}", argv)
         started.append((BackendSpec("127.0.0.1", port, REGION, kv_events=events), child))
     for spec, child in started:

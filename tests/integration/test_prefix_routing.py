@@ -1,0 +1,180 @@
+"""Precise prefix routing through the real Envoy (issue 18).
+
+Two simulated engines publish their KV events (``fairlane up``'s default: each simulator
+gets ``--kv-events-config``, the service ``--tokenizer builtin`` and each backend's
+``kv-events``/``kv-replay`` ports). The service follows both streams; the picker matches a
+prompt against the blocks each engine says it holds. What only the events can know is
+tested here: blocks an engine cached for traffic that never went through this gateway,
+and an engine that restarted with an empty cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from extproc.ops.up import Stack
+from tests.exported_metrics import Samples, parse_samples
+from tests.integration.conftest import MODEL, auth, requests_by_backend, start_stack
+from tests.polling import until
+
+pytestmark = pytest.mark.integration
+
+KEY = "sk-chat-demo"
+MARK = "x-test-question"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    group, running = start_stack(
+        tmp_path_factory.mktemp("prefix"), sim_regions=("region-a", "region-a")
+    )
+    try:
+        yield running
+    finally:
+        group.stop()
+
+
+def service_metrics(stack: Stack) -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5) as r:
+        return parse_samples(r.read().decode())
+
+
+def gauge(stack: Stack, name: str, backend: str) -> float:
+    for (sample, labels), value in service_metrics(stack).items():
+        if sample == name and ("backend", backend) in labels:
+            return value
+    return 0.0
+
+
+def conversation(system: str, question: str) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        "max_tokens": 2,
+    }
+
+
+def system_prompt(topic: str) -> str:
+    """About 600 tokens (the simulator's tokenizer): a few dozen blocks of 16."""
+    return f"You answer questions about {topic}. Be brief and precise. " * 60
+
+
+async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
+    """POST a chat, tagged with its question (the simulators log request headers)."""
+    headers = {**auth(KEY), MARK: body["messages"][-1]["content"]}
+    async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+
+
+def served_by(stack: Stack, question: str) -> str:
+    """The backend whose simulator received the request asking ``question``."""
+    for address, records in requests_by_backend(stack).items():
+        if any(record["headers"].get(MARK) == question for record in records):
+            return address
+    raise AssertionError(f"no simulator logged the request asking {question!r}")
+
+
+async def idle(stack: Stack) -> None:
+    """Every backend idle as the service last saw it (nothing in flight, no KV in use), so
+    prefix affinity alone decides the next pick (a load tie goes to the first backend)."""
+    names = (
+        "fairlane_backend_in_flight",
+        "fairlane_backend_kv_cache_usage_ratio",
+        "fairlane_backend_waiting",
+    )
+    for backend in stack.backends:
+        address = backend.address
+        await until(
+            lambda: all(gauge(stack, n, address) == 0 for n in names),  # noqa: B023
+            f"{address} idle",
+            every_s=0.05,
+        )
+
+
+async def live(stack: Stack) -> None:
+    for backend in stack.backends:
+        address = backend.address
+        await until(
+            lambda: gauge(stack, "fairlane_backend_kv_events_live", address) == 1,  # noqa: B023
+            f"{address}'s KV events followed from a known point",
+            timeout_s=20,
+            every_s=0.2,
+        )
+
+
+async def test_blocks_cached_for_traffic_elsewhere_draw_the_request(stack: Stack) -> None:
+    """An engine that cached a prompt for a client that did not come through this gateway
+    (another gateway, a replica, a direct caller) is where the next request with that
+    prefix goes: only its events say so."""
+    await live(stack)
+    first, second = stack.backends
+    for backend in (second, first):  # each engine, in turn, is the one that knows
+        system = system_prompt(f"the fleet behind {backend.address}")
+        async with aiohttp.ClientSession() as session:
+            await send(session, backend.url, conversation(system, "a direct question"))
+            address = backend.address
+            await until(
+                lambda: gauge(stack, "fairlane_backend_kv_index_blocks", address) > 0,  # noqa: B023
+                f"{address}'s BlockStored events in the service's index",
+                every_s=0.05,
+            )
+            await idle(stack)
+            question = f"through the gateway to {backend.port}"
+            await send(session, stack.url, conversation(system, question))
+            assert served_by(stack, question) == backend.address
+    precise = sum(
+        value
+        for (name, labels), value in service_metrics(stack).items()
+        if name == "fairlane_prefix_matches_total" and ("index", "precise") in labels
+    )
+    assert precise >= 2
+
+
+async def test_an_engine_restarted_empty_is_forgotten(stack: Stack) -> None:
+    """A restarted engine's stream starts over at 0: the service clears what it knew of it
+    (its cache is empty), so a prompt it held before no longer draws requests there."""
+    await live(stack)
+    first, victim = stack.backends
+    system = system_prompt("restarts")
+    async with aiohttp.ClientSession() as session:
+        await send(session, victim.url, conversation(system, "before the restart"))
+        await until(
+            lambda: gauge(stack, "fairlane_backend_kv_index_blocks", victim.address) > 0,
+            "the victim's blocks in the index",
+        )
+    stack.kill_simulator(victim.address)
+    stack.restart_simulator(victim.address)
+    async with aiohttp.ClientSession() as session:  # no connection kept to the dead one
+        # The new engine says something only when it caches a block: prompt it until the
+        # service has seen its stream start over (the first messages may be published
+        # before the subscription has reconnected).
+        for n in range(50):
+            await send(session, victim.url, conversation(system_prompt(f"life {n}"), "hello"))
+            if _restarts(stack, victim.address) >= 1:
+                break
+            await asyncio.sleep(0.2)
+        assert _restarts(stack, victim.address) >= 1, "the restart was never seen"
+        await live(stack)
+        await idle(stack)
+        question = "after the restart, through the gateway"
+        await send(session, stack.url, conversation(system, question))
+    # Nothing holds the prompt now: the pick is by load, and a load tie goes to the first
+    # backend. Had the index kept the dead engine's blocks, the victim would have drawn it.
+    assert served_by(stack, question) == first.address
+
+
+def _restarts(stack: Stack, address: str) -> float:
+    for (name, labels), value in service_metrics(stack).items():
+        if (
+            name == "fairlane_kv_events_total"
+            and ("backend", address) in labels
+            and ("kind", "restarts") in labels
+        ):
+            return value
+    return 0.0

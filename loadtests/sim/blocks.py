@@ -10,7 +10,9 @@ The pool is what makes KV pressure real in the simulator: a request holds
   with: ``--prefix-caching-hash-algo`` and the ``NONE_HASH`` seed, ``PYTHONHASHSEED`` when
   the environment has one, as in vLLM);
 - a freed block keeps its hash and stays findable until it is reused (LRU free queue);
-- a request's blocks are freed in reverse order, so its tail blocks are evicted first.
+- a request's blocks are freed in reverse order, so its tail blocks are evicted first;
+  blocks without a hash (a partial tail) go to the front of the free queue, to be reused
+  before any cached block is evicted (vLLM 0.32's ``free_blocks``).
 
 With ``record_events`` the pool also queues vLLM's KV events as vLLM's pool does
 (``kv_event_queue``): a ``BlockStored`` per request and step for the blocks it filled, a
@@ -129,11 +131,21 @@ class BlockPool:
         return blocks
 
     def free(self, blocks: Sequence[int]) -> None:
-        """Drop one reference on each block; tail blocks go to the free queue first."""
+        """Drop one reference on each block, tail blocks first (vLLM's ``free_blocks``): a
+        block holding a hash joins the end of the free queue (evicted last, LRU), one
+        without (a partial tail, never findable) its front, to be reused first."""
+        free = self._free
+        unhashed: list[int] = []
         for block in reversed(blocks):
             self._ref[block] -= 1
             if self._ref[block] == 0:
-                self._free[block] = None
+                if self._hash[block] is None:
+                    unhashed.append(block)
+                else:
+                    free[block] = None
+        for block in reversed(unhashed):  # vLLM's prepend_n: the first ends up in front
+            free[block] = None
+            free.move_to_end(block, last=False)
 
     def cache(self, block: int, block_hash: BlockHash) -> None:
         """Record that ``block`` now holds the full block ``block_hash``."""

@@ -36,3 +36,17 @@ def test_allocate_refuses_when_short_and_touch_takes_blocks_off_the_free_queue()
     pool.free(first)
     pool.touch([first[0]])
     assert pool.num_free == 2 and abs(pool.usage - 1 / 3) < 1e-9
+
+
+def test_a_freed_block_without_a_hash_is_reused_before_any_cached_block_is_evicted() -> None:
+    """vLLM 0.32's ``free_blocks``: a partial (unhashed) block goes to the front of the free
+    queue, a cached one to its end, so a cached block is evicted only when nothing else is
+    left (as the conformance test's eviction events on the real engine show)."""
+    pool = BlockPool(4, 16)
+    blocks = pool.allocate(2)
+    assert blocks == [0, 1]
+    pool.cache(0, b"h")  # block 1 is the request's partial tail: no hash
+    pool.free(blocks)
+    assert pool.allocate(3) == [1, 2, 3]
+    assert pool.cached_prefix([b"h"]) == [0]
+    assert pool.allocate(1) == [0] and pool.cached_prefix([b"h"]) == []

@@ -57,9 +57,13 @@ class EngineTokenizer:
         chat_template: str | None,
         special: Mapping[str, str],
         source: str = "",
+        max_chars: int | None = MAX_PROMPT_CHARS,
     ) -> None:
         self._tokenizer = tokenizer
         self.source = source
+        self.max_chars = max_chars
+        """Text past this many characters is cut before tokenizing (None: never): the
+        gateway's bound on a request's cost; an engine (``fairlane sim``) counts it all."""
         self._template = _compile(chat_template) if chat_template else None
         self._special = dict(special)
         added = tokenizer.get_added_tokens_decoder()
@@ -80,7 +84,9 @@ class EngineTokenizer:
         self.segment_misses = 0
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> EngineTokenizer:
+    def from_dir(
+        cls, path: str | Path, max_chars: int | None = MAX_PROMPT_CHARS
+    ) -> EngineTokenizer:
         """Load ``tokenizer.json`` and ``tokenizer_config.json`` from a model directory."""
         directory = Path(path)
         tokenizer_file = directory / "tokenizer.json"
@@ -107,7 +113,11 @@ class EngineTokenizer:
             if config.get(name) is not None
         }
         return cls(
-            tokenizer, template if isinstance(template, str) else None, special, str(directory)
+            tokenizer,
+            template if isinstance(template, str) else None,
+            special,
+            str(directory),
+            max_chars,
         )
 
     def body_ids(self, body: Mapping[str, Any]) -> list[int] | None:
@@ -145,7 +155,8 @@ class EngineTokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        text = text[:MAX_PROMPT_CHARS]
+        if self.max_chars is not None:
+            text = text[: self.max_chars]
         if add_special_tokens or self._splitter is None:
             return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
         ids: list[int] = []

@@ -8,7 +8,7 @@ The pool is what makes KV pressure real in the simulator: a request holds
 - only full blocks are cached, keyed by vLLM's chained hash
   (``extproc.core.blockhash.BlockHasher``, the one the gateway predicts engines' blocks
   with: ``--prefix-caching-hash-algo`` and the ``NONE_HASH`` seed, ``PYTHONHASHSEED`` when
-  the environment has one, as in vLLM);
+  the environment has one, as in vLLM; a request's ``cache_salt`` salts its first block);
 - a freed block keeps its hash and stays findable until it is reused (LRU free queue);
 - a request's blocks are freed in reverse order, so its tail blocks are evicted first;
   blocks without a hash (a partial tail) go to the front of the free queue, to be reused
@@ -44,10 +44,14 @@ NONE_HASH: BlockHash = DEFAULT_HASHER.none_hash
 
 
 def block_hashes(
-    token_ids: Sequence[int], block_size: int, hasher: BlockHasher = DEFAULT_HASHER
+    token_ids: Sequence[int],
+    block_size: int,
+    hasher: BlockHasher = DEFAULT_HASHER,
+    cache_salt: str | None = None,
 ) -> list[BlockHash]:
-    """Chained hashes of every *full* block of ``token_ids`` (a partial tail has none)."""
-    return hasher.chain(token_ids, block_size, limit=len(token_ids) // block_size)
+    """Chained hashes of every *full* block of ``token_ids`` (a partial tail has none), the
+    first salted with ``cache_salt`` when there is one (vLLM's extra keys)."""
+    return hasher.chain(token_ids, block_size, cache_salt, limit=len(token_ids) // block_size)
 
 
 class BlockPool:
@@ -161,19 +165,25 @@ class BlockPool:
         start: int,
         end: int,
         token_ids: Sequence[int],
+        cache_salt: str | None = None,
     ) -> None:
         """One request's blocks ``start..end-1`` just became full (vLLM's
-        ``cache_full_blocks``): cache them, and announce them in one ``BlockStored``."""
+        ``cache_full_blocks``): cache them, and announce them in one ``BlockStored`` (the
+        salt, untagged, as the first block's extra keys, as vLLM publishes it)."""
         for k in range(start, end):
             self.cache(blocks[k], hashes[k])
         if self.events is not None:
             size = self.block_size
+            extra: list[list[str] | None] = [None] * (end - start)
+            if cache_salt and start == 0 and end > 0:
+                extra[0] = [cache_salt]
             self.events.append(
                 block_stored(
                     [event_key(h) for h in hashes[start:end]],
                     event_key(hashes[start - 1]) if start else None,
                     token_ids[start * size : end * size],
                     size,
+                    extra,
                 )
             )
 

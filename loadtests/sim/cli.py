@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from extproc.core.blockhash import HASH_ALGOS
+from extproc.fleet.tokenizer import TokenizerError
 from loadtests.sim.kv_publisher import KVEventsConfig
 from loadtests.sim.profiles import DEFAULT_PROFILE, PROFILES
 from loadtests.sim.server import SIM_KEY, SimConfig, start
@@ -85,6 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="sha256",
         help="as vLLM: the block hash (the NONE_HASH seed is $PYTHONHASHSEED when set)",
     )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="as vLLM: tokenize prompts with this model directory's tokenizer.json and chat "
+        "template (default: fairlane's built-in approximation)",
+    )
     faults = parser.add_argument_group("fault injection (for the gateway's fault tests)")
     faults.add_argument(
         "--fault-delay-headers-s",
@@ -120,6 +129,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         api_key=args.api_key,
         kv_events_config=args.kv_events_config,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        tokenizer=args.tokenizer,
     )
 
 
@@ -161,11 +171,15 @@ async def _serve(config: SimConfig, host: str, port: int) -> None:
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        asyncio.run(_serve(config, args.host, args.port))
-    else:
-        uvloop.run(_serve(config, args.host, args.port))
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+            asyncio.run(_serve(config, args.host, args.port))
+        else:
+            uvloop.run(_serve(config, args.host, args.port))
+    except TokenizerError as exc:  # --tokenizer: a directory without a usable tokenizer
+        print(f"fairlane sim: error: --tokenizer {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -58,6 +58,9 @@ class EngineRequest:
     # The prompt's token ids, only for the KV events' BlockStored (the hashes above are what
     # the engine caches by); empty when nobody publishes events.
     token_ids: Sequence[int] = ()
+    # The request's cache_salt (already in block_hashes): the KV events name it as the first
+    # block's extra key.
+    cache_salt: str | None = None
 
     seq: int = 0
     num_computed: int = 0
@@ -321,7 +324,12 @@ class Engine:
             full = min(req.num_computed // block_size, len(req.block_hashes))
             if full > req.num_hashed_blocks:
                 pool.cache_full(
-                    req.blocks, req.block_hashes, req.num_hashed_blocks, full, req.token_ids
+                    req.blocks,
+                    req.block_hashes,
+                    req.num_hashed_blocks,
+                    full,
+                    req.token_ids,
+                    req.cache_salt,
                 )
                 req.num_hashed_blocks = full
             if req.num_computed < req.num_tokens:

@@ -13,7 +13,9 @@ them (msgspec, ``omit_defaults``; ``shared/reference/vllm.md`` A3):
   ``session_id``);
 - ``BlockStored`` is one per request and step, for the blocks that request filled (vLLM's
   ``cache_full_blocks``): ``extra_keys`` holds one entry per block, None for plain text
-  (vLLM writes the list of Nones, not None), ``group_idx`` 0 (a model with one KV cache
+  (vLLM writes the list of Nones, not None) and ``[salt]`` for the first block of a request
+  with a ``cache_salt`` (vLLM's ``to_event_extra_keys``: the salt untagged, though the hash
+  takes ``("cache_salt", salt)``), ``group_idx`` 0 (a model with one KV cache
   group) and ``kv_cache_spec_kind`` ``"full_attention"`` (the scheduler's annotation);
 - ``BlockRemoved`` is one per evicted block (``_emit_block_removed_events``), with
   ``group_idx`` 0;
@@ -39,9 +41,14 @@ ALL_BLOCKS_CLEARED: Event = {"type": "AllBlocksCleared"}
 
 
 def block_stored(
-    keys: list[int], parent: int | None, token_ids: Sequence[int], block_size: int
+    keys: list[int],
+    parent: int | None,
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: list[list[str] | None] | None = None,
 ) -> Event:
-    """The full blocks ``keys`` one request just filled, chained after ``parent``."""
+    """The full blocks ``keys`` one request just filled, chained after ``parent``;
+    ``extra_keys`` one entry per block (default: all None, plain text)."""
     return {
         "type": "BlockStored",
         "block_hashes": keys,
@@ -51,7 +58,7 @@ def block_stored(
         "lora_id": None,
         "medium": MEDIUM_GPU,
         "lora_name": None,
-        "extra_keys": [None] * len(keys),
+        "extra_keys": [None] * len(keys) if extra_keys is None else extra_keys,
         "group_idx": 0,
         "kv_cache_spec_kind": FULL_ATTENTION,
     }

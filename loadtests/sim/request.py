@@ -16,7 +16,7 @@ import zlib
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from extproc.core.prompt import render_chat, tokenize
 
@@ -29,6 +29,18 @@ NATURAL_LEN_MEDIAN = 200
 NATURAL_LEN_SIGMA = 0.9
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """vLLM's ``CompletionRequest.max_tokens`` default (chat has none: the model length)."""
+
+
+CACHE_SALT_MAX_CHARS = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+"""vLLM 0.32's ``validate_cache_salt``: at most 128 characters, none of ``@ / \\`` or NUL."""
+
+
+class PromptTokenizer(Protocol):
+    """The model's tokenizer and chat template (``extproc.fleet.tokenizer.EngineTokenizer``,
+    ``fairlane sim --tokenizer DIR``)."""
+
+    def body_ids(self, body: Mapping[str, Any]) -> list[int] | None: ...
 
 
 class ApiError(Exception):
@@ -95,6 +107,7 @@ class GenerateRequest:
     priority: int
     body_priority: int | None
     header_priority: int | None
+    cache_salt: str | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -189,8 +202,29 @@ def _message_errors(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return errors
 
 
+def _check_cache_salt(salt: Any) -> None:
+    """vLLM 0.32's ``validate_cache_salt``, a model validator that runs before the field
+    checks and raises a ``VLLMValidationError``: a 400 ``BadRequestError`` with
+    ``param: "cache_salt"``, not a pydantic validation error."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise ApiError(
+            "Parameter 'cache_salt' must be a non-empty string if provided. (parameter=cache_salt)",
+            param="cache_salt",
+        )
+    if len(salt) > CACHE_SALT_MAX_CHARS or not CACHE_SALT_FORBIDDEN.isdisjoint(salt):
+        raise ApiError(
+            f"Parameter 'cache_salt' must be at most {CACHE_SALT_MAX_CHARS} characters and "
+            "must not contain '@', '/', '\\\\', or NUL. (parameter=cache_salt)",
+            param="cache_salt",
+        )
+
+
 def _validate(chat: bool, body: Mapping[str, Any]) -> None:
-    """The type checks vLLM's request model makes before any handler code (Bad Request)."""
+    """The checks vLLM's request model makes before any handler code: the ``cache_salt``
+    validator first, then the fields' types (Bad Request)."""
+    _check_cache_salt(body.get("cache_salt"))
     errors = _message_errors(body) if chat else []
     for name in _INT_FIELDS:
         value = body.get(name)
@@ -275,16 +309,44 @@ def _served_model(body: Mapping[str, Any], served_models: tuple[str, ...]) -> st
     return str(model)
 
 
-def _prompt_ids(chat: bool, body: Mapping[str, Any]) -> list[int]:
-    """The prompt's token ids: the rendered chat, or a completion's one prompt."""
+def _model_ids(tokenizer: PromptTokenizer, body: Mapping[str, Any]) -> list[int]:
+    """The model tokenizer's ids for a chat, or a completion's one text prompt; its chat
+    template's own errors (``raise_exception``, a content it cannot render) are 400s, as
+    vLLM answers them."""
+    from jinja2.exceptions import TemplateError  # the tokenizer's dependency, as it compiles
+
+    try:
+        ids = tokenizer.body_ids(body)
+    except (TemplateError, TypeError, ValueError) as exc:
+        raise ApiError(str(exc)) from None
+    if ids is None:  # only a chat can get here: a tokenizer without a chat template
+        raise ApiError(
+            "As of transformers v4.44, default chat template is no longer allowed, so you "
+            "must provide a chat template if the tokenizer does not define one."
+        )
+    return ids
+
+
+def _prompt_ids(
+    chat: bool, body: Mapping[str, Any], tokenizer: PromptTokenizer | None = None
+) -> list[int]:
+    """The prompt's token ids: the rendered chat, or a completion's one prompt (token ids
+    as given). Without a ``tokenizer``, ``extproc.core.prompt``'s: ``render_chat`` then
+    ``tokenize``, ignoring ``add_generation_prompt``/``add_special_tokens``."""
     if chat:
         if body["messages"] is None:  # passes vLLM's validation, fails in its handler
             raise ApiError("'NoneType' object is not iterable")
+        if tokenizer is not None:
+            return _model_ids(tokenizer, body)
         return tokenize(render_chat(body["messages"]))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
+        if tokenizer is not None:
+            # Only what a completion's tokenizing reads (a stray "messages" is not a chat).
+            options = {k: body[k] for k in ("add_special_tokens",) if k in body}
+            return _model_ids(tokenizer, {"prompt": prompt, **options})
         return tokenize(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return list(prompt)
@@ -361,11 +423,14 @@ def parse_generate(
     served_models: tuple[str, ...],
     max_model_len: int,
     seed: int,
+    tokenizer: PromptTokenizer | None = None,
 ) -> GenerateRequest:
-    """Validate a request body as vLLM would; raise ``ApiError`` (400/404) otherwise."""
+    """Validate a request body as vLLM would; raise ``ApiError`` (400/404) otherwise. The
+    prompt is tokenized by ``tokenizer`` (the model's) when given, else by
+    ``extproc.core.prompt``."""
     _validate(chat, body)
     model = _served_model(body, served_models)
-    prompt_ids = _prompt_ids(chat, body)
+    prompt_ids = _prompt_ids(chat, body, tokenizer)
     body_priority = _opt_int(body, "priority")
     hdr_priority = header_priority(headers)
     priority = hdr_priority if hdr_priority is not None else (body_priority or 0)
@@ -392,4 +457,5 @@ def parse_generate(
         priority=priority,
         body_priority=body_priority,
         header_priority=hdr_priority,
+        cache_salt=body.get("cache_salt"),
     )

@@ -24,6 +24,7 @@ from typing import IO, Any
 from aiohttp import web
 
 from extproc.core.blockhash import HASH_ALGOS
+from extproc.fleet.tokenizer import EngineTokenizer
 from loadtests.sim.blocks import block_hashes, engine_hasher
 from loadtests.sim.engine import Engine, EngineConfig, EngineRequest, Policy, StepOutput
 from loadtests.sim.kv_publisher import KVEventPublisher, KVEventsConfig
@@ -32,6 +33,7 @@ from loadtests.sim.profiles import DEFAULT_PROFILE, get_profile
 from loadtests.sim.request import (
     ApiError,
     GenerateRequest,
+    PromptTokenizer,
     header_priority,
     parse_body,
     parse_generate,
@@ -87,6 +89,10 @@ class SimConfig:
     """vLLM's ``--kv-events-config``: publish the KV cache events over ZMQ."""
     prefix_caching_hash_algo: str = "sha256"
     """vLLM's ``--prefix-caching-hash-algo`` (``sha256`` or ``sha256_cbor``)."""
+    tokenizer: Path | None = None
+    """vLLM's ``--tokenizer`` (a model directory here): prompts are tokenized with its
+    ``tokenizer.json`` and chat template (``extproc.fleet.tokenizer.EngineTokenizer``), not
+    ``extproc.core.prompt``'s approximation."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -186,6 +192,12 @@ class SimServer:
             cache_config_labels(self.engine, config.prefix_caching_hash_algo),
         )
         self.hasher = engine_hasher(config.prefix_caching_hash_algo)
+        # The whole prompt is tokenized (no gateway-side cut): its length is the engine's.
+        self.tokenizer: PromptTokenizer | None = (
+            None
+            if config.tokenizer is None
+            else EngineTokenizer.from_dir(config.tokenizer, max_chars=None)
+        )
         events = config.kv_events_config
         self.kv_events = events if events is not None and events.publishes else None
         self.publisher: KVEventPublisher | None = None
@@ -279,7 +291,13 @@ class SimServer:
         try:
             body = parse_body(await request.read())
             gen = parse_generate(
-                chat, body, headers, self.config.served, self.max_model_len, self.config.seed
+                chat,
+                body,
+                headers,
+                self.config.served,
+                self.max_model_len,
+                self.config.seed,
+                self.tokenizer,
             )
         except ApiError as err:
             self._log_request(request.path, headers, body, None)
@@ -298,13 +316,14 @@ class SimServer:
             request_id=gen.request_id,
             prompt_len=gen.prompt_len,
             block_hashes=block_hashes(
-                gen.prompt_token_ids, self.engine.config.block_size, self.hasher
+                gen.prompt_token_ids, self.engine.config.block_size, self.hasher, gen.cache_salt
             ),
             max_tokens=gen.max_tokens,
             output_len=gen.output_len,
             priority=gen.priority,
             params_max_tokens=gen.params_max_tokens,
             token_ids=gen.prompt_token_ids,
+            cache_salt=gen.cache_salt,
         )
         created = int(time.time())
         response: web.StreamResponse | None = None

@@ -48,9 +48,11 @@ class Target:
         return self.child.log_tail(lines)
 
 
-def _start(
+def start_target(
     group: ProcessGroup, name: str, argv: list[str], env: dict[str, str], port: int, timeout: float
 ) -> Target:
+    """Start ``argv`` in ``group`` and wait for its ``/health`` on ``port``; the test FAILS
+    with the log tail when it does not come up."""
     child = group.start(name, argv, env=env)
     try:
         wait_http_ready(f"http://127.0.0.1:{port}/health", child, timeout=timeout)
@@ -94,7 +96,7 @@ def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     ]  # fmt: skip
     group = ProcessGroup(tmp_path_factory.mktemp("sim-logs"))
     try:
-        yield _start(group, "sim", argv, {}, port, SIM_STARTUP_TIMEOUT)
+        yield start_target(group, "sim", argv, {}, port, SIM_STARTUP_TIMEOUT)
     finally:
         group.stop()
 

@@ -18,6 +18,13 @@ conversation resent with one more turn stores no block it shares with the first 
 hit them, and ``vllm:prefix_cache_hits`` grew by them); a salted prompt shares no key with
 the same prompt unsalted, and hits nothing; every ``BlockRemoved`` names a block stored
 before and still held; and a replay from sequence 0 gives back the batches received live.
+
+The simulator (``fairlane sim --tokenizer <the tiny model> --block-size 128``, the same
+engine flags, ``PYTHONHASHSEED=0``; it costs about a second) runs the same prompts, and its
+``BlockStored`` events must equal vLLM's, field for field and byte for byte after msgpack,
+with the same prompt token counts and prefix-cache hits; it evicts the same blocks in the
+same order (one fewer at most: vLLM's null block); a bad ``cache_salt`` gets the same 400
+from both.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -39,10 +47,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc.core.blockhash import BlockHasher
 from extproc.fleet.kv_events import BlocksRemoved, BlocksStored, decode_batch
 from extproc.fleet.tokenizer import EngineTokenizer
+from extproc.ops.processes import ProcessGroup, free_port
 from loadtests.conformance.tiny_model import corpus
 from tests import real_vllm
 
-from .conftest import MAX_MODEL_LEN, MODEL_NAME
+from .conftest import (
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    SIM_STARTUP_TIMEOUT,
+    fairlane_command,
+    start_target,
+)
 
 pytestmark = pytest.mark.conformance
 
@@ -272,13 +287,16 @@ def run_prompts(engine: Engine) -> None:
 PROMPTS = ["chat", "multi-turn", "multi-turn-next", "completion", "chat-salted", "content-parts"]
 
 
-# ----------------------------------------------------------------------------- fixture
+# ----------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    """The real vLLM with KV events, subscribed to, after all the prompts above ran."""
-    work = tmp_path_factory.mktemp("kv-events")
+def tiny_model() -> Path:
+    return real_vllm.cache_dir() / "tiny-llama"
+
+
+def engine_args(work: Path) -> tuple[list[str], str, str]:
+    """The engine flags both the real vLLM and the simulator get (KV events on ``ipc://``
+    sockets in ``work``), the PUB endpoint and the replay endpoint."""
     endpoint, replay = f"ipc://{work}/pub.sock", f"ipc://{work}/replay.sock"
     config = {
         "enable_kv_cache_events": True,
@@ -293,32 +311,80 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         "--num-gpu-blocks-override", str(NUM_BLOCKS),
         "--kv-events-config", json.dumps(config),
     ]  # fmt: skip
+    return args, endpoint, replay
+
+
+def follow(
+    context: zmq.Context[zmq.Socket[bytes]],
+    name: str,
+    base_url: str,
+    endpoints: tuple[str, str],
+    log_tail: Callable[[int], str],
+) -> Engine:
+    """Subscribe to a started engine, warm up until its events arrive (the slow joiner: ZMQ
+    drops what a PUB sends before the subscription reaches it), then run the prompts."""
+    endpoint, replay = endpoints
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    tokenizer = EngineTokenizer.from_dir(tiny_model())
+    engine = Engine(base_url, replay, sub, lambda: log_tail(40), tokenizer)
+    for attempt in range(5):
+        body = fit(tokenizer, 100 + attempt, 200, lambda text: {"prompt": text})
+        if engine.exchange(f"warm-up-{attempt}", COMPLETIONS, body).messages:
+            break
+    else:
+        pytest.fail(
+            f"no KV events from {name} on {endpoint} after 5 requests\n"
+            f"--- {name} log tail ---\n{log_tail(60)}",
+            pytrace=False,
+        )
+    run_prompts(engine)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """The real vLLM with KV events, subscribed to, after all the prompts above ran."""
+    work = tmp_path_factory.mktemp("kv-events")
+    args, endpoint, replay = engine_args(work)
     context = zmq.Context()
     try:
         with real_vllm.running(args, work, MODEL_NAME) as (base_url, child):
-            sub = context.socket(zmq.SUB)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            sub.connect(endpoint)
-            tokenizer = EngineTokenizer.from_dir(real_vllm.cache_dir() / "tiny-llama")
-            engine = Engine(base_url, replay, sub, child.log_tail, tokenizer)
-            # The slow joiner: warm up until a request's events arrive.
-            for attempt in range(5):
-                body = fit(tokenizer, 100 + attempt, 200, lambda text: {"prompt": text})
-                if engine.exchange(f"warm-up-{attempt}", COMPLETIONS, body).messages:
-                    break
-            else:
-                pytest.fail(
-                    f"no KV events from vLLM on {endpoint} after 5 requests\n"
-                    f"--- vLLM log tail ---\n{child.log_tail(60)}",
-                    pytrace=False,
-                )
-            run_prompts(engine)
-            yield engine
+            yield follow(context, "vLLM", base_url, (endpoint, replay), child.log_tail)
     except real_vllm.NotAvailable as exc:
         pytest.fail(f"cannot run the real vLLM for the KV events test:\n{exc}", pytrace=False)
     finally:
         context.destroy(linger=0)
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """``fairlane sim`` with the real engine's flags, its KV block size (128) and the tiny
+    model's tokenizer, ``PYTHONHASHSEED=0`` as vLLM has, after the same prompts ran."""
+    work = tmp_path_factory.mktemp("sim-kv-events")
+    args, endpoint, replay = engine_args(work)
+    port = free_port()
+    argv = [
+        *fairlane_command(), "sim",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--model", MODEL_NAME,
+        "--tokenizer", str(tiny_model()),
+        "--block-size", str(BLOCK_SIZE),
+        *args,
+    ]  # fmt: skip
+    group = ProcessGroup(work)
+    context = zmq.Context()
+    try:
+        target = start_target(
+            group, "sim", argv, {"PYTHONHASHSEED": "0"}, port, SIM_STARTUP_TIMEOUT
+        )
+        yield follow(context, "the sim", target.base_url, (endpoint, replay), target.log_tail)
+    finally:
+        context.destroy(linger=0)
+        group.stop()
 
 
 # ----------------------------------------------------------------------------- tests
@@ -462,7 +528,88 @@ def test_replay_from_zero_gives_the_live_batches(engine: Engine) -> None:
     assert replayed[live[0][0] :] == live
 
 
+# ----------------------------------------------------------------------------- the simulator
+
+
+@pytest.mark.parametrize("name", [*PROMPTS, "completion-long"])
+def test_the_sim_stores_what_vllm_stores(engine: Engine, sim: Engine, name: str) -> None:
+    """``fairlane sim --tokenizer`` on the same prompts: the same prompt token count and
+    prefix-cache hits, and ``BlockStored`` events equal to vLLM's, field for field and in
+    its field order (keys, parents, token ids, block size, the salted block's extra keys)."""
+    real, ours = engine.exchanges[name], sim.exchanges[name]
+    assert ours.prompt_tokens == real.prompt_tokens, "usage.prompt_tokens"
+    assert ours.hits == real.hits, "prefix-cache hits (tokens)"
+    real_stored, sim_stored = real.stored(), ours.stored()
+    assert real_stored, f"{name}: vLLM stored nothing"
+    assert [list(e) for e in sim_stored] == [list(e) for e in real_stored], "field sets"
+    for field_name in ("block_hashes", "parent_block_hash", "token_ids", "block_size"):
+        assert [e[field_name] for e in sim_stored] == [e[field_name] for e in real_stored], (
+            f"{name}: {field_name}"
+        )
+    assert sim_stored == real_stored
+    packed = [msgpack.packb(e) for e in sim_stored]
+    assert packed == [msgpack.packb(e) for e in real_stored], "the events' bytes"
+
+
+def test_the_sims_salted_blocks_name_the_salt_as_vllm_does(engine: Engine, sim: Engine) -> None:
+    """The salted prompt's first block carries ``["tenant-a"]`` in ``extra_keys``, the
+    others null, on both."""
+    for target in (engine, sim):
+        extra = [x for e in target.exchanges["chat-salted"].stored() for x in e["extra_keys"]]
+        assert extra[0] == ["tenant-a"] and not any(extra[1:]), extra
+        plain = [x for e in target.exchanges["chat"].stored() for x in e["extra_keys"]]
+        assert not any(plain), plain
+
+
+def test_the_sim_evicts_the_blocks_vllm_evicts(engine: Engine, sim: Engine) -> None:
+    """The same blocks leave the cache in the same order: partial blocks are reused first,
+    cached ones in LRU order, tail first. vLLM keeps one of the 16 blocks as its null block,
+    so its pool is one block smaller and it may announce more evictions; the simulator's are
+    the first of vLLM's."""
+
+    def removed(target: Engine) -> list[int]:
+        return [h for m in target.live for e in m.events("BlockRemoved") for h in e["block_hashes"]]
+
+    real, ours = removed(engine), removed(sim)
+    assert ours, "the simulator evicted nothing from its 16 blocks"
+    assert ours == real[: len(ours)] and len(real) - len(ours) <= 1, (real, ours)
+
+
+BAD_SALTS: list[Any] = ["", 7, "x" * 129, "a/b", "a@b"]
+
+
+@pytest.mark.parametrize("salt", BAD_SALTS, ids=["empty", "int", "long", "slash", "at"])
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_a_bad_cache_salt_is_refused_as_vllm_refuses_it(
+    engine: Engine, sim: Engine, path: str, salt: Any
+) -> None:
+    """The same status and error body, byte for byte, also when the salt is not the body's
+    only problem (vLLM checks it first)."""
+    prompt: dict[str, Any] = (
+        {"messages": chat("be brief", "kalo mine")} if path == CHAT else {"prompt": "kalo mine"}
+    )
+    for extra in ({}, {"priority": "high", "model": "no-such-model"}):
+        body = {"model": MODEL_NAME, "max_tokens": 1, **prompt, "cache_salt": salt, **extra}
+        real, ours = answer(engine, path, body), answer(sim, path, body)
+        assert real[0] == 400, real
+        assert ours == real
+
+
 # ----------------------------------------------------------------------------- helpers
+
+
+def answer(engine: Engine, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    """The status and raw body of an answer, an error one too."""
+    request = urllib.request.Request(
+        engine.base_url + path,
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
 
 
 def shared_blocks(engine: Engine, name: str) -> int:

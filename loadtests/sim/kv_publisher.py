@@ -7,7 +7,9 @@ A3), as seen from the wire:
   ``[topic, seq, payload]``, ``seq`` counting batches from 0 as 8 bytes big-endian and the
   payload the step's ``KVEventBatch`` (``loadtests.sim.kv_events``). It *binds* when the
   endpoint contains ``*``, ``::``, ``ipc://`` or ``inproc://`` and *connects* otherwise
-  (then the subscriber binds); ``tcp://*:PORT`` binds every interface, loopback included;
+  (then the subscriber binds). ``tcp://*:PORT`` binds every interface in vLLM; the
+  simulator binds it on its own ``--host`` instead (loopback by default), so a test or
+  ``fairlane up`` opens no port beyond the machine;
 - a ROUTER socket on ``replay_endpoint`` (always bound) keeps the last ``buffer_steps``
   batches: a request ``[b"", start_seq]`` (8 bytes big-endian) is answered with
   ``[b"", topic, seq, payload]`` for every buffered batch from ``start_seq`` on, then
@@ -103,6 +105,14 @@ def _fits(annotation: str, value: Any) -> bool:
     return isinstance(value, str)
 
 
+def on_host(endpoint: str, host: str | None) -> str:
+    """``tcp://*:PORT`` as ``tcp://HOST:PORT`` when a host is given; any other endpoint as is."""
+    if host is None or not endpoint.startswith("tcp://*:"):
+        return endpoint
+    address = f"[{host}]" if ":" in host else host
+    return f"tcp://{address}:{endpoint.removeprefix('tcp://*:')}"
+
+
 def is_bind_endpoint(endpoint: str) -> bool:
     """vLLM's rule: bind wildcard and ipc/inproc endpoints; connect to the rest."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
@@ -116,7 +126,12 @@ class KVEventPublisher:
     the constructor, so a port in use fails the server's start rather than a later step.
     """
 
-    def __init__(self, config: KVEventsConfig, context: zmq.Context[Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: KVEventsConfig,
+        context: zmq.Context[Any] | None = None,
+        bind_host: str | None = None,
+    ) -> None:
         self.config = config
         self._ctx: zmq.Context[Any] = context or zmq.Context.instance()
         self._topic = config.topic.encode()
@@ -129,7 +144,7 @@ class KVEventPublisher:
         self._replay: zmq.asyncio.Socket | None = None
         try:
             if is_bind_endpoint(config.endpoint):
-                self._pub.bind(config.endpoint)
+                self._pub.bind(on_host(config.endpoint, bind_host))
                 self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
                 self._pub.connect(config.endpoint)
@@ -139,7 +154,7 @@ class KVEventPublisher:
                 replay = zmq.asyncio.Context.shadow(self._ctx.underlying).socket(zmq.ROUTER)
                 self._replay = replay
                 replay.setsockopt(zmq.LINGER, 0)
-                replay.bind(config.replay_endpoint)
+                replay.bind(on_host(config.replay_endpoint, bind_host))
                 self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError:
             self._close_sockets()

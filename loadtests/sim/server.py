@@ -200,6 +200,8 @@ class SimServer:
         )
         events = config.kv_events_config
         self.kv_events = events if events is not None and events.publishes else None
+        self.kv_bind_host: str | None = None
+        """Where a ``tcp://*`` KV events endpoint binds: the server's own host (``start``)."""
         self.publisher: KVEventPublisher | None = None
         on_step = self.metrics.on_step if self.kv_events is None else self._on_step
         if self.kv_events is not None:
@@ -230,7 +232,7 @@ class SimServer:
         if self.config.log_requests is not None:
             self._log = open(self.config.log_requests, "a", encoding="utf-8")  # noqa: SIM115
         if self.kv_events is not None:
-            self.publisher = KVEventPublisher(self.kv_events)
+            self.publisher = KVEventPublisher(self.kv_events, bind_host=self.kv_bind_host)
             self.publisher.start()
         self.runner.start()
 
@@ -401,6 +403,7 @@ SIM_KEY: web.AppKey[SimServer] = web.AppKey("sim", SimServer)
 async def start(config: SimConfig, host: str, port: int) -> web.AppRunner:
     """Start a simulator listening on ``host:port``; ``await runner.cleanup()`` stops it."""
     server = SimServer(config)
+    server.kv_bind_host = host
     app = server.app()
     app[SIM_KEY] = server
     app_runner = web.AppRunner(app, access_log=None, handler_cancellation=True)

@@ -242,4 +242,4 @@ async def test_fairlane_sim_with_kv_events_config_feeds_the_gateways_index(
         await chat(session, base, CHAT)
         keys = prompt_keys(CHAT)
         await until(lambda: sub.index.match(keys, 0.0) == len(keys), "the prompt's block keys")
-    assert "KV events on tcp://0.0.0.0:" in child.log_tail()
+    assert "KV events on tcp://127.0.0.1:" in child.log_tail()  # tcp://* binds on --host

@@ -16,6 +16,12 @@ about 430 µs and chaining its token blocks about 35 µs more, while chaining ch
 chunks costs about 25 µs (recording the 138 hashes in an LRU about 7 µs, matching them
 about 1 µs). Affinity needs only "same prefix, same leading hashes", which character chunks
 give, so every granted request is hashed, whatever the number of candidates.
+
+When engines publish their KV events, the same prompt is also hashed the engine's way
+(``PromptBlocks.keys``: its tokenizer and chat template, vLLM's chain and seed;
+``extproc.core.blockhash``), and matched against the blocks each engine says it holds
+(``extproc.fleet.kv_events``): exact, and blind to nothing the engine did, at the cost of
+tokenizing (``loadtests/bench/tokenize_cost.py``).
 """
 
 from __future__ import annotations

@@ -513,7 +513,9 @@ class Admission:
         user = (request.tenant.name, request.user)
         base = where.tier.priority if where.tier is not None else request.tier.priority
         priority = vllm_priority(base, self._pending[user])
-        prompt = PromptBlocks(request.prompt_text, request.model or "", request.body, self.engine)
+        prompt = PromptBlocks(
+            request.prompt_text, request.model or "", request.body, self.engine, request.prompt_ids
+        )
         fleet = self.pool.backends
         pick = choose(
             where.backends,

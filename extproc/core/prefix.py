@@ -98,12 +98,13 @@ class PromptBlocks:
         salt: str = "",
         body: Mapping[str, Any] | None = None,
         engine: EngineHashing | None = None,
+        ids: Sequence[int] | None = None,
     ) -> None:
         self.text = salt + "\x00" + text if salt and text else text
         self._by_size: dict[int, list[int]] = {}
         self._body = body
         self._engine = engine
-        self._ids: list[int] | None = None
+        self._ids: Sequence[int] | None = ids
         self._keys_by_size: dict[int, list[int] | None] = {}
 
     def keys(self, block_size: int) -> list[int] | None:

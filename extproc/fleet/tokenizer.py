@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -79,6 +80,7 @@ class EngineTokenizer:
             else None
         )
         self._segments: OrderedDict[str, array[int]] = OrderedDict()
+        self._lock = threading.Lock()
         self._cached_tokens = 0
         self.segment_hits = 0
         self.segment_misses = 0
@@ -171,20 +173,26 @@ class EngineTokenizer:
         return ids
 
     def _segment(self, text: str) -> array[int]:
-        found = self._segments.get(text)
-        if found is not None:
-            self._segments.move_to_end(text)
-            self.segment_hits += 1
-            return found
-        self.segment_misses += 1
+        # The service tokenizes from the event loop and from worker threads
+        # (``extproc.transport.tokenizing``): the cache is touched under a lock, the
+        # tokenizer (which releases the GIL) runs outside it.
+        with self._lock:
+            found = self._segments.get(text)
+            if found is not None:
+                self._segments.move_to_end(text)
+                self.segment_hits += 1
+                return found
+            self.segment_misses += 1
         # The batch call without offsets: about 30 % less CPU than ``encode`` here.
         ids = array("I", self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids)
         if len(ids) <= SEGMENT_CACHE_TOKENS // 4:
-            self._segments[text] = ids
-            self._cached_tokens += len(ids)
-            while self._cached_tokens > SEGMENT_CACHE_TOKENS:
-                _, dropped = self._segments.popitem(last=False)
-                self._cached_tokens -= len(dropped)
+            with self._lock:
+                if text not in self._segments:
+                    self._segments[text] = ids
+                    self._cached_tokens += len(ids)
+                while self._cached_tokens > SEGMENT_CACHE_TOKENS:
+                    _, dropped = self._segments.popitem(last=False)
+                    self._cached_tokens -= len(dropped)
         return ids
 
 

@@ -197,10 +197,11 @@ class Stack:
 
     def _service_args(self) -> tuple[str, ...]:
         """``fairlane serve``'s extra flags; ``--host`` only off its loopback default; the
-        simulator's tokenizer when simulated backends publish KV events."""
+        simulator's tokenizer when simulated backends publish KV events (unless the flags
+        name one: simulators started with a model's ``--tokenizer`` in ``sim_args``)."""
         config = self.config
         args = config.service_args
-        if self.simulators and config.kv_events:
+        if self.simulators and config.kv_events and "--tokenizer" not in args:
             args = (*args, "--tokenizer", BUILTIN_TOKENIZER)
         if config.bind_host == BIND_HOSTS[0]:
             return args

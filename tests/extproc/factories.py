@@ -43,6 +43,7 @@ class Request:
     prompt_text: str = ""
     model: str | None = None
     body: Mapping[str, Any] | None = None
+    prompt_ids: Sequence[int] | None = None
 
 
 class FakeClock:

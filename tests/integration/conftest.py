@@ -73,11 +73,12 @@ def start_stack(
     sim_args: tuple[str, ...] = SIM_ARGS,
     sim_extra_args: Mapping[int, tuple[str, ...]] | None = None,
     replicas: int = 1,
+    service_args: tuple[str, ...] = (),
 ) -> tuple[ProcessGroup, Stack]:
     """A stack with the test policy and one simulator by default; the keyword arguments
     give several (``sim_regions``, the first region named is the local one), per-
-    simulator flags (``sim_extra_args`` by index, e.g. fault injection) and service
-    replicas sharing a local Redis."""
+    simulator flags (``sim_extra_args`` by index, e.g. fault injection), service
+    replicas sharing a local Redis and extra ``fairlane serve`` flags."""
     policy = tmp / "policy.yaml"
     policy.write_text(policy_text)
     group = ProcessGroup(tmp / "logs")
@@ -90,6 +91,7 @@ def start_stack(
             sim_extra_args=dict(sim_extra_args or {}),
             sim_log_requests=True,
             replicas=replicas,
+            service_args=service_args,
         )
         stack = Stack(config, group).start()
     except BaseException:

@@ -19,8 +19,15 @@ import aiohttp
 import pytest
 
 from extproc.ops.up import Stack
+from loadtests.conformance.tiny_model import build_tokenizer
 from tests.exported_metrics import Samples, parse_samples
-from tests.integration.conftest import MODEL, auth, requests_by_backend, start_stack
+from tests.integration.conftest import (
+    MODEL,
+    SIM_ARGS,
+    auth,
+    requests_by_backend,
+    start_stack,
+)
 from tests.polling import until
 
 pytestmark = pytest.mark.integration
@@ -178,3 +185,43 @@ def _restarts(stack: Stack, address: str) -> float:
         ):
             return value
     return 0.0
+
+
+@pytest.fixture(scope="module")
+def model_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Simulators and service with a model's own tokenizer (the tiny model's, trained
+    offline), so long prompts are tokenized off the service's event loop."""
+    model = tmp_path_factory.mktemp("tiny-tokenizer")
+    build_tokenizer(model)
+    group, running = start_stack(
+        tmp_path_factory.mktemp("prefix-model"),
+        sim_regions=("region-a", "region-a"),
+        sim_args=(*SIM_ARGS, "--tokenizer", str(model)),
+        service_args=("--tokenizer", str(model)),
+    )
+    try:
+        yield running
+    finally:
+        group.stop()
+
+
+async def test_with_the_models_tokenizer_a_long_prompt_finds_its_engine(
+    model_stack: Stack,
+) -> None:
+    """The same as above with a real tokenizer and a prompt long enough (> 8 KiB) to be
+    tokenized in the service's worker thread: the keys still match the engine's."""
+    stack = model_stack
+    await live(stack)
+    holder = stack.backends[1]
+    system = system_prompt("long documents") * 3
+    assert len(system) > 8 * 1024
+    async with aiohttp.ClientSession() as session:
+        await send(session, holder.url, conversation(system, "a direct question"))
+        await until(
+            lambda: gauge(stack, "fairlane_backend_kv_index_blocks", holder.address) > 0,
+            "the holder's BlockStored events in the service's index",
+        )
+        await idle(stack)
+        question = "through the gateway, tokenized off the loop"
+        await send(session, stack.url, conversation(system, question))
+    assert served_by(stack, question) == holder.address

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -392,6 +393,14 @@ def test_prompt_text_is_the_rendered_prompt_the_picker_hashes(
     request_class = run(policy, request(body={"model": "m", **body}))
     assert request_class.prompt_text == text
     assert request_class.prompt_tokens == prompt_tokens(body)
+
+
+def test_the_body_and_ids_tokenized_off_the_loop_go_to_the_picker(policy: Policy) -> None:
+    body = {"model": "m", "prompt": "hello"}
+    info = dataclasses.replace(request(body=body), prompt_ids=(1, 2, 3))
+    request_class = run(policy, info)
+    assert request_class.body == body and request_class.prompt_ids == (1, 2, 3)
+    assert run(policy, request(body=body)).prompt_ids is None
 
 
 # --------------------------------------------------------------------------- strict fields

@@ -126,3 +126,18 @@ def test_cache_salt_keeps_tenants_apart(engine: EngineHashing) -> None:
     plain = PromptBlocks("", "", chat("q"), engine).keys(16)
     salted = PromptBlocks("", "", {**chat("q"), "cache_salt": "t1"}, engine).keys(16)
     assert plain and salted and not set(plain) & set(salted)
+
+
+class Untouchable:
+    """A tokenizer that must not be called: the ids came with the request."""
+
+    def body_ids(self, body: Any) -> list[int] | None:
+        raise AssertionError("tokenized again on the event loop")
+
+
+def test_ids_computed_off_the_loop_are_used_as_they_are(engine: EngineHashing) -> None:
+    body = chat("q")
+    ids = engine.tokenizer.body_ids(body)
+    assert ids
+    given = PromptBlocks("", "", body, EngineHashing(Untouchable(), engine.hasher), ids)
+    assert given.keys(16) == PromptBlocks("", "", body, engine).keys(16)

@@ -39,8 +39,8 @@ SEGMENT_CACHE_TOKENS = 2_000_000
 """Token ids the segment cache keeps (4 bytes each): 8 MB, thousands of long prompts."""
 MAX_PROMPT_CHARS = 32 * 1024
 """Longer prompts are cut before tokenizing: only their head decides prefix affinity, and
-tokenizing runs on the event loop, so its cost must stay bounded (here about 8-12k tokens,
-5-8 ms of CPU when nothing of it is cached; ``loadtests/bench/tokenize_cost.py``). Blocks
+the service's CPU per request must stay bounded (here about 8-12k tokens, 7-14 ms of CPU
+when nothing of it is cached, in a worker thread; ``loadtests/bench/tokenize_cost.py``). Blocks
 past the cut are not matched; the cut may change the last few tokens before it, so the
 block holding it may not match either."""
 

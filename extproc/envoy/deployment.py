@@ -42,7 +42,11 @@ backends on its command line, so the same count goes on the service's ``--backen
 ``#seats=N`` (``tests/deploy/test_compose.py`` checks that the compose files agree).
 ``api_key`` is the same kind of field: where the engine's ``--api-key`` is read from
 (``env:NAME`` or ``file:PATH``, never the key itself), for the service's ``--backend`` as
-``#key=...`` (``extproc.transport.credentials``); Envoy never sees the key.
+``#key=...`` (``extproc.transport.credentials``); Envoy never sees the key. ``kv_events``
+and ``kv_replay`` are the ports the engine publishes its KV events on (``#kv-events=``,
+``#kv-replay=``), and the top-level ``tokenizer`` the served model's directory as the
+service's container sees it (``--tokenizer``): together they turn on precise prefix
+routing.
 
 Every problem in the file is reported at once, as ``file:line: field.path: message`` (line
 numbers from PyYAML's node marks), like the policy parser does.
@@ -67,7 +71,7 @@ from extproc.envoy.params import (
     EnvoyParams,
     RouteSpec,
 )
-from extproc.fleet.backend import BackendSpec, is_secret_reference
+from extproc.fleet.backend import BackendSpec, KVEventPorts, is_secret_reference
 from extproc.fleet.discovery import DnsBackendSpec, is_dns_backend, parse_dns_backend
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, PolicyError, load_policy
 from extproc.yamlfile import LocatedReader, YamlSyntaxError, compose
@@ -89,11 +93,12 @@ _TOP_KEYS = (
     "access_log_path",
     "failure_mode",
     "routes",
+    "tokenizer",
 )
 _ADDRESS_KEYS = ("host", "port")
 _LISTEN_KEYS = ("host", "port", "tls")
 _TLS_KEYS = ("cert", "key")
-_BACKEND_KEYS = ("url", "region", "weight", "seats", "api_key")
+_BACKEND_KEYS = ("url", "region", "weight", "seats", "api_key", "kv_events", "kv_replay")
 _ROUTE_KEYS = ("name", "prefix", "path", "failure_mode")
 FAILURE_MODES = {"closed": False, "open": True}
 """``failure_mode`` values -> ext_proc ``failure_mode_allow``."""
@@ -218,6 +223,8 @@ def _read(reader: LocatedReader, root: Node, base_dir: Path) -> Deployment | Non
         kwargs["failure_mode_allow"] = _read_failure_mode(reader, top["failure_mode"], "")
     if "routes" in top:
         kwargs["routes"] = _read_routes(reader, top["routes"])
+    if "tokenizer" in top:
+        kwargs["service_tokenizer"] = reader.value(top["tokenizer"], "tokenizer", str, _non_empty)
     if "backends" in top:
         backends = _read_backends(reader, top["backends"])
         kwargs["backends"] = tuple(b for b in backends if isinstance(b, BackendSpec))
@@ -390,14 +397,29 @@ def _read_backend(
         if "api_key" in fields
         else None
     )
+    ports = {
+        key: reader.value(fields[key], f"{path}.{key}", int, _port(False))
+        for key in ("kv_events", "kv_replay")
+        if key in fields
+    }
     if url is None or region is None or weight is None:
         return None
     if ("seats" in fields and seats is None) or ("api_key" in fields and api_key is None):
         return None
+    if None in ports.values():
+        return None
+    if "kv_replay" in ports and "kv_events" not in ports:
+        reader.error(fields["kv_replay"], f"{path}.kv_replay", "needs kv_events (the stream)")
+        return None
+    kv_events = (
+        KVEventPorts(ports["kv_events"], ports.get("kv_replay")) if "kv_events" in ports else None
+    )
     if is_dns_backend(url):
         try:
             name = parse_dns_backend(url)
-            return DnsBackendSpec(name.name, name.port, region.strip(), weight, seats, api_key)
+            return DnsBackendSpec(
+                name.name, name.port, region.strip(), weight, seats, api_key, kv_events
+            )
         except ValueError as exc:
             reader.error(fields["url"], f"{path}.url", str(exc))
             return None
@@ -414,7 +436,7 @@ def _read_backend(
         )
         return None
     try:
-        return BackendSpec(parts.hostname, port, region.strip(), weight, seats, api_key)
+        return BackendSpec(parts.hostname, port, region.strip(), weight, seats, api_key, kv_events)
     except ValueError as exc:
         hint = (
             "; give the backend a fixed address, or write dns://NAME:PORT to follow every "

@@ -126,6 +126,9 @@ class EnvoyParams:
     # The Redis the replicas share (`fairlane serve --state`). Envoy never talks to it; only
     # the workload the mesh renderers write passes it on the service's command line.
     state_url: str | None = None
+    # The served model's tokenizer directory for precise prefix routing (`fairlane serve
+    # --tokenizer`); like state_url, only the rendered workload passes it on.
+    service_tokenizer: str | None = None
     backends: tuple[BackendSpec, ...] = field(default=DEFAULT_BACKENDS)
     # Backends found through DNS (dns://NAME:PORT): the service resolves them and Envoy
     # learns every backend from the service over EDS (extproc.envoy.clusters).

@@ -66,6 +66,8 @@ def _args(params: EnvoyParams) -> list[str]:
         # control plane gives Envoy the same pods (the mesh owns its Envoys' EDS).
         *(f"--backend={backend_argument(d)}" for d in params.dns_backends),
     ]
+    if params.service_tokenizer is not None:
+        args.append(f"--tokenizer={params.service_tokenizer}")
     if params.replicated:
         # $(POD_NAME) is expanded by Kubernetes from the container's env (below)
         args += [f"--state={params.state_url}", "--replica-id=$(POD_NAME)"]

@@ -7,6 +7,7 @@ import pytest
 
 from extproc.envoy.bootstrap import render_yaml
 from extproc.envoy.deployment import DeploymentError, parse_deployment
+from extproc.fleet.backend import KVEventPorts
 
 BACKENDS = """\
 backends:
@@ -132,3 +133,24 @@ def test_a_bad_dns_backend_is_named_with_its_line(url: str, message: str) -> Non
 def test_a_name_listed_twice_is_refused() -> None:
     text = 'backends:\n  - {url: "dns://vllm:8000"}\n  - {url: "dns://vllm:8000", region: b}\n'
     assert errors(text) == ["d.yaml:3: backends[1].url: dns://vllm:8000 is already backends[0]"]
+
+
+def test_kv_event_ports_and_the_tokenizer_are_for_the_service_only() -> None:
+    """Precise prefix routing: the engines' KV event ports per backend and the model's
+    tokenizer reach the service's flags; Envoy is rendered as without them."""
+    text = "tokenizer: /models/llama\n" + BACKENDS.replace(
+        "region: west}", "region: west, kv_events: 5557, kv_replay: 5558}"
+    )
+    params = parse_deployment(text % 8, "d.yaml").params
+    assert [b.kv_events for b in params.backends] == [None, None, KVEventPorts(5557, 5558)]
+    assert params.service_tokenizer == "/models/llama"
+    assert render_yaml(params) == render_yaml(parse_deployment(BACKENDS % 8, "d.yaml").params)
+
+
+def test_bad_kv_event_ports_are_refused_with_their_line() -> None:
+    replay_only = BACKENDS.replace("region: west}", "region: west, kv_replay: 5558}")
+    (found,) = errors(replay_only % 8)
+    assert found.startswith("d.yaml:6: backends[2].kv_replay: needs kv_events")
+    zero = BACKENDS.replace("region: west}", "region: west, kv_events: 0}")
+    (found,) = errors(zero % 8)
+    assert found.startswith("d.yaml:6: backends[2].kv_events: must be in [1, 65535]")

@@ -11,7 +11,7 @@ from extproc.envoy.mesh import kube_names
 from extproc.envoy.mesh.workload import POD_NAME_LABEL, pod_service_names, workload
 from extproc.envoy.params import EnvoyConfigError, EnvoyParams
 from extproc.envoy.replicas import statefulset_replicas
-from extproc.fleet.backend import BackendSpec
+from extproc.fleet.backend import BackendSpec, KVEventPorts
 
 HOST = "fairlane.llm.svc.cluster.local"
 STATE = "redis://redis.llm.svc.cluster.local:6379"
@@ -92,3 +92,11 @@ def test_the_service_gets_each_backends_seats_and_key_reference_and_env_keys_fro
             "valueFrom": {"secretKeyRef": {"name": "fairlane-engine-keys", "key": "VLLM_KEY_A"}},
         }
     ]
+
+
+def test_the_service_gets_kv_event_ports_and_the_models_tokenizer() -> None:
+    backends = (BackendSpec("10.0.0.11", 8000, "a", kv_events=KVEventPorts(5557, 5558)),)
+    params = EnvoyParams(extproc_host=HOST, backends=backends, service_tokenizer="/models/m")
+    (container,) = workload(params, kube_names(params))[0]["spec"]["template"]["spec"]["containers"]
+    assert "--backend=a=http://10.0.0.11:8000#kv-events=5557,kv-replay=5558" in container["args"]
+    assert "--tokenizer=/models/m" in container["args"]

@@ -18,7 +18,9 @@ Shape (``deploy/fairlane.yaml`` is the shipped example)::
       - {url: http://10.0.0.11:8000, region: us-east-1, weight: 2, seats: 64}
       - {url: http://10.1.0.11:8000, region: us-west-2}          # seats learned
       - {url: http://10.1.0.12:8000, region: us-west-2, api_key: env:VLLM_API_KEY}
+      - {url: http://10.0.0.13:8000, region: us-east-1, kv_events: 5557, kv_replay: 5558}
       - {url: dns://vllm.llm.svc.cluster.local:8000, region: us-east-1}  # every address
+    # tokenizer: /models/llama                # with kv_events: precise prefix routing
     # optional, default from the policy:
     # max_body_bytes, longest_hold_s, max_held_requests, message_timeout_s, access_log_path
     # optional: what Envoy does when the service is down (default closed: 503, never forwarded)

@@ -295,7 +295,8 @@ def test_throughput_and_hit_rate_targets() -> None:
 def test_arm_metric_takes_no_selector(tmp_path: Path) -> None:
     data = yaml.safe_load((SCENARIO_DIR / "shared-prefix.yaml").read_text())
     data["policy"] = str(POLICY)
-    data["targets"][1]["tier"] = "interactive"
+    (hit_rate_target,) = [t for t in data["targets"] if t["metric"] == "prefix_hit_rate"]
+    hit_rate_target["tier"] = "interactive"
     with pytest.raises(ScenarioError, match="prefix_hit_rate is measured over the whole fleet"):
         parse_scenario(data, tmp_path / "sp.yaml")
 

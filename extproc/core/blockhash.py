@@ -26,6 +26,7 @@ import hashlib
 import pickle
 import struct
 from collections.abc import Callable, Sequence
+from itertools import islice
 from typing import Any, Literal, get_args
 
 from extproc.fleet.kv_events import event_key
@@ -47,6 +48,9 @@ def _sha256_cbor(obj: Any) -> bytes:
     return hashlib.sha256(cbor(obj)).digest()
 
 
+MEMO_BLOCKS = 100_000
+"""Block digests a hasher remembers (about 150 bytes each: 15 MB)."""
+
 _HASHERS: dict[str, Callable[[Any], bytes]] = {
     "sha256": _sha256_pickle,
     "sha256_cbor": _sha256_cbor,
@@ -54,9 +58,19 @@ _HASHERS: dict[str, Callable[[Any], bytes]] = {
 
 
 class BlockHasher:
-    """One engine configuration's hash chain: its algorithm and its ``NONE_HASH`` seed."""
+    """One engine configuration's hash chain: its algorithm and its ``NONE_HASH`` seed.
 
-    __slots__ = ("_hash", "algo", "none_hash", "seed")
+    Prefix routing hashes the same leading blocks again and again (a shared system prompt,
+    a conversation re-sent with one more turn), so each block's digest is remembered by
+    Python's own hash of what it is computed from: a block seen before costs a tuple hash
+    and a lookup (about a quarter of serialising and hashing it). At most ``MEMO_BLOCKS``
+    are remembered, the oldest dropped first. Two different blocks with the same 64-bit
+    Python hash would share a digest: the gateway would then believe a prompt is cached
+    where it is not (a routing mistake for that prompt, nothing else; the engine computes
+    its own hashes).
+    """
+
+    __slots__ = ("_hash", "_memo", "algo", "none_hash", "seed")
 
     def __init__(self, algo: str = "sha256", seed: str | None = None) -> None:
         hasher = _HASHERS.get(algo)
@@ -69,6 +83,7 @@ class BlockHasher:
         self.seed = DEFAULT_SEED if seed is None else seed
         self._hash = hasher
         self.none_hash = hasher(self.seed)
+        self._memo: dict[int, bytes] = {}
 
     def chain(
         self,
@@ -81,6 +96,7 @@ class BlockHasher:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         hash_ = self._hash
+        memo = self._memo
         digests: list[bytes] = []
         parent = self.none_hash
         extra: tuple[tuple[str, str], ...] | None = (
@@ -88,9 +104,17 @@ class BlockHasher:
         )
         end = min(len(token_ids) - block_size + 1, limit * block_size)
         for start in range(0, max(end, 0), block_size):
-            parent = hash_((parent, tuple(token_ids[start : start + block_size]), extra))
-            digests.append(parent)
+            block = (parent, tuple(token_ids[start : start + block_size]), extra)
+            seen = hash(block)
+            digest = memo.get(seen)
+            if digest is None:
+                digest = memo[seen] = hash_(block)
+            parent = digest
+            digests.append(digest)
             extra = None
+        if len(memo) > MEMO_BLOCKS:
+            for old in list(islice(memo, len(memo) - MEMO_BLOCKS * 9 // 10)):
+                del memo[old]
         return digests
 
     def keys(

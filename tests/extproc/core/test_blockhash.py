@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from extproc.core import blockhash
 from extproc.core.blockhash import BlockHasher, cbor, event_key
 
 # Computed with vLLM 0.32's own ``hash_block_tokens`` and ``maybe_convert_block_hash`` (the
@@ -78,3 +79,23 @@ def test_cbor_is_canonical(value: object, encoded: str) -> None:
 def test_cbor_refuses_other_types() -> None:
     with pytest.raises(TypeError):
         cbor(1.5)
+
+
+def test_remembered_blocks_give_the_digests_a_fresh_chain_gives() -> None:
+    hasher = BlockHasher()
+    tokens = [*range(1000, 1000 + 16 * 40)]
+    first = hasher.chain(tokens, 16, cache_salt="s")
+    again = hasher.chain([*tokens[:320], *range(5000, 5000 + 320)], 16, cache_salt="s")
+    assert again[:20] == first[:20] and again[20:] != first[20:]
+    fresh = BlockHasher().chain([*tokens[:320], *range(5000, 5000 + 320)], 16, cache_salt="s")
+    assert again == fresh
+    assert BlockHasher().chain(tokens, 16) != first  # the salt is part of what is remembered
+
+
+def test_the_memory_of_blocks_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(blockhash, "MEMO_BLOCKS", 100)
+    hasher = BlockHasher()
+    for n in range(10):
+        hasher.chain([*range(n * 10_000, n * 10_000 + 16 * 50)], 16)
+    assert len(hasher._memo) <= 100
+    assert hasher.chain([*range(16 * 50)], 16) == BlockHasher().chain([*range(16 * 50)], 16)

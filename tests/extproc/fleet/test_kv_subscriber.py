@@ -32,7 +32,7 @@ class Publisher(KVEventPublisher):
     as a batch the network dropped is) and to send junk."""
 
     def __init__(self, config: KVEventsConfig, lose: Callable[[int], bool] = lambda s: False):
-        super().__init__(config)
+        super().__init__(config, bind_host="127.0.0.1")  # tcp://* on loopback only
         self.lose = lose
 
     def _send(self, seq: int, payload: bytes) -> None:

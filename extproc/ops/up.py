@@ -195,6 +195,12 @@ class Stack:
             flags += ["--backend", backend_argument(spec)]
         return tuple(flags)
 
+    @property
+    def tokenizer(self) -> str | None:
+        """The tokenizer the service hashes prompts with (``--tokenizer``), if any."""
+        args = self._service_args()
+        return args[args.index("--tokenizer") + 1] if "--tokenizer" in args[:-1] else None
+
     def _service_args(self) -> tuple[str, ...]:
         """``fairlane serve``'s extra flags; ``--host`` only off its loopback default; the
         simulator's tokenizer when simulated backends publish KV events (unless the flags
@@ -476,6 +482,7 @@ def _print_banner(stack: Stack, seats: Mapping[str, SeatCount], try_lines: Seque
             for d in stack.config.dns_backends
         ],
         "    (seats: requests each engine runs at once; changes are printed as they are learned)",
+        f"  prefix affinity: {_prefix_mode(stack)}",
         *_service_lines(stack),
         f"  logs in {stack.group.log_dir}",
         "",
@@ -484,6 +491,19 @@ def _print_banner(stack: Stack, seats: Mapping[str, SeatCount], try_lines: Seque
         "Ctrl-C stops everything.",
     ]
     print("\n".join(lines), flush=True)
+
+
+def _prefix_mode(stack: Stack) -> str:
+    """How the picker knows what each engine's prefix cache holds, as the banner says it."""
+    publishing = sum(b.kv_events is not None for b in stack.backends)
+    publishing += sum(d.kv_events is not None for d in stack.config.dns_backends)
+    if publishing and stack.tokenizer is not None:
+        return (
+            f"precise, from the KV events of {publishing} engine(s) and the "
+            f"{stack.tokenizer} tokenizer "
+            "(fairlane_prefix_matches_total{index} shows which index matched)"
+        )
+    return "approximate (what was sent where; engines' KV events turn on precise routing)"
 
 
 def _service_lines(stack: Stack) -> list[str]:

@@ -62,6 +62,8 @@ def test_up_serves_a_demo_key_and_sigterm_stops_every_process(processes: Process
     request = demo_request(port, max_tokens=3)
     banner = up.log_path.read_text()
     assert "Bearer sk-chat-demo" in banner and '"model": "sim-llama-8b"' in banner, banner
+    # the simulators publish their KV events by default, and the service follows them
+    assert "prefix affinity: precise, from the KV events of 2 engine(s)" in banner, banner
     seat_lines = re.findall(r"backend (region-[ab]) 127\.0\.0\.1:\d+: seats (\d+) \((.*)\)", banner)
     # two simulators of unknown size, before any load: the fallback
     assert sorted(seat_lines) == [

@@ -16,8 +16,9 @@ import zlib
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from extproc.core.prefix import PromptTokenizer
 from extproc.core.prompt import render_chat, tokenize
 
 PRIORITY_HEADER = "x-vllm-priority"
@@ -34,13 +35,6 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 CACHE_SALT_MAX_CHARS = 128
 CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 """vLLM 0.32's ``validate_cache_salt``: at most 128 characters, none of ``@ / \\`` or NUL."""
-
-
-class PromptTokenizer(Protocol):
-    """The model's tokenizer and chat template (``extproc.fleet.tokenizer.EngineTokenizer``,
-    ``fairlane sim --tokenizer DIR``)."""
-
-    def body_ids(self, body: Mapping[str, Any]) -> list[int] | None: ...
 
 
 class ApiError(Exception):

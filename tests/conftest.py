@@ -1,5 +1,5 @@
-"""Shared fixtures: free ports, a process group that always stops what a test started, and a
-real Redis."""
+"""Shared fixtures: free ports, a process group that always stops what a test started, a
+real Redis, and a model's tokenizer files."""
 
 from __future__ import annotations
 
@@ -12,6 +12,18 @@ from extproc.ops.processes import Child, ProcessGroup, free_port
 from extproc.ops.redis_server import RedisMissing, redis_url, start_redis
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model directory holding the tiny model's tokenizer and chat template (a byte-level
+    BPE with special role tokens, trained offline in a fraction of a second by
+    ``loadtests.conformance.tiny_model``), for the engine-tokenizer paths."""
+    from loadtests.conformance.tiny_model import build_tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-tokenizer")
+    build_tokenizer(directory)
+    return directory
 
 
 @pytest.fixture

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
 from extproc.ops.up import Stack
-from loadtests.conformance.tiny_model import build_tokenizer
 from tests.exported_metrics import Samples, parse_samples
 from tests.integration.conftest import (
     MODEL,
@@ -188,11 +188,10 @@ def _restarts(stack: Stack, address: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def model_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def model_stack(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path) -> Iterator[Stack]:
     """Simulators and service with a model's own tokenizer (the tiny model's, trained
     offline), so long prompts are tokenized off the service's event loop."""
-    model = tmp_path_factory.mktemp("tiny-tokenizer")
-    build_tokenizer(model)
+    model = tiny_tokenizer
     group, running = start_stack(
         tmp_path_factory.mktemp("prefix-model"),
         sim_regions=("region-a", "region-a"),

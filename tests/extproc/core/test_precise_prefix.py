@@ -18,17 +18,14 @@ from extproc.core.prefix import EngineHashing, PromptBlocks
 from extproc.fleet.backend import Backend, BackendPool, BackendSpec, KVEventPorts
 from extproc.fleet.kv_events import EXPECT_S, BlocksStored
 from extproc.fleet.tokenizer import EngineTokenizer
-from loadtests.conformance.tiny_model import build_tokenizer
 from tests.extproc.factories import API, FakeClock, Request, policy, scraped
 
 SYSTEM = "You are the support assistant of kaloto. Answer with the generation of minerals. " * 8
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> EngineHashing:
-    directory: Path = tmp_path_factory.mktemp("tiny-tokenizer")
-    build_tokenizer(directory)
-    return EngineHashing(EngineTokenizer.from_dir(directory), BlockHasher())
+def engine(tiny_tokenizer: Path) -> EngineHashing:
+    return EngineHashing(EngineTokenizer.from_dir(tiny_tokenizer), BlockHasher())
 
 
 def chat(question: str) -> dict[str, Any]:

@@ -14,24 +14,19 @@ import pytest
 from tokenizers import Tokenizer
 
 from extproc.fleet.tokenizer import EngineTokenizer, TokenizerError
-from loadtests.conformance.tiny_model import BOS, build_tokenizer
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-tokenizer")
-    build_tokenizer(directory)
-    return directory
+from loadtests.conformance.tiny_model import BOS
 
 
 @pytest.fixture
-def tokenizer(model_dir: Path) -> EngineTokenizer:
-    return EngineTokenizer.from_dir(model_dir)
+def tokenizer(tiny_tokenizer: Path) -> EngineTokenizer:
+    return EngineTokenizer.from_dir(tiny_tokenizer)
 
 
-def test_segments_encode_as_the_whole_text(tokenizer: EngineTokenizer, model_dir: Path) -> None:
+def test_segments_encode_as_the_whole_text(
+    tokenizer: EngineTokenizer, tiny_tokenizer: Path
+) -> None:
     """Text between special tokens is tokenized on its own, so caching it changes nothing."""
-    plain = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    plain = Tokenizer.from_file(str(tiny_tokenizer / "tokenizer.json"))
     rng = random.Random(7)
     words = ["kaloto", " the", "gen", "12", " 345", ".", "\n", "  ", "<|user|>", "</s>", "<s>", "é"]
     for _ in range(200):
@@ -41,9 +36,9 @@ def test_segments_encode_as_the_whole_text(tokenizer: EngineTokenizer, model_dir
 
 
 def test_chat_renders_the_template_without_added_special_tokens(
-    tokenizer: EngineTokenizer, model_dir: Path
+    tokenizer: EngineTokenizer, tiny_tokenizer: Path
 ) -> None:
-    plain = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    plain = Tokenizer.from_file(str(tiny_tokenizer / "tokenizer.json"))
     messages: list[dict[str, object]] = [
         {"role": "system", "content": "be brief"},
         {
@@ -59,9 +54,9 @@ def test_chat_renders_the_template_without_added_special_tokens(
 
 
 def test_completion_prompt_and_bodies_without_one(
-    tokenizer: EngineTokenizer, model_dir: Path
+    tokenizer: EngineTokenizer, tiny_tokenizer: Path
 ) -> None:
-    plain = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    plain = Tokenizer.from_file(str(tiny_tokenizer / "tokenizer.json"))
     assert tokenizer.body_ids({"prompt": "the kaloto"}) == plain.encode("the kaloto").ids
     assert tokenizer.body_ids({"prompt": ["the kaloto"]}) == plain.encode("the kaloto").ids
     assert tokenizer.body_ids({"prompt": [1, 2, 3]}) is None
@@ -86,8 +81,8 @@ def test_missing_or_broken_files_say_which(tmp_path: Path) -> None:
         EngineTokenizer.from_dir(tmp_path)
 
 
-def test_no_template_means_no_chat_ids(model_dir: Path, tmp_path: Path) -> None:
-    (tmp_path / "tokenizer.json").write_text((model_dir / "tokenizer.json").read_text())
+def test_no_template_means_no_chat_ids(tiny_tokenizer: Path, tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text((tiny_tokenizer / "tokenizer.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS}))
     tokenizer = EngineTokenizer.from_dir(tmp_path)
     assert tokenizer.body_ids({"messages": [{"role": "user", "content": "x"}]}) is None

@@ -11,7 +11,6 @@ import pytest
 
 from extproc.fleet.tokenizer import EngineTokenizer
 from extproc.transport.tokenizing import OffLoopTokenizer
-from loadtests.conformance.tiny_model import build_tokenizer
 
 
 class RecordingTokenizer(EngineTokenizer):
@@ -24,16 +23,9 @@ class RecordingTokenizer(EngineTokenizer):
         return super().body_ids(body)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-tokenizer")
-    build_tokenizer(directory)
-    return directory
-
-
 @pytest.fixture
-def tokenizer(model_dir: Path) -> RecordingTokenizer:
-    plain = EngineTokenizer.from_dir(model_dir)
+def tokenizer(tiny_tokenizer: Path) -> RecordingTokenizer:
+    plain = EngineTokenizer.from_dir(tiny_tokenizer)
     recording = RecordingTokenizer.__new__(RecordingTokenizer)
     recording.__dict__.update(plain.__dict__)
     recording.threads = []

@@ -23,7 +23,7 @@ from extproc.core.blockhash import BlockHasher
 from extproc.core.prompt import render_chat, tokenize
 from extproc.fleet.tokenizer import MAX_PROMPT_CHARS, EngineTokenizer
 from extproc.ops.processes import free_port
-from loadtests.conformance.tiny_model import BOS, build_tokenizer
+from loadtests.conformance.tiny_model import BOS
 from loadtests.sim.blocks import BlockPool, block_hashes
 from loadtests.sim.cli import add_arguments, config_from_args, run
 from loadtests.sim.kv_events import Event, block_stored
@@ -44,22 +44,15 @@ SALT_BAD = (
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-tokenizer")
-    build_tokenizer(directory)
-    return directory
+def tokenizer(tiny_tokenizer: Path) -> EngineTokenizer:
+    return EngineTokenizer.from_dir(tiny_tokenizer, max_chars=None)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> EngineTokenizer:
-    return EngineTokenizer.from_dir(model_dir, max_chars=None)
-
-
-def with_template(model_dir: Path, target: Path, template: str | None) -> Path:
+def with_template(tiny_tokenizer: Path, target: Path, template: str | None) -> Path:
     """A copy of the tiny tokenizer with another chat template (None: none at all)."""
     target.mkdir()
-    shutil.copy(model_dir / "tokenizer.json", target / "tokenizer.json")
-    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    shutil.copy(tiny_tokenizer / "tokenizer.json", target / "tokenizer.json")
+    config = json.loads((tiny_tokenizer / "tokenizer_config.json").read_text())
     config.pop("chat_template")
     if template is not None:
         config["chat_template"] = template
@@ -126,9 +119,11 @@ def test_the_real_count_decides_length_limits_and_a_long_prompt_is_not_cut(
     assert gateways is not None and len(gateways) < long.prompt_len
 
 
-def test_template_errors_and_a_missing_template_are_400s(model_dir: Path, tmp_path: Path) -> None:
+def test_template_errors_and_a_missing_template_are_400s(
+    tiny_tokenizer: Path, tmp_path: Path
+) -> None:
     strict = with_template(
-        model_dir,
+        tiny_tokenizer,
         tmp_path / "strict",
         "{% for m in messages %}{% if m['role'] == 'tool' %}"
         "{{ raise_exception('no tools here') }}{% endif %}{{ m['content'] }}{% endfor %}",
@@ -142,19 +137,19 @@ def test_template_errors_and_a_missing_template_are_400s(model_dir: Path, tmp_pa
         "BadRequestError",
         "no tools here",
     )
-    bare = EngineTokenizer.from_dir(with_template(model_dir, tmp_path / "bare", None))
+    bare = EngineTokenizer.from_dir(with_template(tiny_tokenizer, tmp_path / "bare", None))
     with pytest.raises(ApiError) as info:
         parse({"messages": MESSAGES}, bare)
     assert info.value.status == 400 and "chat template" in info.value.message
     assert parse({"prompt": "kalo"}, bare, chat=False).prompt_len > 0  # completions still work
 
 
-def test_the_flag(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_flag(tiny_tokenizer: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert config_from_args(parser.parse_args([])).tokenizer is None
-    args = parser.parse_args(["--tokenizer", str(model_dir), "--port", str(free_port())])
-    assert config_from_args(args).tokenizer == model_dir
+    args = parser.parse_args(["--tokenizer", str(tiny_tokenizer), "--port", str(free_port())])
+    assert config_from_args(args).tokenizer == tiny_tokenizer
     # a directory without a tokenizer: a one-line error, no traceback, exit status 2
     assert run(parser.parse_args(["--tokenizer", str(tmp_path), "--port", "1"])) == 2
     assert "--tokenizer" in capsys.readouterr().err
@@ -227,7 +222,7 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 async def test_the_server_hashes_and_counts_the_models_tokens_and_the_salt(
-    model_dir: Path, tokenizer: EngineTokenizer, session: aiohttp.ClientSession, tmp_path: Path
+    tiny_tokenizer: Path, tokenizer: EngineTokenizer, session: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     """``--tokenizer`` with KV events: ``usage.prompt_tokens``, the prefix cache and the
     BlockStored events are the model tokenizer's ids, the salt on the first block."""
@@ -237,7 +232,7 @@ async def test_the_server_hashes_and_counts_the_models_tokens_and_the_salt(
         model="tiny",
         speedup=50,
         block_size=16,
-        tokenizer=model_dir,
+        tokenizer=tiny_tokenizer,
         kv_events_config=KVEventsConfig.parse(events),
     )
     runner = await start(config, "127.0.0.1", port)

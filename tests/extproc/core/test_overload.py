@@ -39,7 +39,9 @@ def test_rises_while_lagging() -> None:
 
 def test_cuts_what_gets_through_in_proportion_to_how_far_behind() -> None:
     c = control()  # high_lag_s 20 ms, max_cut 0.25
-    # 25 ms behind: let through 20/25 of what got through.
+    # 25 ms behind: one such period is a hiccup; the second confirms it, and then let
+    # through 20/25 of what got through.
+    assert c.period(0.025) == 0.0 and not c.overloaded
     assert c.period(0.025) == pytest.approx(0.2)
     assert c.period(0.025) == pytest.approx(1 - 0.8 * 0.8)
     # Far behind: the cut per period is capped at max_cut.
@@ -48,7 +50,19 @@ def test_cuts_what_gets_through_in_proportion_to_how_far_behind() -> None:
     assert c.period(1.0) == pytest.approx(1 - 0.75 * 0.75)
     # Just past the bound the proportional cut is below min_step: min_step is taken.
     c = control()
-    assert [c.period(0.0201) for _ in range(3)] == pytest.approx([0.05, 0.10, 0.15])
+    assert [c.period(0.0201) for _ in range(4)] == pytest.approx([0.0, 0.05, 0.10, 0.15])
+
+
+def test_one_period_a_little_over_the_bound_is_a_hiccup() -> None:
+    """A single period between the bound and twice it (a collection, the machine's other
+    processes) turns nothing away; twice the bound does at once."""
+    c = control()
+    for _ in range(5):
+        assert c.period(0.030) == 0.0
+        assert c.period(LOW) == 0.0
+    assert not c.overloaded
+    assert c.period(0.030, busy=0.1) == 0.0 and c.period(0.030) == 0.0  # not busy: no streak
+    assert c.period(2.5 * SETTINGS.high_lag_s) > 0.0 and c.overloaded
 
 
 def test_rises_by_at_least_min_step() -> None:
@@ -56,6 +70,7 @@ def test_rises_by_at_least_min_step() -> None:
     # min_step); min_step still applies.
     c = control()
     c.shed_fraction = 0.85
+    c.behind = True  # already turning requests away: no confirmation needed
     assert c.period(SETTINGS.high_lag_s * 1.05) == pytest.approx(0.85 + SETTINGS.min_step)
     for start in (0.0, 0.3, 0.6):
         c.shed_fraction = start

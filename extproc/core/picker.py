@@ -124,11 +124,10 @@ def _share(backend: Backend, prompt: PromptBlocks | None) -> float:
     say when it publishes them, else what it was sent before (the approximate index)."""
     if prompt is None:
         return 0.0
-    if backend.kv_index is not None and backend.kv_index.live:
-        keys = prompt.keys(backend.block_size)
-        if keys is not None:
-            held = backend.precise_prefix(keys) if keys else 0
-            return held / len(keys) if held else 0.0
+    keys = prompt.keys(backend.block_size) if backend.kv_events_live else None
+    if keys is not None:  # the engine's own truth; [] when the prompt fills no block
+        held = backend.precise_prefix(keys) if keys else 0
+        return held / len(keys) if held else 0.0
     blocks = prompt.blocks(backend.block_size)
     if not blocks:
         return 0.0

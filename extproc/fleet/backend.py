@@ -654,14 +654,18 @@ class Backend:
             self.membership = "serving"
             log.info("backend %s %s: first good scrape; serving", self.region, self.address)
 
+    @property
+    def kv_events_live(self) -> bool:
+        """The engine's KV events say what it holds: configured, and followed from a point
+        where its whole cache was known."""
+        return self.kv_index is not None and self.kv_index.live
+
     def precise_prefix(self, keys: Sequence[int]) -> int | None:
         """How many leading blocks of ``keys`` (the engine's block keys of a prompt) the
-        engine holds or was just sent; None while its KV events cannot tell (none
-        configured, or the stream is not followed from a known point)."""
-        index = self.kv_index
-        if index is None or not index.live:
+        engine holds or was just sent; None while its KV events cannot tell."""
+        if self.kv_index is None or not self.kv_index.live:
             return None
-        return index.match(keys, self._clock())
+        return self.kv_index.match(keys, self._clock())
 
     def expect_blocks(self, keys: Sequence[int]) -> None:
         """``keys`` were just sent here: count them as held until the events confirm them."""

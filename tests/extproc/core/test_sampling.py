@@ -4,7 +4,14 @@ alternates from a spread of the fleet. Small fleets stay exact (the other admiss
 
 from __future__ import annotations
 
-from extproc.core.sampling import ALTERNATES_SAMPLE, LARGE_FLEET, SAMPLE, WINDOW, FleetSample
+from extproc.core.sampling import (
+    ALTERNATES_SAMPLE,
+    FREED_SHARE,
+    LARGE_FLEET,
+    SAMPLE,
+    WINDOW,
+    FleetSample,
+)
 from extproc.fleet.backend import BackendPool, BackendSpec
 from tests.extproc.factories import API, BATCH, Request, make_admission
 
@@ -103,3 +110,39 @@ def test_alternates_come_from_a_spread_that_covers_every_region() -> None:
     spread = FleetSample().spread(pool.backends)
     assert len(spread) == ALTERNATES_SAMPLE
     assert {b.region for b in spread} == {"a", "b"}
+
+
+def test_under_a_backlog_the_seat_a_completion_freed_is_found_without_walking_the_fleet() -> None:
+    # The fleet is full but for one seat a completion just freed, far from the cursor: the
+    # placement checks that backend first and walks no further than its window.
+    pool = BackendPool([BackendSpec("127.0.0.1", 9000 + i) for i in range(BACKENDS)])
+    sample = FleetSample()
+    far = pool.backends[BACKENDS - 3]
+    looked: list[object] = []
+
+    def admits(backend: object) -> bool:
+        looked.append(backend)
+        return backend is far
+
+    assert sample.candidates("batch", pool.backends, lambda b: True, 0.0, 1.0)  # band seen
+    sample.freed(far)
+    assert sample.candidates("batch", pool.backends, admits, 0.01, 1.0) == [far]
+    assert looked[0] is far and len(looked) <= 1 + WINDOW
+
+
+def test_freed_backends_fill_at_most_their_share_and_the_cursor_offers_the_rest() -> None:
+    # Backends that finish nothing (idle ones) must still be offered, or a fleet with room
+    # would keep sending to the ones that completed something last.
+    pool = BackendPool([BackendSpec("127.0.0.1", 9000 + i) for i in range(BACKENDS)])
+    sample = FleetSample()
+    assert sample.candidates("api", pool.backends, lambda b: True, 0.0, 1.0)
+    freed = pool.backends[-SAMPLE:]
+    for backend in freed:
+        sample.freed(backend)
+    found = sample.candidates("api", pool.backends, lambda b: True, 0.01, 1.0)
+    assert len(found) == SAMPLE
+    assert found[:FREED_SHARE] == freed[:FREED_SHARE]
+    assert not set(found[FREED_SHARE:]) & set(freed)
+    # The freed backends offered rotate: the next placement starts with the others.
+    again = sample.candidates("api", pool.backends, lambda b: True, 0.02, 1.0)
+    assert again[:FREED_SHARE] == freed[FREED_SHARE:]

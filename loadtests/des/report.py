@@ -146,7 +146,7 @@ def write(
     with a sweep)."""
     out.mkdir(parents=True, exist_ok=True)
     decision = {key: run["decision_us"] for key, run in sweep.items()}
-    if not decision:  # no sweep (scale-day): the run's own point
+    if not decision:  # no sweep: the run's own point
         decision[f"{scenario.fleet.engines}x{scenario.open_loop.tenants}"] = main["decision_us"]
     results = {
         "scenario": scenario.name,

@@ -549,6 +549,18 @@ MEMORY_TENANTS = 10_000
 """Tenants added to measure the core's memory per tenant (``bench``)."""
 
 
+def _is_the_run(scenario: DesScenario, engines: int, tenants: int, sent: int) -> bool:
+    """Whether the sweep's point ``engines`` x ``tenants`` would simulate exactly what the
+    scenario's own run did: its size, no outage (points have none), and a run that ended
+    by its duration before the point's request cap (``scale-day --duration 120``)."""
+    return (
+        scenario.fleet.engines == engines
+        and scenario.open_loop.tenants == tenants
+        and scenario.outage is None
+        and sent < min(scenario.sweep_requests, scenario.max_requests)
+    )
+
+
 def bench(scenario: DesScenario, out: Path) -> dict[str, Any]:
     """The scenario's run, its decision-cost sweep and the core's memory; the results."""
     from loadtests.des import report
@@ -560,6 +572,9 @@ def bench(scenario: DesScenario, out: Path) -> dict[str, Any]:
     main = report.run_summary(scenario, measured, aging)
     sweep: dict[str, dict[str, Any]] = {}
     for engines, tenants in scenario.sweep:
+        if _is_the_run(scenario, engines, tenants, measured.stats.sent):
+            sweep[f"{engines}x{tenants}"] = main  # the same simulation: not run twice
+            continue
         sized = scenario.scaled(engines, tenants, scenario.sweep_requests)
         _, point = simulate(sized, work / f"sweep-{engines}x{tenants}")
         sweep[f"{engines}x{tenants}"] = report.run_summary(sized, point, aging)

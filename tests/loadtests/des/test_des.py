@@ -7,15 +7,17 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from extproc.fleet.vllm_metrics import EngineMetrics
 from loadtests.bench.scenario import ScenarioError, read_document
 from loadtests.des import report
+from loadtests.des import run as run_module
 from loadtests.des.clock import EventLoop
 from loadtests.des.engines import EngineNode
-from loadtests.des.model import parse_des
+from loadtests.des.model import DesScenario, parse_des
 from loadtests.des.run import Simulation, bench, simulate
 from loadtests.sim.engine import EngineConfig, EngineRequest
 from loadtests.sim.profiles import get_profile
@@ -90,6 +92,28 @@ def test_bench_writes_the_contracted_results(tmp_path: Path) -> None:
     assert written["memory_bytes"]["per_tenant"] > 0
     assert (tmp_path / "out" / "report.md").read_text().startswith("# `small`")
     assert (tmp_path / "out" / "decision-cost.png").stat().st_size > 0
+
+
+def test_a_sweep_point_of_the_scenarios_own_size_is_its_run_not_a_second_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # scale-day's sweep holds its own 1,000 x 100k: under --duration the run is that point,
+    # and simulating it again would double the bench's longest part.
+    text = SMALL.replace("duration_s: 600", "duration_s: 40")
+    text = text.replace("max_requests: 1500", "max_requests: 100000")
+    text = text.replace("sweep_requests: 300", "sweep_requests: 100000")
+    runs: list[str] = []
+    real = run_module.simulate
+
+    def counted(sized: DesScenario, workdir: Path, fast_forward: bool = True) -> Any:
+        runs.append(sized.name)
+        return real(sized, workdir, fast_forward)
+
+    monkeypatch.setattr(run_module, "simulate", counted)
+    results = bench(parse_des(read_document(scenario(tmp_path, text))), tmp_path / "out")
+    assert runs == ["small", "small-3x100"]
+    assert results["sweep"]["6x300"] == results["run"]
+    assert results["decision_us_per_request"]["6x300"] == results["run"]["decision_us"]
 
 
 def test_a_bad_scenario_names_its_lines(tmp_path: Path) -> None:

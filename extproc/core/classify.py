@@ -24,7 +24,7 @@ from typing import Any
 from extproc.core.body import json_kind
 from extproc.core.errors import Rejection
 from extproc.core.events import RequestInfo
-from extproc.core.prompt import count_tokens, render_chat
+from extproc.core.prompt import chat_text_and_tokens, count_tokens, render_chat
 from extproc.policy import Policy, Rule, Tenant, Tier
 
 ASK_HEADER = "x-priority"
@@ -283,8 +283,7 @@ def prompt_text_and_tokens(body: Mapping[str, Any]) -> tuple[str, int]:
     messages = body.get("messages")
     if messages is not None:
         _check_messages(messages)
-        text = render_chat(messages)
-        return text, count_tokens(text)
+        return chat_text_and_tokens(messages)
     for field in ("prompt", "input"):
         value = body.get(field)
         if value is not None:

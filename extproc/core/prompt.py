@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -43,18 +44,70 @@ def _content_text(content: Any) -> str:
     return ""
 
 
+def _chat_parts(messages: Iterable[Mapping[str, Any]]) -> list[str]:
+    parts = []
+    for message in messages:
+        role = str(message.get("role", "user"))
+        parts.append(f"<|{role}|>\n{_content_text(message.get('content'))}\n")
+    parts.append(_REPLY)
+    return parts
+
+
+_REPLY = "<|assistant|>\n"
+
+
 def render_chat(messages: Iterable[Mapping[str, Any]]) -> str:
     """Render chat messages as one prompt string, like a simple chat template would.
 
     The exact template does not matter; what matters is that it is a pure function of the
     messages, so that conversations sharing a prefix render to strings sharing a prefix.
     """
-    parts = []
-    for message in messages:
-        role = str(message.get("role", "user"))
-        parts.append(f"<|{role}|>\n{_content_text(message.get('content'))}\n")
-    parts.append("<|assistant|>\n")
-    return "".join(parts)
+    return "".join(_chat_parts(messages))
+
+
+def chat_text_and_tokens(messages: Iterable[Mapping[str, Any]]) -> tuple[str, int]:
+    """``render_chat(messages)`` and its ``count_tokens``, counting each long message once.
+
+    A conversation is re-sent whole with every turn, and many share a system prompt, so
+    most of a chat request's text was counted before. Counting it again was a sixth of the
+    core's CPU per request (``scale-day``, py-spy). Every rendered message ends with a
+    newline and the next starts with ``<|``: no piece spans two of them, so the count of
+    the whole is the sum of the messages' counts (``tests/extproc/core/test_prompt.py``
+    checks it on generated conversations).
+    """
+    parts = _chat_parts(messages)
+    count = _COUNTS.count
+    return "".join(parts), sum(count(part) for part in parts)
+
+
+class _CountCache:
+    """Token counts of recently seen long texts, least recently used out first, holding at
+    most ``budget`` characters of text (the keys are the texts themselves)."""
+
+    def __init__(self, budget: int = 4_000_000, shortest: int = 256) -> None:
+        self._counts: OrderedDict[str, int] = OrderedDict()
+        self._held = 0
+        self._budget = budget
+        self._shortest = shortest
+        """Shorter texts are counted each time: a dictionary entry would cost more."""
+
+    def count(self, text: str) -> int:
+        if len(text) < self._shortest:
+            return count_tokens(text)
+        counts = self._counts
+        known = counts.get(text)
+        if known is not None:
+            counts.move_to_end(text)
+            return known
+        tokens = counts[text] = count_tokens(text)
+        self._held += len(text)
+        while self._held > self._budget and counts:
+            gone, _ = counts.popitem(last=False)
+            self._held -= len(gone)
+        return tokens
+
+
+_COUNTS = _CountCache()
 
 
 class BuiltinTokenizer:

@@ -1,0 +1,46 @@
+"""The prompt estimator shared with the simulator (``extproc.core.prompt``): a chat's count
+taken message by message, cached, equals the count of the whole rendered text."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from extproc.core.prompt import _CountCache, chat_text_and_tokens, count_tokens, render_chat
+
+# Characters that make every kind of piece and its edges: letters, digits, punctuation,
+# runs of spaces and newlines, tabs, non-ASCII, and the template's own markers.
+_ALPHABET = "aZ09 \n\t.,<|>é中"
+
+
+def _text(rng: random.Random) -> str:
+    size = rng.choice((0, 1, 3, 40, 600))  # 600: long enough to be cached
+    return "".join(rng.choice(_ALPHABET) for _ in range(size))
+
+
+def _message(rng: random.Random) -> dict[str, Any]:
+    content: Any = rng.choice(
+        (_text(rng), None, [{"text": _text(rng)} for _ in range(rng.randint(0, 3))])
+    )
+    return {"role": rng.choice(("system", "user", " x\n", "")), "content": content}
+
+
+def test_counting_message_by_message_equals_counting_the_whole_chat() -> None:
+    rng = random.Random(7)
+    for _ in range(1_500):
+        messages = [_message(rng) for _ in range(rng.randint(0, 6))]
+        text = render_chat(messages)
+        assert chat_text_and_tokens(messages) == (text, count_tokens(text)), messages
+        assert chat_text_and_tokens(messages) == (text, count_tokens(text))  # cached now
+
+
+def test_a_long_message_is_counted_once_and_the_cache_keeps_to_its_budget() -> None:
+    cache = _CountCache(budget=3_000, shortest=100)
+    first, second = "word " * 300, "other " * 300  # 1,500 and 1,800 characters
+    assert cache.count(first) == count_tokens(first)
+    assert cache.count(first) == count_tokens(first)
+    assert list(cache._counts) == [first]
+    cache.count(second)  # 3,300 characters held: the least recently used goes
+    assert list(cache._counts) == [second] and cache._held == len(second)
+    cache.count("short")  # under `shortest`: counted, not kept
+    assert list(cache._counts) == [second]

@@ -25,6 +25,7 @@ import pytest
 
 from extproc.ops.up import Stack
 from tests.integration.conftest import DEMO_TENANTS, auth, requests_by_backend, start_stack
+from tests.polling import until
 
 pytestmark = pytest.mark.integration
 
@@ -201,21 +202,36 @@ async def test_killed_backend_costs_no_non_streamed_request(tmp_path: Path) -> N
         (survivor,) = [b.address for b in stack.backends if b.address != victim]
 
         outcomes: list[Outcome] = []
-        stop_at = time.monotonic() + 6.0
+        stop = asyncio.Event()
 
         async def worker(w: int) -> None:
             n = 0
-            while time.monotonic() < stop_at:
+            while not stop.is_set():
                 # ~0.8 s each: the picker spreads ~10 running requests over both backends,
                 # so several are mid-generation on the victim when it dies
                 outcomes.append(await send(session, stack, f"w{w}-{n}", max_tokens=120))
                 n += 1
                 await asyncio.sleep(0.1)
 
+        def running_on_victim() -> int:
+            """Trickle requests the victim received that have no answer yet."""
+            answered = {o.test_id for o in outcomes}
+            received = {r["headers"].get("x-test-id") for r in requests_by_backend(stack)[victim]}
+            return sum(1 for t in received if t and t.startswith("w") and t not in answered)
+
         workers = [asyncio.create_task(worker(w)) for w in range(10)]
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(1.0)  # the trickle is under way on both backends
+        # Kill it while requests are mid-generation there (two, so that one finishing in
+        # the instant between this check and the kill still leaves one to be cut).
+        await until(
+            lambda: running_on_victim() >= 2,
+            "two trickle requests running on the victim at once",
+            timeout_s=10.0,
+            every_s=0.05,
+        )
         killed_at = time.time()
         await asyncio.to_thread(stack.kill_simulator, victim)
+        asyncio.get_running_loop().call_later(4.0, stop.set)
 
         # The stream that was running on the victim ends, with an error or cut short.
         cut_started = time.monotonic()
@@ -279,9 +295,9 @@ async def test_region_fails_over_and_traffic_returns(tmp_path: Path) -> None:
         for address in sorted(region_a):
             await asyncio.to_thread(stack.kill_simulator, address)
         during: list[Outcome] = []
-        until = time.monotonic() + 2.0
+        down_until = time.monotonic() + 2.0
         n = 0
-        while time.monotonic() < until:
+        while time.monotonic() < down_until:
             batch = await asyncio.gather(*(send(session, stack, f"down-{n}-{i}") for i in range(3)))
             during.extend(batch)
             n += 1

@@ -34,6 +34,7 @@ interval later. Below ``LARGE_FLEET`` nothing here applies and every decision is
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -61,17 +62,18 @@ class _Band:
     a slot on that have not been found without room since (oldest first); ``full_at``,
     when a whole walk of the fleet last found no room for it (None: not known full)."""
 
-    freed: dict[Backend, None] = field(default_factory=dict)
+    freed: OrderedDict[Backend, None] = field(default_factory=OrderedDict)
     full_at: float | None = None
 
     def still_free(self, admits: Callable[[Backend], bool], wanted: int) -> list[Backend]:
         """Up to ``wanted`` freed backends that still admit the band, each moved to the end
         so the next placement offers others first; those that do not admit are forgotten
-        until a completion frees them again."""
+        until a completion frees them again. Each one looked at costs O(1), however many
+        are held (an ordered dict: no copy of the set, no scan past removed entries)."""
         found: list[Backend] = []
         freed = self.freed
-        for backend in list(freed):
-            del freed[backend]
+        for _ in range(len(freed)):
+            backend = freed.popitem(last=False)[0]
             if admits(backend):
                 freed[backend] = None
                 found.append(backend)

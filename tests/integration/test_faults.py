@@ -223,12 +223,16 @@ async def test_killed_backend_costs_no_non_streamed_request(tmp_path: Path) -> N
         await asyncio.sleep(1.0)  # the trickle is under way on both backends
         # Kill it while requests are mid-generation there (two, so that one finishing in
         # the instant between this check and the kill still leaves one to be cut).
-        await until(
-            lambda: running_on_victim() >= 2,
-            "two trickle requests running on the victim at once",
-            timeout_s=10.0,
-            every_s=0.05,
-        )
+        try:
+            await until(
+                lambda: running_on_victim() >= 2,
+                "two trickle requests running on the victim at once",
+                timeout_s=10.0,
+                every_s=0.05,
+            )
+        except AssertionError:
+            stop.set()  # the workers end with the test
+            raise
         killed_at = time.time()
         await asyncio.to_thread(stack.kill_simulator, victim)
         asyncio.get_running_loop().call_later(4.0, stop.set)

@@ -44,6 +44,10 @@ def _content_text(content: Any) -> str:
     return ""
 
 
+_REPLY = "<|assistant|>\n"
+"""The turn the engine is asked to write: the last part of every rendered chat."""
+
+
 def _chat_parts(messages: Iterable[Mapping[str, Any]]) -> list[str]:
     parts = []
     for message in messages:
@@ -51,9 +55,6 @@ def _chat_parts(messages: Iterable[Mapping[str, Any]]) -> list[str]:
         parts.append(f"<|{role}|>\n{_content_text(message.get('content'))}\n")
     parts.append(_REPLY)
     return parts
-
-
-_REPLY = "<|assistant|>\n"
 
 
 def render_chat(messages: Iterable[Mapping[str, Any]]) -> str:

@@ -38,6 +38,7 @@ from extproc.envoy.replicas import (
     discovery_type,
     failover_settings,
     replica_cluster_name,
+    stream_hash_policy,
     xds_retry_policy,
 )
 from extproc.wire import BACKEND_CLUSTER, DESTINATION_HEADER, EXTPROC_CLUSTER, LB_NAMESPACE
@@ -53,7 +54,9 @@ def extproc_cluster(params: EnvoyParams) -> dict[str, Any]:
         "name": EXTPROC_CLUSTER,
         "type": discovery_type(replicas),
         "connect_timeout": "1s",
-        "typed_extension_protocol_options": _grpc_protocol_options(params),
+        "typed_extension_protocol_options": _grpc_protocol_options(
+            params, **stream_hash_policy(params)
+        ),
         # Every held request keeps one stream open. The defaults (1024 requests) would cap the
         # queue depth of the whole gateway and fail the excess with status_on_error.
         "circuit_breakers": {
@@ -95,11 +98,12 @@ def replica_clusters(params: EnvoyParams) -> list[dict[str, Any]]:
     return clusters
 
 
-def _grpc_protocol_options(params: EnvoyParams) -> dict[str, Any]:
+def _grpc_protocol_options(params: EnvoyParams, **extra: Any) -> dict[str, Any]:
     return {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
             "explicit_http_config": {"http2_protocol_options": _extproc_http2(params)},
+            **extra,
         }
     }
 

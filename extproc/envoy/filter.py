@@ -13,7 +13,7 @@ from typing import Any
 
 from extproc.envoy.params import MAX_MESSAGE_TIMEOUT_S, EnvoyParams
 from extproc.envoy.protojson import duration
-from extproc.envoy.replicas import stream_retry_policy
+from extproc.envoy.replicas import stream_affinity_metadata, stream_retry_policy
 from extproc.wire import EXT_PROC_FILTER, EXTPROC_CLUSTER, FAIRLANE_NAMESPACE, LB_NAMESPACE
 
 EXT_PROC_PER_ROUTE_TYPE = (
@@ -84,6 +84,9 @@ def _grpc_service(params: EnvoyParams) -> dict[str, Any]:
     retry = stream_retry_policy(params)
     if retry is not None:  # replicas: a stream a dead replica cannot take goes to another
         service["retry_policy"] = retry
+    affinity = stream_affinity_metadata(params)
+    if affinity:  # replicas: each client key's streams to one replica
+        service["initial_metadata"] = affinity
     return service
 
 

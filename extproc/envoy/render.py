@@ -253,7 +253,8 @@ def _service_text(params: EnvoyParams) -> str:
         f"{', '.join(r.address for r in replicas)}\n"
         f"    TCP health checks every {HEALTH_CHECK_INTERVAL_S:g}s, ejected after "
         f"{outlier['consecutive_local_origin_failure']} connect failures or resets in a row, "
-        "a stream that cannot open is retried on another replica; one completion feed each"
+        "a stream that cannot open is retried on another replica; each client key's streams "
+        "to one replica (Maglev); one completion feed each"
     )
 
 

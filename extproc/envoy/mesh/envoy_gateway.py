@@ -58,7 +58,10 @@ What differs from the plain Envoy bootstrap (Envoy Gateway exposes no such field
   - no status_on_error: a failed ext_proc stream answers 500 (Envoy's default), not 503.
   - with replicas: no GrpcService.retry_policy, so a request whose stream opens on a replica
     the moment it died gets 503 (retry-after) until the health checks (1 s) or the passive
-    check take that replica out; the plain bootstrap retries such a stream on another one.
+    check take that replica out; the plain bootstrap retries such a stream on another one;
+    and no stream initial_metadata nor hash policy, so a tenant's requests spread over the
+    replicas instead of meeting in one (fair across them all the same, a little less:
+    extproc.envoy.replicas).
 What the mesh must provide: the vLLM pods behind the Service `vllm` (rename below); their pod
 IP:port is what the service lists (`--backend REGION=http://POD_IP:PORT`, a static list);
 with replicas, the Redis they share at the URL in their --state.

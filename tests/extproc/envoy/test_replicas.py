@@ -18,6 +18,7 @@ from extproc.envoy.bootstrap import render_bootstrap, render_yaml
 from extproc.envoy.params import EnvoyConfigError, EnvoyParams, ServiceReplica
 from extproc.envoy.render import typed_check
 from extproc.envoy.replicas import (
+    AFFINITY_HEADER,
     EJECT_AFTER_LOCAL_FAILURES,
     REPLICA_CLUSTER_PREFIX,
     STREAM_RETRY_ON,
@@ -131,6 +132,25 @@ def test_a_stream_that_cannot_open_is_retried_on_another_replica() -> None:
     assert filter_two["grpc_service"]["retry_policy"]["num_retries"] == 1
 
 
+def test_each_client_keys_streams_hash_to_one_replica() -> None:
+    """Maglev over a header of the stream that the filter fills from the client's key,
+    wherever the key is: moved by the shipped bootstrap, as sent, or in ``x-api-key``. The
+    completion feeds (one replica each) hash nothing."""
+    bootstrap = render_bootstrap(three())
+    by_name = clusters(bootstrap)
+    extproc = by_name[EXTPROC_CLUSTER]
+    assert extproc["lb_policy"] == "MAGLEV"
+    (options,) = extproc["typed_extension_protocol_options"].values()
+    assert options["hash_policy"] == [{"header": {"header_name": AFFINITY_HEADER}}]
+    ext_proc = ext_proc_of(hcm(bootstrap))["typed_config"]
+    (metadata,) = ext_proc["grpc_service"]["initial_metadata"]
+    assert metadata["key"] == AFFINITY_HEADER
+    for header in ("x-fairlane-client-authorization", "authorization", "x-api-key"):
+        assert header in metadata["value"]
+    (feed_options,) = by_name[replica_cluster_name(1)]["typed_extension_protocol_options"].values()
+    assert "hash_policy" not in feed_options and "lb_policy" not in by_name[replica_cluster_name(1)]
+
+
 def test_the_runtime_layer_comes_from_the_replicas_and_reconnects_fast() -> None:
     (rtds, _) = render_bootstrap(three())["layered_runtime"]["layers"]
     source = rtds["rtds_layer"]["rtds_config"]["api_config_source"]
@@ -157,6 +177,7 @@ def test_one_service_has_no_failover_and_one_feed() -> None:
     assert not [n for n in clusters(bootstrap) if n.startswith(REPLICA_CLUSTER_PREFIX)]
     ext_proc = ext_proc_of(hcm(bootstrap))["typed_config"]
     assert "retry_policy" not in ext_proc["grpc_service"]
+    assert "initial_metadata" not in ext_proc["grpc_service"] and "lb_policy" not in extproc
 
 
 @pytest.mark.parametrize(

@@ -100,8 +100,8 @@ class Driver:
     ) -> None:
         self.arm, self.started, self.scenario, self.group = arm, started, scenario, group
         spec = scenario.fairlane_arm(arm)
-        self.api_key = spec.api_key if spec is not None else "sk-overhead"
-        self.gen = LoadGenerator(started.port, api_key=self.api_key)
+        self.api_keys = spec.api_keys if spec is not None else ("sk-overhead",)
+        self.gen = LoadGenerator(started.port, api_key=self.api_keys)
         self.rows: list[dict[str, Any]] = []
 
     def _done(self, row: dict[str, Any], phase: str) -> None:
@@ -136,7 +136,7 @@ class Driver:
         count = self.scenario.concurrency1_requests
         if count <= 0:
             return
-        backend = LoadGenerator(self.started.backend_port, api_key=self.api_key)
+        backend = LoadGenerator(self.started.backend_port, api_key=self.api_keys)
         meter = Meter(self.started.pids)
         through, direct, errors = await concurrency1(self.gen, backend, count)
         usage = meter.stop()
@@ -152,12 +152,12 @@ class Driver:
             return
         rate = spec.factor * capacity_rps
         flood = LoadGenerator(
-            self.started.port, api_key=self.api_key, max_connections=spec.max_connections
+            self.started.port, api_key=self.api_keys, max_connections=spec.max_connections
         )
         meter = Meter(self.started.pids)
         run, pending = await flood.classified_loop(rate, spec.duration_s, spec.timeout_s)
         usage = meter.stop(run.elapsed_s)
-        watch = LoadGenerator(self.started.port, api_key=self.api_key)
+        watch = LoadGenerator(self.started.port, api_key=self.api_keys)
         meter = Meter(self.started.pids)
         recovery, watching = await watch.classified_loop(
             recovery_rate, spec.recovery_max_s, spec.timeout_s

@@ -143,15 +143,23 @@ class LoadGenerator:
         self,
         port: int,
         path: str = "/v1/chat/completions",
-        api_key: str = API_KEY,
+        api_key: str | tuple[str, ...] = API_KEY,
         max_connections: int | None = None,
     ) -> None:
         self.port = port
-        self.request = (
-            f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-            f"authorization: Bearer {api_key}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(BODY)}\r\n\r\n"
-        ).encode() + BODY
+        keys = (api_key,) if isinstance(api_key, str) else api_key
+        # Several keys are sent in turn, one request each: with service replicas, Envoy
+        # hashes each key's streams to one replica, so one key would load one replica.
+        self.requests = [
+            (
+                f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                f"authorization: Bearer {key}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(BODY)}\r\n\r\n"
+            ).encode()
+            + BODY
+            for key in keys
+        ]
+        self.sent = 0
         self.idle: list[_ClientProtocol] = []
         self.late_ms: list[float] = []
         self.max_connections = max_connections
@@ -198,7 +206,9 @@ class LoadGenerator:
         loop = asyncio.get_running_loop()
         conn.waiter = loop.create_future()
         assert conn.transport is not None
-        conn.transport.write(self.request)
+        requests = self.requests
+        conn.transport.write(requests[self.sent % len(requests)])
+        self.sent += 1
         handle = loop.call_later(timeout, conn.expire) if timeout is not None else None
         try:
             result = await conn.waiter

@@ -130,7 +130,7 @@ def scenario_json(scenario: OverheadScenario) -> dict[str, Any]:
         "fairlane_arms": {
             a.name: {
                 "policy": os.path.relpath(a.policy),
-                "api_key": a.api_key,
+                "api_keys": list(a.api_keys),
                 "seats": a.seats,
                 "grpc_server": a.grpc_server,
             }

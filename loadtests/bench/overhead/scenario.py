@@ -80,8 +80,10 @@ class FairlaneArm:
 
     name: str
     policy: Path
-    api_key: str = DEFAULT_API_KEY
-    """What the load generator sends as ``Bearer``: a key of one of the policy's tenants."""
+    api_keys: tuple[str, ...] = (DEFAULT_API_KEY,)
+    """What the load generator sends as ``Bearer``, each key in turn: keys of the policy's
+    tenants (``api_key`` in the file, a key or a list; several spread the load over
+    replicas, which Envoy picks per key)."""
     seats: int | None = None
     """The instant backend's seats as declared to the service (``#seats=N``); None: learned."""
     replicas: int = 1
@@ -327,16 +329,29 @@ def _read_fairlane_arms(reader: FieldReader, top: Section) -> list[FairlaneArm]:
             continue
         before = len(reader.errors)
         policy = read_policy(reader, raw)
-        key = reader.get(raw, "api_key", text, "a non-empty string", DEFAULT_API_KEY)
+        keys = reader.get(
+            raw, "api_key", _keys, "a non-empty string or list of them", (DEFAULT_API_KEY,)
+        )
         seats = reader.get(raw, "seats", integer_at_least(1), "an integer >= 1", None)
         replicas = reader.get(raw, "replicas", integer_at_least(1), "an integer >= 1", 1)
         shared = reader.get(raw, "shared_state", _boolean, "true or false", False)
         server = reader.get(raw, "grpc_server", _grpc_server, " or ".join(GRPC_SERVERS), "h2")
-        if len(reader.errors) == before and key not in _policy_keys(policy):
-            reader.error_in(raw, "api_key", f"no tenant of {policy} has the key {key!r}")
         if len(reader.errors) == before:
-            arms.append(FairlaneArm(name, policy, key, seats, replicas, shared, server))
+            for key in sorted(set(keys) - _policy_keys(policy)):
+                reader.error_in(raw, "api_key", f"no tenant of {policy} has the key {key!r}")
+        if len(reader.errors) == before:
+            arms.append(FairlaneArm(name, policy, keys, seats, replicas, shared, server))
     return arms
+
+
+def _keys(value: Any) -> tuple[str, ...] | None:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        return None
+    if not all(isinstance(key, str) and key.strip() for key in value):
+        return None
+    return tuple(value)
 
 
 def _grpc_server(value: Any) -> str | None:

@@ -5,6 +5,7 @@ response classification and the recovery rule (no timed assertions: speed is mea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 
 from extproc.core.errors import error_body
@@ -250,3 +251,39 @@ def test_classified_loop_and_concurrency1_against_the_instant_backend() -> None:
     assert run.unsent == 0 and len(run.samples) == 20
     assert {(s.outcome, s.status) for s in run.samples} == {(OK, 200)}
     assert (len(through), len(direct), errors) == (5, 5, 0)
+
+
+def test_several_keys_are_sent_in_turn() -> None:
+    """Each request carries the next key: with replicas, Envoy pins each key to one, so the
+    replica arms spread their load by sending many."""
+
+    async def scenario() -> list[bytes]:
+        seen: list[bytes] = []
+
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                while head := await reader.readuntil(b"\r\n\r\n"):
+                    lines = head.split(b"\r\n")
+                    seen.extend(line for line in lines if line.startswith(b"authorization:"))
+                    length = next(
+                        int(line.split(b":")[1])
+                        for line in lines
+                        if line.startswith(b"content-length:")
+                    )
+                    await reader.readexactly(length)
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                    await writer.drain()
+
+        port = free_port()
+        server = await asyncio.start_server(answer, "127.0.0.1", port)
+        try:
+            gen = loadgen.LoadGenerator(port, api_key=("sk-a", "sk-b", "sk-c"))
+            assert [await gen.one() for _ in range(5)] == [200] * 5
+            gen.close()
+        finally:
+            server.close()
+        return seen
+
+    seen = asyncio.run(scenario())
+    keys = [line.split(b"Bearer ")[1] for line in seen]
+    assert keys == [b"sk-a", b"sk-b", b"sk-c", b"sk-a", b"sk-b"]

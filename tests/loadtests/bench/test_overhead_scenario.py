@@ -38,14 +38,17 @@ def test_shipped_overhead_scenario() -> None:
     # Defined but not run by default: --arms picks them.
     picked = scenario.with_overrides(arms=["fairlane", "fairlane-shared"])
     assert picked.arms == ("fairlane", "fairlane-shared")
-    assert (fairlane.name, fairlane.policy.name, fairlane.api_key) == (
+    assert (fairlane.name, fairlane.policy.name, fairlane.api_keys) == (
         "fairlane",
         "overhead.yaml",
-        "sk-overhead",
+        ("sk-overhead",),
     )
     assert scenario.policy == fairlane.policy
     assert default.policy == DEFAULT_POLICY_PATH and default.seats == 256
-    assert default.api_key == "sk-chat-demo"
+    assert default.api_keys == ("sk-chat-demo",)
+    # the replica arms send several keys in turn: Envoy hashes each key to one replica
+    (two,) = (a for a in scenario.fairlane_specs if a.name == "fairlane-2-replicas")
+    assert len(two.api_keys) >= 16 and two.api_keys[0] == "sk-overhead"
     assert scenario.concurrency1_requests > 0
     assert scenario.overload == OverloadSpec(
         factor=2, duration_s=30, answer_within_ms=50, timeout_s=5, max_connections=512
@@ -167,7 +170,7 @@ def test_fairlane_arms_rates_and_the_new_phases(tmp_path: Path) -> None:
     scenario = _parse(tmp_path, ARMS)
     assert [a.name for a in scenario.fairlane_specs] == ["fairlane", "fairlane-default"]
     assert scenario.fairlane_arm("fairlane-default") == FairlaneArm(
-        "fairlane-default", DEFAULT_POLICY_PATH, "sk-chat-demo", 256
+        "fairlane-default", DEFAULT_POLICY_PATH, ("sk-chat-demo",), 256
     )
     assert scenario.fairlane_arm("fairlane") == FairlaneArm("fairlane", OVERHEAD_POLICY)
     # direct runs last, whatever the listed order: it needs the resolved half capacities
@@ -221,6 +224,12 @@ def test_new_fields_mistakes_are_named(tmp_path: Path) -> None:
     keyed = _errors(tmp_path, ARMS.replace("api_key: sk-chat-demo", "api_key: sk-nobody"))
     assert "fairlane_arms.fairlane-default.api_key: no tenant of" in keyed
     assert "has the key 'sk-nobody'" in keyed
+    listed = _errors(
+        tmp_path, ARMS.replace("api_key: sk-chat-demo", "api_key: [sk-chat-demo, sk-nobody]")
+    )
+    assert "has the key 'sk-nobody'" in listed and "sk-chat-demo'" not in listed
+    empty = _errors(tmp_path, ARMS.replace("api_key: sk-chat-demo", "api_key: []"))
+    assert "api_key: must be a non-empty string or list of them" in empty
 
 
 def test_phases_a_target_needs_must_be_there(tmp_path: Path) -> None:

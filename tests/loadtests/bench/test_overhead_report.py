@@ -123,7 +123,7 @@ NEW = OverheadScenario(
     arms=("fairlane", "fairlane-default", "direct"),
     fairlane_arms=(
         FairlaneArm("fairlane", Path("p.yaml")),
-        FairlaneArm("fairlane-default", Path("default.yaml"), "sk-chat-demo", 256),
+        FairlaneArm("fairlane-default", Path("default.yaml"), ("sk-chat-demo",), 256),
     ),
     concurrency1_requests=10,
     overload=OverloadSpec(duration_s=1.0),

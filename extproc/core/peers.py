@@ -21,7 +21,10 @@ grants, but it decides them over the whole fleet's demand:
   (``FairScheduler.raise_floor``), not at 0. A replica leaves room it could use to another
   whose next flow is owed clearly more, or whose queue has waited far longer
   (``owed_elsewhere`` below): without that, a replica that rarely sees a free seat
-  (the others refill the seats their own requests free) starves its queue.
+  (the others refill the seats their own requests free) starves its queue. Envoy sends
+  each client key to one replica (``extproc.envoy.replicas``), so a flow spans replicas
+  only when its tenant sends with several keys; flows on different replicas still compete
+  for the same seats, which is what these rules are for.
 - **Reservation activity.** A tier active on any replica (requests waiting or in flight,
   or one arrived within its ``reserved_idle_s``) keeps its reserve on every replica.
 

@@ -409,7 +409,8 @@ class Admission:
 
     def _turn(self, band: str, now: float) -> int:
         """Replicas ahead of this one for the band's next seat (``peers.turn``)."""
-        return turn(self.peers, band, self.scheduler.oldest_wait_s(band), now)
+        scheduler = self.scheduler
+        return turn(self.peers, band, scheduler.oldest_wait_s(band), now, scheduler.head(band))
 
     def _band_key(self, band: str) -> tuple[float, int]:
         """A local band's urgency (effective rank after aging, then base rank)."""

@@ -9,6 +9,7 @@ import pytest
 
 from extproc.core.errors import Rejection
 from extproc.core.peers import PeerBand, PeerView, ReplicaReport, turn
+from extproc.core.scheduler import Head
 from extproc.policy.model import Gate
 from tests.extproc.core.test_admission import submit
 from tests.extproc.factories import (
@@ -263,3 +264,33 @@ def test_a_seat_left_to_the_replica_ahead_is_taken_back_if_it_does_not_take_it()
     assert admission.apply_peers(view_at) == []  # r2's turn
     clock.now += view_at.defer_s + 0.001
     assert [g.request_id for g in admission.dispatch()] == ["b1"]
+
+
+def test_turn_skips_replicas_whose_next_flow_ours_is_owed_clearly_more_than() -> None:
+    """VTC orders a band's flows: older requests of a flow far ahead of ours in service do
+    not go first (``owed_elsewhere`` makes that replica leave the seat to us)."""
+    reports = (
+        ReplicaReport("r2", waiting={"batch": PeerBand(4, 3.0, 900.0, "heavy")}),
+        ReplicaReport("r3", waiting={"batch": PeerBand(1, 2.0, 120.0, "other")}),
+        ReplicaReport("r4", waiting={"batch": PeerBand(1, 2.0, 900.0, "light")}),  # ours
+    )
+    merged = PeerView.merge(reports, read_at=1000.0)
+    light = Head("light", counter=100.0, next_cost=50.0)
+    # r2 is owed 800 less than us (more than our next charge): not ahead; r3 is within a
+    # charge of us: ahead by age; r4 holds our own flow (counters in transit): ahead by age
+    assert turn(merged, "batch", oldest_wait_s=0.0, now=1000.0, head=light) == 2
+    assert turn(merged, "batch", oldest_wait_s=0.0, now=1000.0) == 3  # without a head: by age
+
+
+def test_a_replica_owed_clearly_more_takes_a_seat_others_wait_for_longer() -> None:
+    admission, _, clock = make_admission(limit=1, tiers=(INTERACTIVE, API, SEATED))
+    busy = ReplicaReport("r2", {BACKEND: {2: 1}})
+    admission.apply_peers(PeerView.merge([busy], read_at=clock()))
+    assert not submit(admission, "b1", Request(SEATED)).granted  # our flow at counter 0
+    # r2's request finished; r2 waits with an older request, of a flow close to ours: its turn
+    close = ReplicaReport("r2", waiting={"batch": PeerBand(1, 0.3, 1.0, "heavy")})
+    assert admission.apply_peers(PeerView.merge([close], read_at=clock())) == []
+    # the same seat, r2's next flow far ahead of ours in service: ours, at once
+    ahead = ReplicaReport("r2", waiting={"batch": PeerBand(1, 0.3, 10_000.0, "heavy")})
+    grants = admission.apply_peers(PeerView.merge([ahead], read_at=clock()))
+    assert [g.request_id for g in grants] == ["b1"]

@@ -71,8 +71,9 @@ the replica: the client's key, set by :func:`stream_affinity_metadata`."""
 AFFINITY_VALUE = "%REQ(x-fairlane-client-authorization?authorization)%%REQ(x-api-key)%"
 """The key as the filter sees it: the shipped bootstrap has moved ``authorization`` to
 ``x-fairlane-client-authorization`` (extproc.envoy.owned_headers), an existing Envoy has not;
-``x-api-key`` is the other place a key may be. A request with no key gets an empty value,
-one hash for all of them."""
+``x-api-key`` is the other place a key may be. Requests with no key all get the same value,
+so they meet on one replica too. The value is hashed as sent: a key sent as ``authorization``
+and as ``x-api-key`` may land on two replicas."""
 
 
 def replica_cluster_name(position: int) -> str:

@@ -47,6 +47,7 @@ from extproc.core.peers import (
     Deferrals,
     PeerBand,
     PeerView,
+    PreemptAsks,
     ReplicaReport,
     most_urgent_elsewhere,
     owed_elsewhere,
@@ -165,6 +166,8 @@ class Admission:
         (``extproc.core.preemption``)."""
         self._preempted: list[str] = []
         """Requests cancelled by the latest grants, for the transport to answer."""
+        self._asks = PreemptAsks()
+        """Cancellations asked of other replicas, and theirs answered (``peers``)."""
         self._preemptible_runs_s: dict[str, float] = {}
         """Per backend, a moving average of how long its preemptible tiers' requests run
         (grant to finish): with its seats, how soon such a seat frees by itself
@@ -651,17 +654,28 @@ class Admission:
 
     def _can_cancel(self, backend: Backend, rank: int) -> bool:
         cancellable = self._cancellable
-        return bool(cancellable) and cancellable.victim(backend.address, rank) is not None
+        if cancellable and cancellable.victim(backend.address, rank) is not None:
+            return True
+        return self._peer_to_ask(backend.address, rank) is not None
+
+    def _peer_to_ask(self, address: str, rank: int) -> str | None:
+        """The other replica to ask for a seat on ``address`` (``peers.PreemptAsk``)."""
+        if not self.peers.reports:
+            return None
+        pending = self._asks.pending(address, self._clock(), self.peers.defer_s)
+        return self.peers.can_cancel(address, rank, pending)
 
     def _preempt_for(self, backend: Backend, rank: int) -> None:
         """A request of ``rank`` goes to ``backend``, which has no free seat: cancel the
-        newest less urgent request there that can be, so vLLM seats this one at once."""
-        if not self._cancellable:
+        newest less urgent request there that can be, so vLLM seats this one at once; if
+        only another replica's can be, ask it to (it cancels within an exchange or two)."""
+        victim = self._cancellable.victim(backend.address, rank) if self._cancellable else None
+        if victim is not None:
+            self._cancel(victim)
             return
-        victim = self._cancellable.victim(backend.address, rank)
-        if victim is None:
-            return
-        self._cancel(victim)
+        replica = self._peer_to_ask(backend.address, rank)
+        if replica is not None:
+            self._asks.ask(replica, backend.address, rank, self._clock())
 
     def _cancel(self, victim: str) -> None:
         """Free ``victim``'s seat now; the transport answers it (``take_preempted``)."""
@@ -699,6 +713,10 @@ class Admission:
             backend.note_peers(view.in_flight_by_backend.get(backend.address, Counter()))
         self.peers = view
         self._sample.forget()
+        for ask in self._asks.to_answer(view.asks):  # another replica's urgent request
+            victim = self._cancellable.victim(ask.backend, ask.rank)
+            if victim is not None:
+                self._cancel(victim)
         return self.dispatch()
 
     def report(self, replica: str) -> ReplicaReport:
@@ -717,7 +735,14 @@ class Admission:
                 oldest = scheduler.oldest_wait_s(band)
                 waiting[band] = PeerBand(depth, oldest, head.counter, head.flow)
         idle = {tier: now - at for tier, at in self._last_arrival.items()}
-        return ReplicaReport(replica, in_flight, waiting, idle)
+        return ReplicaReport(
+            replica,
+            in_flight,
+            waiting,
+            idle,
+            cancellable=self._cancellable.counts(),
+            asks=self._asks.recent(now, self.peers.defer_s),
+        )
 
     def charge_elsewhere(self, charges: Iterable[tuple[str, str, float]]) -> None:
         """Service that flows received on other replicas: ``(band, flow, cost)`` each."""

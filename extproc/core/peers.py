@@ -27,6 +27,13 @@ grants, but it decides them over the whole fleet's demand:
   for the same seats, which is what these rules are for.
 - **Reservation activity.** A tier active on any replica (requests waiting or in flight,
   or one arrived within its ``reserved_idle_s``) keeps its reserve on every replica.
+- **Preemption across replicas.** Each report carries the requests the replica could cancel
+  per backend and rank (``extproc.core.preemption``). A replica that sends an urgent request
+  to a full engine whose cancellable requests are another replica's asks that replica, in its
+  report (``PreemptAsk``), and the other cancels one as it would for its own. With each
+  client key on one replica, the chat tenant's replica holds no batch: without asks, a chat
+  request waited in vLLM for a batch request to finish (``flood-8seat``, three replicas: chat
+  p90 TTFT 26.9 x no flood, against 1.34 x for one process).
 
 **Cut off.** A replica that cannot reach Redis schedules alone with a conservative share of
 each backend: ``1 / replicas`` of the per-backend cap and of the fleet's seats, replicas
@@ -50,6 +57,8 @@ __all__ = [
     "Deferrals",
     "PeerBand",
     "PeerView",
+    "PreemptAsk",
+    "PreemptAsks",
     "ReplicaReport",
     "most_urgent_elsewhere",
     "owed_elsewhere",
@@ -79,6 +88,20 @@ class PeerBand:
 
 
 @dataclass(frozen=True, slots=True)
+class PreemptAsk:
+    """One request to another replica: cancel a request of a rank worse than ``rank`` on
+    ``backend``, for a more urgent one this replica has sent there. ``seq`` tells a
+    replica's asks apart: each report repeats its recent asks (a missed exchange loses none)
+    and the one asked answers each once."""
+
+    replica: str
+    """The replica asked."""
+    backend: str
+    rank: int
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaReport:
     """What one replica tells the others: its whole state, never a delta, so a Redis that
     restarted empty is whole again after one exchange."""
@@ -96,6 +119,10 @@ class ReplicaReport:
     scrapes: Mapping[str, SharedScrape] = field(default_factory=dict)
     """Backend address -> the replica's last scrape of the engines it scrapes for the
     fleet (``extproc.fleet.shared_scrape``)."""
+    cancellable: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
+    """Backend address -> rank -> requests this replica could cancel there."""
+    asks: tuple[PreemptAsk, ...] = ()
+    """Its recent asks to other replicas to cancel a request for it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,12 +145,19 @@ class PeerView:
     in_flight_by_rank: Counter[int] = field(default_factory=Counter)
     waiting: Mapping[str, PeerBand] = field(default_factory=dict)
     idle_s: Mapping[str, float] = field(default_factory=dict)
+    asks: tuple[tuple[str, PreemptAsk], ...] = ()
+    """(asking replica, ask) for every ask addressed to the reader (``merge``'s ``me``)."""
 
     @classmethod
     def merge(
-        cls, reports: Iterable[ReplicaReport], read_at: float, defer_s: float = DEFER_S
+        cls,
+        reports: Iterable[ReplicaReport],
+        read_at: float,
+        defer_s: float = DEFER_S,
+        me: str | None = None,
     ) -> PeerView:
-        """The reports of the live other replicas, summed."""
+        """The reports of the live other replicas, summed; ``me``: the reader's replica id,
+        to find the asks addressed to it."""
         reports = tuple(reports)
         by_backend: dict[str, Counter[int]] = {}
         by_rank: Counter[int] = Counter()
@@ -154,7 +188,13 @@ class PeerView:
                 waiting[band] = peer
             for tier, seconds in report.idle_s.items():
                 idle[tier] = min(idle.get(tier, math.inf), seconds + report.age_s)
-        return cls(reports, read_at, 1.0, defer_s, by_backend, by_rank, waiting, idle)
+        asks = tuple(
+            (report.replica, ask)
+            for report in reports
+            for ask in report.asks
+            if me is not None and ask.replica == me
+        )
+        return cls(reports, read_at, 1.0, defer_s, by_backend, by_rank, waiting, idle, asks)
 
     @classmethod
     def cut_off(cls, replicas: int, read_at: float) -> PeerView:
@@ -176,6 +216,20 @@ class PeerView:
         if peer is None or not peer.waiting:
             return 0.0
         return peer.oldest_wait_s + max(0.0, now - self.read_at)
+
+    def can_cancel(self, backend: str, rank: int, asked: Mapping[str, int]) -> str | None:
+        """The replica with the most requests on ``backend`` of a rank worse than ``rank``
+        that it could cancel, beyond ``asked`` (replica -> asks to it still pending for
+        this backend), or None."""
+        best, most = None, 0
+        for report in self.reports:
+            ranks = report.cancellable.get(backend)
+            if not ranks:
+                continue
+            left = sum(n for r, n in ranks.items() if r > rank) - asked.get(report.replica, 0)
+            if left > most:
+                best, most = report.replica, left
+        return best
 
     def idle_for_s(self, tier: str, now: float) -> float:
         """Seconds since the tier's last arrival on any other replica (inf if never seen)."""
@@ -316,3 +370,40 @@ class Deferrals:
     def stop(self, band: str) -> None:
         """Nothing to defer to any more: the next deferral starts afresh."""
         self._since.pop(band, None)
+
+
+class PreemptAsks:
+    """This replica's side of preemption across replicas: the asks it made (each repeated in
+    its reports for ``keep_s``) and those it answered (each answered once)."""
+
+    def __init__(self) -> None:
+        self._made: list[tuple[float, PreemptAsk]] = []
+        self._seq = 0
+        self._answered: set[tuple[str, int]] = set()
+
+    def pending(self, backend: str, now: float, keep_s: float) -> Counter[str]:
+        """Replica -> asks to it for ``backend`` made within ``keep_s``: the cancellable
+        requests there already spoken for."""
+        return Counter(
+            ask.replica
+            for made_at, ask in self._made
+            if ask.backend == backend and now - made_at < keep_s
+        )
+
+    def ask(self, replica: str, backend: str, rank: int, now: float) -> None:
+        self._seq += 1
+        self._made.append((now, PreemptAsk(replica, backend, rank, self._seq)))
+
+    def recent(self, now: float, keep_s: float) -> tuple[PreemptAsk, ...]:
+        """The asks for this replica's next report (older ones are dropped: answered, or
+        their seat freed by itself by now)."""
+        self._made = [(at, ask) for at, ask in self._made if now - at < keep_s]
+        return tuple(ask for _, ask in self._made)
+
+    def to_answer(self, asks: Iterable[tuple[str, PreemptAsk]]) -> list[PreemptAsk]:
+        """Of the asks addressed to this replica (``PeerView.asks``), those not answered
+        yet; forgets those no longer asked."""
+        current = {(asker, ask.seq): ask for asker, ask in asks}
+        new = [ask for key, ask in current.items() if key not in self._answered]
+        self._answered = set(current)
+        return new

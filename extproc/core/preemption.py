@@ -87,6 +87,16 @@ class Cancellable:
                 chosen, chosen_rank = request_id, running[request_id]
         return chosen
 
+    def counts(self) -> dict[str, dict[int, int]]:
+        """Backend -> rank -> how many can be cancelled there: what the other replicas need
+        to ask this one for a seat (``extproc.core.peers.PreemptAsk``)."""
+        counts: dict[str, dict[int, int]] = {}
+        for backend, running in self._by_backend.items():
+            ranks = counts[backend] = {}
+            for rank in running.values():
+                ranks[rank] = ranks.get(rank, 0) + 1
+        return counts
+
     def spare(self, rank: int) -> int:
         """Seats that requests of tiers at ``rank`` or less urgent hold and would give up to
         any more urgent tier: the seats a reserve for that tier may count as its own (those

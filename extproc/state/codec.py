@@ -2,8 +2,11 @@
 
 A report is ``{"i": {backend: {rank: n}}, "w": {band: [n, oldest_wait_s, head_counter, head_flow]},
 "a": {tier: idle_s}, "s": {backend: [scraped_at, age_s, ok, waiting, running, kv_cache_usage,
-itl_sum_s, itl_count, block_size, num_gpu_blocks]}}`` (``s``: the engines this replica scrapes
-for the fleet, ``extproc.fleet.shared_scrape``; ``scraped_at`` is on the scraper's clock and
+itl_sum_s, itl_count, block_size, num_gpu_blocks]}, "c": {backend: {rank: n}}, "p": [[replica,
+backend, rank, seq], ...]}`` (``c``: the requests it could cancel, ``p``: its asks to other
+replicas to cancel one, ``extproc.core.peers.PreemptAsk``; both left out when empty; ``s``:
+the engines this replica scrapes for the fleet, ``extproc.fleet.shared_scrape``;
+``scraped_at`` is on the scraper's clock and
 only tells its scrapes apart; ``itl_sum_s`` and ``itl_count`` are both null for an engine
 without the ITL histogram, and a replica of an earlier version skips such a report), and
 ``"b": [[tenant, user|null, n], ...]``, the requests it has in progress per budgeted key
@@ -23,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from extproc.core.budgets import Key, LedgerRow
-from extproc.core.peers import PeerBand, ReplicaReport
+from extproc.core.peers import PeerBand, PreemptAsk, ReplicaReport
 from extproc.fleet.shared_scrape import SharedScrape
 from extproc.fleet.vllm_metrics import EngineMetrics
 
@@ -44,6 +47,13 @@ def encode_report(report: ReplicaReport, active: Mapping[Key, int] | None = None
     }
     if report.scrapes:
         body["s"] = {addr: _scrape(shared) for addr, shared in report.scrapes.items()}
+    if report.cancellable:
+        body["c"] = {
+            addr: {str(r): n for r, n in ranks.items()}
+            for addr, ranks in report.cancellable.items()
+        }
+    if report.asks:
+        body["p"] = [[a.replica, a.backend, a.rank, a.seq] for a in report.asks]
     if active:
         body["b"] = [[tenant, user, n] for (tenant, user), n in active.items()]
     return json.dumps(body, separators=(",", ":"))
@@ -68,11 +78,22 @@ def decode_report_and_active(
         waiting = {str(band): _peer_band(row) for band, row in _mapping(body.get("w")).items()}
         idle = {str(tier): float(s) for tier, s in _mapping(body.get("a")).items()}
         scrapes = {str(addr): _shared(row) for addr, row in _mapping(body.get("s")).items()}
+        cancellable = {
+            str(addr): {int(r): int(n) for r, n in _mapping(ranks).items()}
+            for addr, ranks in _mapping(body.get("c")).items()
+        }
+        asks = tuple(
+            PreemptAsk(str(to), str(addr), int(rank), int(seq))
+            for to, addr, rank, seq in body.get("p") or ()
+        )
         active = {_key(tenant, user): int(n) for tenant, user, n in body.get("b") or ()}
     except (ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
         log.warning("skipping an unreadable report from replica %s: %s", replica, exc)
         return None, {}
-    return ReplicaReport(replica, in_flight, waiting, idle, max(0.0, age_s), scrapes), active
+    report = ReplicaReport(
+        replica, in_flight, waiting, idle, max(0.0, age_s), scrapes, cancellable, asks
+    )
+    return report, active
 
 
 def _key(tenant: object, user: object) -> Key:

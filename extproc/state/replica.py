@@ -192,7 +192,9 @@ class SharedState:
         budgets = self.admission.budgets  # fleet-wide: the others' charges and requests
         budgets.charge_elsewhere(read.budget_charges, self.admission.pool.clock())
         budgets.set_active_elsewhere(read.active)
-        view = PeerView.merge(read.reports, self.clock(), defer_s=DEFER_PERIODS * self.period_s)
+        view = PeerView.merge(
+            read.reports, self.clock(), defer_s=DEFER_PERIODS * self.period_s, me=self.replica
+        )
         self.apply(view, list(read.charges))
 
     def _report(self) -> ReplicaReport:

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from extproc.core.admission import Admission
+from extproc.core.peers import PeerView, PreemptAsks
 from extproc.core.preemption import LEND_MAX_SEATS, Cancellable
+from extproc.fleet.backend import BackendPool
 from extproc.policy.model import Gate
 from tests.extproc.factories import (
     API,
     BATCH,
     INTERACTIVE,
+    FakeClock,
     Request,
     make_admission,
     scraped,
@@ -147,3 +151,51 @@ def test_chat_cancels_only_where_a_batch_seat_would_be_long_in_freeing() -> None
     assert _chat_on_a_full_engine(4.0) == ["b1"]
     # 0.2 s requests (a big engine's rate): chat waits for one, and no work is lost
     assert _chat_on_a_full_engine(0.2) == []
+
+
+BACKEND = "127.0.0.1:9000"  # make_admission's engine, the same on every replica
+
+
+def _replica() -> tuple[Admission, BackendPool, FakeClock]:
+    """One replica's admission over the shared two-seat engine."""
+    return make_admission(limit=100, seats=2, tiers=(INTERACTIVE, API, PREEMPTIBLE_BATCH))
+
+
+def test_a_chat_request_asks_the_replica_whose_batch_fills_the_engine() -> None:
+    """Each client key on one replica: chat's replica (r1) holds no batch, r2's fills the
+    engine. r1 sends chat there and asks r2, in its report; r2 cancels one batch request,
+    once, however many reports repeat the ask."""
+    chat_side, chat_pool, clock = _replica()
+    batch_side, _, _ = _replica()
+    for i in range(2):
+        (grant,) = batch_side.submit(f"b{i}", Request(PREEMPTIBLE_BATCH))  # type: ignore[arg-type]
+        batch_side.cancellable(grant.request_id)
+    batch_report = batch_side.report("r2")
+    assert batch_report.cancellable == {BACKEND: {2: 2}}
+    chat_side.apply_peers(PeerView.merge([batch_report], read_at=clock(), me="r1"))
+    assert chat_pool.backends[0].free_seats() == 0
+    grants = chat_side.submit("chat", Request(INTERACTIVE))  # type: ignore[arg-type]
+    assert [g.request_id for g in grants] == ["chat"]
+    assert chat_side.take_preempted() == []  # nothing of its own to cancel
+    chat_report = chat_side.report("r1")
+    (ask,) = chat_report.asks
+    assert (ask.replica, ask.backend, ask.rank) == ("r2", BACKEND, 0)
+    # a second chat request does not ask for the same batch request: one is left
+    chat_side.submit("chat-2", Request(INTERACTIVE))  # type: ignore[arg-type]
+    assert len(chat_side.report("r1").asks) == 2
+    chat_side.submit("chat-3", Request(INTERACTIVE))  # type: ignore[arg-type]
+    assert len(chat_side.report("r1").asks) == 2  # none left to ask for
+    for expected in (["b1"], []):  # the same ask, read twice: answered once
+        batch_side.apply_peers(PeerView.merge([chat_report], read_at=clock(), me="r2"))
+        assert batch_side.take_preempted() == expected
+    # an ask addressed to another replica is not r2's to answer
+    assert PeerView.merge([chat_report], read_at=clock(), me="r3").asks == ()
+
+
+def test_asks_are_repeated_for_a_few_exchanges_then_dropped() -> None:
+    asks = PreemptAsks()
+    asks.ask("r2", BACKEND, 0, now=10.0)
+    assert asks.pending(BACKEND, now=10.05, keep_s=0.1) == {"r2": 1}
+    assert len(asks.recent(now=10.05, keep_s=0.1)) == 1
+    assert asks.recent(now=10.2, keep_s=0.1) == ()
+    assert asks.pending(BACKEND, now=10.2, keep_s=0.1) == {}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from extproc.core.peers import PeerBand, ReplicaReport
+from extproc.core.peers import PeerBand, PreemptAsk, ReplicaReport
 from extproc.fleet.shared_scrape import SharedScrape
 from extproc.fleet.vllm_metrics import EngineMetrics
 from extproc.state.codec import (
@@ -96,3 +96,13 @@ def test_budget_charges_and_requests_in_progress_round_trip() -> None:
     assert active == {("acme", None): 2, ("acme", "bob"): 1}
     assert decode_report_and_active("r1", encode_report(report), 0.0)[1] == {}
     assert decode_report_and_active("r1", '{"b": [["acme"]]}', 0.0) == (None, {})
+
+
+def test_cancellable_requests_and_asks_round_trip() -> None:
+    asks = (PreemptAsk("r2", "10.0.0.1:8000", 0, 7),)
+    report = ReplicaReport(
+        "r1", cancellable={"10.0.0.1:8000": {2: 3, 1: 1}}, asks=asks, idle_s={"api": 1.0}
+    )
+    decoded = decode_report("r1", encode_report(report), age_s=0.0)
+    assert decoded == report
+    assert '"c"' not in encode_report(ReplicaReport("r1"))  # left out when empty

@@ -20,7 +20,8 @@ the requests it does not hold:
   requests meet in one queue, ranked there exactly as one process ranks them, and a
   conversation's turns find the prefix index that routed the earlier ones. Keys, not
   requests, spread over the replicas. Measured on ``power-user`` with three replicas: light
-  tenants' p95 2.06 x / 2.13 x unloaded with streams spread, 1.75 x / 1.79 x pinned;
+  tenants' p95 2.06 x / 2.13 x unloaded with streams spread, 1.75 x / 1.79 x pinned (one run
+  each; README "Replicas measured" has more);
   a key's replica that dies moves it to the next one Maglev picks, as the retry below does;
 * **active health checks**, a TCP connect every second, one failure marks a replica down;
 * **outlier detection** on local-origin errors (connect failures, resets, timeouts, counted

@@ -266,7 +266,11 @@ def owed_elsewhere(peers: PeerView, scheduler: FairScheduler, band: str, now: fl
       other; the same flow's counter differs between replicas only by charges still in
       transit, so that is no reason);
     - or its oldest request has waited more than twice as long as ours, plus
-      ``5 x defer_s``.
+      ``5 x defer_s``, unless our next flow is owed clearly more than its (the first rule
+      from the other side): the wait is there for a queue VTC cannot tell apart (the same
+      flow, counters alike), not to overrule VTC. Measured with both: two replicas each
+      left every seat to the other (one by VTC, one by wait) for ``defer_s``, seat after
+      seat.
 
     Each replica serves its own queue in fleet-wide VTC order, which is as fair as one
     process while every replica gets seats. One that rarely does, because the others refill
@@ -290,6 +294,8 @@ def owed_elsewhere(peers: PeerView, scheduler: FairScheduler, band: str, now: fl
         and peer.head_counter + head.next_cost < head.counter
     ):
         return True
+    if _owed_more_than(head, peer):
+        return False
     theirs = peers.oldest_wait_s(band, now)
     return theirs > 2 * scheduler.oldest_wait_s(band) + 5 * peers.defer_s
 

@@ -294,3 +294,17 @@ def test_a_replica_owed_clearly_more_takes_a_seat_others_wait_for_longer() -> No
     ahead = ReplicaReport("r2", waiting={"batch": PeerBand(1, 0.3, 10_000.0, "heavy")})
     grants = admission.apply_peers(PeerView.merge([ahead], read_at=clock()))
     assert [g.request_id for g in grants] == ["b1"]
+
+
+def test_a_long_wait_elsewhere_does_not_overrule_vtc() -> None:
+    """r2's queue waited 10 s, but its next flow has had far more service than ours: VTC
+    puts ours first, and the wait rule does not send the seat the other way (both replicas
+    then left every seat to each other)."""
+    admission, _, _ = make_admission(limit=1)
+    submit(admission, "busy", Request(API))
+    submit(admission, "a1", Request(API))
+    head = admission.scheduler.head("api")
+    assert head is not None
+    ahead = PeerBand(5, 10.0, head.counter + 10 * head.next_cost, "heavy")
+    admission.apply_peers(view(ReplicaReport("r2", waiting={"api": ahead})))
+    assert [g.request_id for g in admission.release("busy")] == ["a1"]

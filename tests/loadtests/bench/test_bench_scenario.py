@@ -188,3 +188,18 @@ def test_overrides() -> None:
         scenario.with_overrides(arms=["fifo", "lifo"])
     with pytest.raises(ScenarioError, match="--speedup must be > 0"):
         scenario.with_overrides(speedup=0)
+
+
+def test_power_user_x5_is_power_user_slower_with_the_same_simulated_durations() -> None:
+    """The replicas' A/B scenario: the same groups and targets at speedup 5, its policy's
+    gateway-side durations four times bench-x20's, so each means the same simulated time."""
+    from extproc.policy import load_policy
+
+    fast, slow = load_scenario("power-user"), load_scenario("power-user-x5")
+    assert (fast.speedup, slow.speedup) == (20, 5)
+    assert slow.groups == fast.groups and slow.targets == fast.targets
+    assert fast.policy is not None and slow.policy is not None
+    quick, scaled = load_policy(fast.policy), load_policy(slow.policy)
+    for a, b in zip(quick.tiers, scaled.tiers, strict=True):
+        assert b.queue_deadline_s == 4 * a.queue_deadline_s
+    assert scaled.backpressure.scrape_interval_s == 4 * quick.backpressure.scrape_interval_s

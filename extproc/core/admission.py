@@ -733,7 +733,7 @@ class Admission:
             head = scheduler.head(band) if depth else None
             if head is not None:
                 oldest = scheduler.oldest_wait_s(band)
-                waiting[band] = PeerBand(depth, oldest, head.counter, head.flow)
+                waiting[band] = PeerBand(depth, oldest, head.counter, head.flow, head.fresh)
         idle = {tier: now - at for tier, at in self._last_arrival.items()}
         return ReplicaReport(
             replica,

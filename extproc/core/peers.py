@@ -85,6 +85,8 @@ class PeerBand:
     over replicas, the lowest of them."""
     head_flow: str | None = None
     """The flow with that counter."""
+    head_fresh: bool = False
+    """That flow has not been served since it arrived (``Head.fresh``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,9 +184,12 @@ class PeerView:
                         max(seen.oldest_wait_s, oldest),
                         lowest.head_counter,
                         lowest.head_flow,
+                        lowest.head_fresh,
                     )
                 else:
-                    peer = PeerBand(peer.waiting, oldest, peer.head_counter, peer.head_flow)
+                    peer = PeerBand(
+                        peer.waiting, oldest, peer.head_counter, peer.head_flow, peer.head_fresh
+                    )
                 waiting[band] = peer
             for tier, seconds in report.idle_s.items():
                 idle[tier] = min(idle.get(tier, math.inf), seconds + report.age_s)
@@ -264,7 +269,11 @@ def owed_elsewhere(peers: PeerView, scheduler: FairScheduler, band: str, now: fl
     - its next flow is another flow than ours and its counter is lower than ours by more
       than our next charge (VTC keeps backlogged counters within about one charge of each
       other; the same flow's counter differs between replicas only by charges still in
-      transit, so that is no reason);
+      transit, so that is no reason); or, for a flow not served since it arrived
+      (``PeerBand.head_fresh``), not higher at all: its counter is the lift rule's floor,
+      not service, and one process would serve it at the next seat or the one after,
+      where the margin made a light tenant alone on its replica wait for that replica's
+      own completions;
     - or its oldest request has waited more than twice as long as ours, plus
       ``5 x defer_s``, unless our next flow is owed clearly more than its (the first rule
       from the other side): the wait is there for a queue VTC cannot tell apart (the same
@@ -288,12 +297,11 @@ def owed_elsewhere(peers: PeerView, scheduler: FairScheduler, band: str, now: fl
     head = scheduler.head(band)
     if head is None:
         return False
-    if (
-        peer.head_counter is not None
-        and peer.head_flow != head.flow
-        and peer.head_counter + head.next_cost < head.counter
-    ):
-        return True
+    if peer.head_counter is not None and peer.head_flow != head.flow:
+        if peer.head_fresh and peer.head_counter <= head.counter:
+            return True
+        if peer.head_counter + head.next_cost < head.counter:
+            return True
     if _owed_more_than(head, peer):
         return False
     theirs = peers.oldest_wait_s(band, now)
@@ -343,14 +351,14 @@ def turn(
 
 def _owed_more_than(head: Head | None, peer: PeerBand) -> bool:
     """Whether our next flow's counter is below the other replica's next flow's by more than
-    our next charge (another flow: one flow's counters differ between replicas only by
-    charges in transit)."""
-    return (
-        head is not None
-        and peer.head_counter is not None
-        and peer.head_flow != head.flow
-        and head.counter + head.next_cost < peer.head_counter
-    )
+    our next charge, or not above it for a flow not served since it arrived (another flow:
+    one flow's counters differ between replicas only by charges in transit): the rule of
+    ``owed_elsewhere`` from the other side."""
+    if head is None or peer.head_counter is None or peer.head_flow == head.flow:
+        return False
+    if head.fresh:
+        return head.counter <= peer.head_counter
+    return head.counter + head.next_cost < peer.head_counter
 
 
 class Deferrals:

@@ -184,6 +184,10 @@ class Head:
     counter: float
     next_cost: float
     """The charge of the flow's oldest request, the one that would go next."""
+    fresh: bool = False
+    """The flow arrived (or came back from idle) and has not been served since: its counter
+    is the floor the lift rule gave it, not service it received. Replicas let it win ties
+    (``extproc.core.peers``)."""
 
 
 @dataclass(slots=True)
@@ -195,6 +199,8 @@ class _Flow:
     """Re-stamped on every key change; heap items carrying another stamp are stale. Stamps
     come from the band, never restart per flow: a flow forgotten and re-created must not
     revive the heap items of its former self."""
+    fresh: bool = True
+    """Not served since it arrived or came back from idle (``Head.fresh``)."""
 
 
 class _Band:
@@ -356,6 +362,7 @@ class FairScheduler:
             return
         else:  # back from idle: lift, so the idle time buys no burst
             flow.counter = max(flow.counter, band.vtime)
+            flow.fresh = True
         flow.queue[entry.request_id] = seq
         band.backlogged += 1
         band.mark_ready(entry.flow, flow)
@@ -390,6 +397,7 @@ class FairScheduler:
         entry = best.entries.pop(request_id)
         cost = self._fairness.cost(entry.input_tokens, entry.output_tokens_estimate, entry.weight)
         flow.counter += cost
+        flow.fresh = False
         if self._ledger is not None:
             self._record(entry.band, name, cost)
         if flow.queue:
@@ -542,7 +550,7 @@ class FairScheduler:
         name, flow = top
         entry = state.entries[next(iter(flow.queue))]
         cost = self._fairness.cost(entry.input_tokens, entry.output_tokens_estimate, entry.weight)
-        return Head(name, flow.counter, cost)
+        return Head(name, flow.counter, cost, flow.fresh)
 
     def raise_floor(self, band: str, floor: float) -> None:
         """Start the band's next busy period at ``floor`` rather than 0, so flows that arrive

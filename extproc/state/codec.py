@@ -1,6 +1,7 @@
 """Reports and charges as bytes in Redis: compact JSON, read back without trusting it.
 
-A report is ``{"i": {backend: {rank: n}}, "w": {band: [n, oldest_wait_s, head_counter, head_flow]},
+A report is ``{"i": {backend: {rank: n}}, "w": {band: [n, oldest_wait_s, head_counter, head_flow,
+1 if the head flow is fresh]},
 "a": {tier: idle_s}, "s": {backend: [scraped_at, age_s, ok, waiting, running, kv_cache_usage,
 itl_sum_s, itl_count, block_size, num_gpu_blocks]}, "c": {backend: {rank: n}}, "p": [[replica,
 backend, rank, seq], ...]}`` (``c``: the requests it could cancel, ``p``: its asks to other
@@ -140,17 +141,20 @@ def _shared(row: Any) -> SharedScrape:
 
 
 def _band(peer: PeerBand) -> list[float | str]:
-    """``[waiting, oldest_wait_s, head_counter, head_flow]`` (the head left out when
-    unknown)."""
+    """``[waiting, oldest_wait_s, head_counter, head_flow, 1 if fresh]`` (the head left out
+    when unknown, the 1 when the head flow has been served since it arrived)."""
     row: list[float | str] = [peer.waiting, round(peer.oldest_wait_s, 4)]
     if peer.head_counter is not None and peer.head_flow is not None:
         row += [peer.head_counter, peer.head_flow]
+        if peer.head_fresh:
+            row.append(1)
     return row
 
 
 def _peer_band(row: Any) -> PeerBand:
     if len(row) >= 4:
-        return PeerBand(int(row[0]), float(row[1]), float(row[2]), str(row[3]))
+        fresh = len(row) >= 5 and bool(row[4])
+        return PeerBand(int(row[0]), float(row[1]), float(row[2]), str(row[3]), fresh)
     return PeerBand(int(row[0]), float(row[1]))
 
 

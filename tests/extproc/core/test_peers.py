@@ -17,6 +17,7 @@ from tests.extproc.factories import (
     BATCH,
     INTERACTIVE,
     TENANT,
+    FakeClock,
     Request,
     make_admission,
     scraped,
@@ -28,6 +29,10 @@ BACKEND = "127.0.0.1:9000"
 
 def view(*reports: ReplicaReport) -> PeerView:
     return PeerView.merge(reports, read_at=1000.0)
+
+
+def view_at(clock: FakeClock, *reports: ReplicaReport) -> PeerView:
+    return PeerView.merge(reports, read_at=clock())
 
 
 def test_merge_sums_leases_and_waiting_and_ages_by_the_reports_age() -> None:
@@ -123,7 +128,8 @@ def test_report_carries_leases_waiting_bands_and_last_arrivals() -> None:
     clock.now += 1.0
     report = admission.report("r1")
     assert report.in_flight == {BACKEND: {INTERACTIVE.rank: 1}}
-    assert report.waiting == {"batch": PeerBand(1, 1.0, head_counter=0.0, head_flow="acme")}
+    # acme has not been served in the band since it arrived: fresh
+    assert report.waiting == {"batch": PeerBand(1, 1.0, 0.0, "acme", head_fresh=True)}
     assert report.idle_s == {"interactive": 3.0, "batch": 1.0}
 
 
@@ -283,16 +289,56 @@ def test_turn_skips_replicas_whose_next_flow_ours_is_owed_clearly_more_than() ->
 
 
 def test_a_replica_owed_clearly_more_takes_a_seat_others_wait_for_longer() -> None:
-    admission, _, clock = make_admission(limit=1, tiers=(INTERACTIVE, API, SEATED))
-    busy = ReplicaReport("r2", {BACKEND: {2: 1}})
-    admission.apply_peers(PeerView.merge([busy], read_at=clock()))
-    assert not submit(admission, "b1", Request(SEATED)).granted  # our flow at counter 0
-    # r2's request finished; r2 waits with an older request, of a flow close to ours: its turn
-    close = ReplicaReport("r2", waiting={"batch": PeerBand(1, 0.3, 1.0, "heavy")})
-    assert admission.apply_peers(PeerView.merge([close], read_at=clock())) == []
+    admission, pool, clock = make_admission(limit=2, tiers=(INTERACTIVE, API, SEATED))
+    admission.apply_peers(view_at(clock, ReplicaReport("r2", {BACKEND: {2: 2}})))
+    submit(admission, "b0", Request(SEATED))
+    submit(admission, "b1", Request(SEATED))
+    one_left = admission.apply_peers(view_at(clock, ReplicaReport("r2", {BACKEND: {2: 1}})))
+    assert [g.request_id for g in one_left] == ["b0"]  # acme served, b1 still waiting
+    scraped(pool.backends[0], clock)  # (a seat-bound tier fills one free seat a scrape)
+    head = admission.scheduler.head("batch")
+    assert head is not None and not head.fresh
+    # r2's request finished; r2 waits with an older request of a flow within a charge of
+    # ours: its turn
+    close = PeerBand(1, 0.3, head.counter + head.next_cost / 2, "heavy")
+    close_view = view_at(clock, ReplicaReport("r2", waiting={"batch": close}))
+    assert admission.apply_peers(close_view) == []
     # the same seat, r2's next flow far ahead of ours in service: ours, at once
-    ahead = ReplicaReport("r2", waiting={"batch": PeerBand(1, 0.3, 10_000.0, "heavy")})
-    grants = admission.apply_peers(PeerView.merge([ahead], read_at=clock()))
+    far = PeerBand(1, 0.3, head.counter + 50 * head.next_cost, "heavy")
+    grants = admission.apply_peers(view_at(clock, ReplicaReport("r2", waiting={"batch": far})))
+    assert [g.request_id for g in grants] == ["b1"]
+
+
+def test_a_flow_not_served_since_it_arrived_wins_ties_across_replicas() -> None:
+    """A light tenant's flow, just arrived on its replica, is lifted to the floor the others'
+    counters give it: not service. One process would serve it at the next seat or the one
+    after; across replicas the one-charge margin made it wait for its own replica's
+    completions. Fresh, it goes first at an equal counter, and waits within a charge when
+    it is not fresh any more."""
+    admission, _, clock = make_admission(limit=1, tiers=(INTERACTIVE, API, SEATED))
+    admission.apply_peers(view_at(clock, ReplicaReport("r2", {BACKEND: {2: 1}})))
+    assert not submit(admission, "b1", Request(SEATED)).granted
+    head = admission.scheduler.head("batch")
+    assert head is not None and head.fresh and head.counter == 0.0
+    # r2's request finished, r2 waits with older requests of a flow at our counter: ours
+    level = PeerBand(1, 0.3, head.counter, "heavy")
+    grants = admission.apply_peers(view_at(clock, ReplicaReport("r2", waiting={"batch": level})))
+    assert [g.request_id for g in grants] == ["b1"]
+    # the other side: r2's fresh flow at our counter is owed the seat our completion frees
+    admission, pool, clock = make_admission(limit=1, tiers=(INTERACTIVE, API, SEATED))
+    admission.apply_peers(view_at(clock, ReplicaReport("r2", {BACKEND: {2: 1}})))
+    submit(admission, "b0", Request(SEATED))
+    submit(admission, "b1", Request(SEATED))
+    freed = admission.apply_peers(view_at(clock, ReplicaReport("r2")))
+    assert [g.request_id for g in freed] == ["b0"]  # acme served, b1 still waiting
+    scraped(pool.backends[0], clock)
+    head = admission.scheduler.head("batch")
+    assert head is not None and not head.fresh
+    fresh = PeerBand(1, 0.0, head.counter, "light", head_fresh=True)
+    admission.apply_peers(view_at(clock, ReplicaReport("r2", waiting={"batch": fresh})))
+    assert admission.release("b0") == []  # left to r2's light flow
+    stale = PeerBand(1, 0.0, head.counter, "light")  # served since: within a charge, ours
+    grants = admission.apply_peers(view_at(clock, ReplicaReport("r2", waiting={"batch": stale})))
     assert [g.request_id for g in grants] == ["b1"]
 
 

@@ -626,3 +626,24 @@ def test_drain_meter_rate_follows_dequeues_in_its_window() -> None:
     assert meter.rate() == pytest.approx(2.0)
     clock.now += 11
     assert meter.rate() == 0
+
+
+def test_a_flow_is_fresh_until_served_and_again_when_back_from_idle() -> None:
+    """``Head.fresh``: the counter is the lift rule's floor, not service (replicas let such
+    a flow win ties, ``extproc.core.peers``)."""
+    sched = scheduler()
+    sched.push(entry("api", "a"))
+    sched.push(entry("api", "a"))
+    head = sched.head("api")
+    assert head is not None and head.fresh
+    sched.pop()
+    head = sched.head("api")
+    assert head is not None and head.flow == "a" and not head.fresh  # served, still queued
+    sched.pop()
+    sched.push(entry("api", "b"))  # keeps the band busy while a is idle
+    sched.push(entry("api", "a"))  # a back from idle
+    heads = {}
+    while (head := sched.head("api")) is not None:
+        heads[head.flow] = head.fresh
+        sched.pop()
+    assert heads == {"b": True, "a": True}

@@ -33,7 +33,10 @@ def test_a_band_head_and_shared_scrapes_round_trip() -> None:
     metrics = EngineMetrics(3, 4, 0.5, 12.5, 400, scraped_at=71.5, block_size=16, num_gpu_blocks=9)
     report = ReplicaReport(
         "r1",
-        waiting={"batch": PeerBand(7, 1.25, 30.0, "nightly")},
+        waiting={
+            "batch": PeerBand(7, 1.25, 30.0, "nightly"),
+            "api": PeerBand(1, 0.5, 12.0, "light", head_fresh=True),
+        },
         scrapes={
             "10.0.0.1:8000": SharedScrape(metrics, 0.05),
             "10.0.0.2:8000": SharedScrape(

@@ -297,11 +297,12 @@ def owed_elsewhere(peers: PeerView, scheduler: FairScheduler, band: str, now: fl
     head = scheduler.head(band)
     if head is None:
         return False
-    if peer.head_counter is not None and peer.head_flow != head.flow:
-        if peer.head_fresh and peer.head_counter <= head.counter:
-            return True
-        if peer.head_counter + head.next_cost < head.counter:
-            return True
+    if (
+        peer.head_counter is not None
+        and peer.head_flow != head.flow
+        and _owed_more(peer.head_counter, peer.head_fresh, head.counter, head.next_cost)
+    ):
+        return True
     if _owed_more_than(head, peer):
         return False
     theirs = peers.oldest_wait_s(band, now)
@@ -356,9 +357,15 @@ def _owed_more_than(head: Head | None, peer: PeerBand) -> bool:
     ``owed_elsewhere`` from the other side."""
     if head is None or peer.head_counter is None or peer.head_flow == head.flow:
         return False
-    if head.fresh:
-        return head.counter <= peer.head_counter
-    return head.counter + head.next_cost < peer.head_counter
+    return _owed_more(head.counter, head.fresh, peer.head_counter, head.next_cost)
+
+
+def _owed_more(counter: float, fresh: bool, other: float, margin: float) -> bool:
+    """Whether a flow at ``counter`` is owed more than one at ``other``: below it by more
+    than ``margin`` (a charge: VTC keeps backlogged counters within one of each other), or
+    not above it at all while ``fresh`` (its counter is the lift rule's floor, not service).
+    The one comparison behind both ``owed_elsewhere`` and ``turn``, seen from either side."""
+    return counter <= other if fresh else counter + margin < other
 
 
 class Deferrals:

@@ -75,6 +75,8 @@ class RunningArm:
     pids: dict[str, int] = field(default_factory=dict)
     backend_urls: tuple[str, ...] = ()
     """The simulators' base URLs (their /metrics give the prefix-cache counters)."""
+    replica_metrics: dict[str, str] = field(default_factory=dict)
+    """Replica id -> its ``/metrics`` URL (replica arms only: which replica decided what)."""
 
 
 def sim_argv(
@@ -154,6 +156,7 @@ def start_arm(
     backends = external or start_simulators(
         scenario, group, SCHEDULING[arm.kind], arm.balanced, kv_events=precise
     )
+    replica_metrics: dict[str, str] = {}
     if arm.kind in ENVOY_ONLY_KINDS:
         url = _start_envoy_only(backends, group, arm.kind)
     else:
@@ -171,9 +174,14 @@ def start_arm(
                 *(("--tokenizer", BUILTIN_TOKENIZER) if precise else ()),
             ),
         )
-        url = Stack(config, group).start().url
+        stack = Stack(config, group).start()
+        url = stack.url
+        if stack.services is not None and stack.services.replicated:
+            replica_metrics = {
+                p.replica_id or p.child.name: p.metrics_url for p in stack.services.processes
+            }
     pids = {child.name: child.popen.pid for child in group.children}
-    return RunningArm(arm.name, url, pids, tuple(b.url for b in backends))
+    return RunningArm(arm.name, url, pids, tuple(b.url for b in backends), replica_metrics)
 
 
 def envoy_only_bootstrap(params: EnvoyParams, kind: str) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from loadtests.bench import cpu, report
 from loadtests.bench.arms import start_arm
 from loadtests.bench.cachestats import window_hit_rate
 from loadtests.bench.client import RequestRecord, run_load
+from loadtests.bench.replica_flows import placement, read_replica_flows
 from loadtests.bench.results import ArmResult, BenchResults
 from loadtests.bench.scenario import (
     Document,
@@ -136,6 +137,7 @@ def run_arm(
         )
         group.check_alive(f"arm {arm.name}")
         after = cpu.sample(running.pids)
+        replicas = read_replica_flows(running.replica_metrics)
     records, capped = load.records, load.capped
     usage = cpu.usage(before, after)
     usage.loop_lag_max_s, usage.machine_peak = load.loop_lag_max_s, load.machine_peak
@@ -149,6 +151,8 @@ def run_arm(
         f"{arm.name}: {total.ok} ok of {total.sent} sent, "
         f"{total.unfinished} unfinished, {time.monotonic() - started:.1f} s wall"
     )
+    if replicas:
+        _log(f"{arm.name}: flows by replica: {placement(replicas)}")
     for warning in usage.warnings:
         _log(f"{arm.name}: {warning}")
     return records, ArmResult(
@@ -160,6 +164,7 @@ def run_arm(
         wall_s=time.monotonic() - started,
         cpu=usage,
         summary=summary,
+        replica_flows=replicas,
     )
 
 

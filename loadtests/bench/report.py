@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.bench.client import RequestRecord
+from loadtests.bench.replica_flows import placement
 from loadtests.bench.results import ArmResult, BenchResults, Figures
 
 
@@ -312,6 +313,16 @@ def _cpu_lines(results: BenchResults) -> list[str]:
     return lines
 
 
+def _replica_lines(results: BenchResults) -> list[str]:
+    """Which replica decided which flow, per replica arm: Envoy pins each key to a replica by
+    a hash of fresh ports, so runs of one scenario differ in it."""
+    placed = {n: a.replica_flows for n, a in results.arms.items() if a.replica_flows}
+    if not placed:
+        return []
+    lines = ["", "## Flows by replica (admitted requests)", ""]
+    return lines + [f"- {n}: {placement(flows)}" for n, flows in placed.items()]
+
+
 def render_markdown(results: BenchResults) -> str:
     lines = [
         *_head_lines(results),
@@ -321,6 +332,7 @@ def render_markdown(results: BenchResults) -> str:
         *_tenant_lines(results),
         *_failed_lines(results),
         *_cpu_lines(results),
+        *_replica_lines(results),
     ]
     return "\n".join(lines) + "\n"
 

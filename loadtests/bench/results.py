@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from loadtests.bench.cachestats import PrefixWindow
 from loadtests.bench.cpu import CpuUsage
+from loadtests.bench.replica_flows import ReplicaFlows
 from loadtests.bench.scenario import Target
 
 TENANT_ONLY = ("share", "plain_share")
@@ -135,6 +136,9 @@ class ArmResult:
     wall_s: float
     cpu: CpuUsage
     summary: ArmSummary
+    replica_flows: ReplicaFlows = field(default_factory=dict)
+    """Replica arms: which replica admitted how many of each flow's requests
+    (``replica_flows``); empty for one service or none."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -146,6 +150,7 @@ class ArmResult:
             "wall_s": self.wall_s,
             "cpu": self.cpu.to_json(),
             "summary": self.summary.to_json(),
+            "replica_flows": {r: dict(c) for r, c in self.replica_flows.items()},
         }
 
     @classmethod
@@ -159,6 +164,7 @@ class ArmResult:
             wall_s=data["wall_s"],
             cpu=CpuUsage.from_json(data["cpu"]),
             summary=ArmSummary.from_json(data["summary"]),
+            replica_flows={r: dict(c) for r, c in data.get("replica_flows", {}).items()},
         )
 
 

@@ -209,6 +209,7 @@ def test_markdown_and_json(tmp_path: Path) -> None:
             wall_s=3.0,
             cpu=usage,
             summary=stats.arm_summary(scenario, recs),
+            replica_flows={"r1": {"chat": 1}, "r2": {}} if name == "fairlane" else {},
         )
         for name, recs in records.items()
     }
@@ -240,3 +241,9 @@ def test_markdown_and_json(tmp_path: Path) -> None:
     data = json.loads(js.read_text())
     assert data["records"]["fairlane"][0]["queue_ms"] == 20.0
     assert set(data["arms"]) == {"fifo", "fairlane"}
+    assert "- fairlane: r1: chat 1; r2: nothing" in text
+    assert "- fifo:" not in text.split("## Flows by replica")[1]
+    assert ArmResult.from_json(data["arms"]["fairlane"]).replica_flows == {
+        "r1": {"chat": 1},
+        "r2": {},
+    }

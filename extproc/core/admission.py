@@ -122,8 +122,9 @@ class Placement:
     rank: int
     room: int = ROOM_UNBOUNDED
     """How many requests of the band could go one after the other: bounded when seats bound
-    it (free seats, less the more urgent tiers' reserves), for taking turns with the other
-    replicas (``extproc.core.peers.turn``)."""
+    it (free seats, less the more urgent tiers' reserves) or, with replicas, by the engines'
+    queue gates and the cap, for taking turns with the other replicas
+    (``extproc.core.peers.turn``)."""
 
 
 class Admission:
@@ -411,7 +412,8 @@ class Admission:
         return grants
 
     def _turn(self, band: str, now: float) -> int:
-        """Replicas ahead of this one for the band's next seat (``peers.turn``)."""
+        """Requests on other replicas ahead of this one's for the band's room
+        (``peers.turn``)."""
         scheduler = self.scheduler
         return turn(self.peers, band, scheduler.oldest_wait_s(band), now, scheduler.head(band))
 
@@ -510,6 +512,10 @@ class Admission:
             # Grants each candidate takes before its seats and the queue allowed are full.
             seats = sum(max(0, math.ceil(b.free_seats() + queue)) for b in candidates)
             room = min(admissible, seats)
+        elif queue is not None and self.peers.reports:
+            # Bound by the engines' queues (the gate) and the cap: room that every replica
+            # sees at once after a scrape, taken in turns like seats (``peers.turn``).
+            room = sum(b.queue_room(queue, rank, limit - b.fleet_in_flight) for b in candidates)
         return Placement(candidates, tier, rank, room)
 
     def _grant(self, entry: Entry, where: Placement) -> Grant:

@@ -106,6 +106,7 @@ class Poller:
         granted_before = backend.granted_since_scrape
         completed_before = backend.completed_since_scrape
         kv_tokens_before = backend.kv_tokens_since_scrape
+        peers_before = backend.peer_in_flight
         sent_at = self.pool.clock()
         try:
             async with session.get(f"{backend.spec.url}/metrics") as response:
@@ -133,7 +134,9 @@ class Poller:
         backend.scrape_error = None
         if not backend.scrape_ok:
             log.warning("backend %s metrics are readable again", backend.address)
-        backend.record_scrape(metrics, granted_before, completed_before, kv_tokens_before)
+        backend.record_scrape(
+            metrics, granted_before, completed_before, kv_tokens_before, peers_before
+        )
         return True
 
     @staticmethod

@@ -212,7 +212,9 @@ def test_room_left_to_another_replica_is_taken_back_when_it_does_not_use_it() ->
 SEATED = with_gate(BATCH, Gate(max_waiting=0, max_kv_cache_usage=None))  # needs a free seat
 
 
-def test_turn_counts_the_replicas_whose_oldest_request_waited_longer() -> None:
+def test_turn_counts_the_requests_of_the_replicas_whose_oldest_request_waited_longer() -> None:
+    """The room goes first to those replicas, as many seats as they wait for: room several
+    replicas see at once (a scrape) is not taken by each."""
     reports = (
         ReplicaReport("r2", waiting={"batch": PeerBand(4, 3.0)}),
         ReplicaReport("r3", waiting={"batch": PeerBand(1, 0.5)}, age_s=1.0),  # 1.5 s by now
@@ -220,10 +222,23 @@ def test_turn_counts_the_replicas_whose_oldest_request_waited_longer() -> None:
     )
     merged = PeerView.merge(reports, read_at=1000.0)
     assert turn(merged, "batch", oldest_wait_s=5.0, now=1000.0) == 0
-    assert turn(merged, "batch", oldest_wait_s=2.0, now=1000.0) == 1
-    assert turn(merged, "batch", oldest_wait_s=1.0, now=1000.0) == 2
-    assert turn(merged, "batch", oldest_wait_s=2.0, now=1001.0) == 2  # both aged a second
+    assert turn(merged, "batch", oldest_wait_s=2.0, now=1000.0) == 4  # r2's four
+    assert turn(merged, "batch", oldest_wait_s=1.0, now=1000.0) == 5
+    assert turn(merged, "batch", oldest_wait_s=2.0, now=1001.0) == 5  # both aged a second
     assert turn(merged, "interactive", oldest_wait_s=0.0, now=1000.0) == 0
+
+
+def test_two_fresh_flows_at_one_counter_take_turns_by_age() -> None:
+    """Every replica starts with every flow fresh at counter 0: if each took the other to be
+    owed less, both would fill the room a scrape shows (the tie goes to neither)."""
+    heavy_a = PeerBand(5, 1.0, 0.0, "heavy-a", head_fresh=True)
+    merged = PeerView.merge([ReplicaReport("r2", waiting={"batch": heavy_a})], read_at=1000.0)
+    heavy_d = Head("heavy-d", counter=0.0, next_cost=50.0, fresh=True)
+    assert turn(merged, "batch", oldest_wait_s=0.5, now=1000.0, head=heavy_d) == 5  # older
+    assert turn(merged, "batch", oldest_wait_s=2.0, now=1000.0, head=heavy_d) == 0
+    served = PeerBand(5, 1.0, 0.0, "heavy-a")  # not fresh: a fresh flow at its counter wins
+    merged = PeerView.merge([ReplicaReport("r2", waiting={"batch": served})], read_at=1000.0)
+    assert turn(merged, "batch", oldest_wait_s=0.5, now=1000.0, head=heavy_d) == 0
 
 
 def test_a_seat_every_replica_sees_goes_to_the_replica_whose_request_waited_longest() -> None:
@@ -243,6 +258,31 @@ def test_a_seat_every_replica_sees_goes_to_the_replica_whose_request_waited_long
     assert admission.dispatch() == []  # the last free seat is r2's
     # A seat our own request frees is ours to refill at once: only we know of it yet.
     assert [g.request_id for g in admission.release("busy")] == ["b2"]
+
+
+QUEUED = with_gate(API, Gate(max_waiting=2, max_kv_cache_usage=None))  # may queue 2 in vLLM
+
+
+def test_room_a_queue_gate_leaves_after_a_scrape_goes_first_to_the_replicas_ahead() -> None:
+    """A tier bound by its gate's engine queue and the cap, not by seats (api): every
+    replica reads the same scrape, and each used to fill the engine's queue to the gate's
+    bound, the fleet N times as fast as one process."""
+    admission, pool, clock = make_admission(limit=16, tiers=(INTERACTIVE, QUEUED, BATCH))
+    older = ReplicaReport("r2", waiting={"api": PeerBand(1, 0.5)})
+    view = PeerView.merge([older], read_at=clock())
+    admission.apply_peers(view)
+    scraped(pool.backends[0], clock)  # an idle engine: its gate lets two through
+    tickets = [submit(admission, f"a{i}", Request(QUEUED)) for i in range(3)]
+    # one of the two is r2's (its request waited longer), the other ours
+    assert [t.granted for t in tickets] == [True, False, False]
+    clock.now += view.defer_s + 0.001  # r2 did not take it (its lease never came)
+    assert [g.request_id for g in admission.dispatch()] == ["a1"]
+    # alone, the gate's whole room is ours
+    admission, pool, clock = make_admission(limit=16, tiers=(INTERACTIVE, QUEUED, BATCH))
+    admission.apply_peers(PeerView.merge([ReplicaReport("r2")], read_at=clock()))
+    scraped(pool.backends[0], clock)
+    tickets = [submit(admission, f"a{i}", Request(QUEUED)) for i in range(3)]
+    assert [t.granted for t in tickets] == [True, True, False]
 
 
 def test_without_a_seat_for_us_we_leave_it_to_the_replica_ahead() -> None:
@@ -284,13 +324,14 @@ def test_turn_skips_replicas_whose_next_flow_ours_is_owed_clearly_more_than() ->
     light = Head("light", counter=100.0, next_cost=50.0)
     # r2 is owed 800 less than us (more than our next charge): not ahead; r3 is within a
     # charge of us: ahead by age; r4 holds our own flow (counters in transit): ahead by age
-    assert turn(merged, "batch", oldest_wait_s=0.0, now=1000.0, head=light) == 2
-    assert turn(merged, "batch", oldest_wait_s=0.0, now=1000.0) == 3  # without a head: by age
+    assert turn(merged, "batch", oldest_wait_s=0.0, now=1000.0, head=light) == 2  # r3, r4
+    assert turn(merged, "batch", oldest_wait_s=0.0, now=1000.0) == 6  # without a head: by age
 
 
 def test_a_replica_owed_clearly_more_takes_a_seat_others_wait_for_longer() -> None:
     admission, pool, clock = make_admission(limit=2, tiers=(INTERACTIVE, API, SEATED))
     admission.apply_peers(view_at(clock, ReplicaReport("r2", {BACKEND: {2: 2}})))
+    scraped(pool.backends[0], clock)  # the engine has seen r2's two (else they may queue)
     submit(admission, "b0", Request(SEATED))
     submit(admission, "b1", Request(SEATED))
     one_left = admission.apply_peers(view_at(clock, ReplicaReport("r2", {BACKEND: {2: 1}})))

@@ -2,6 +2,7 @@
 
 import dataclasses
 import logging
+from collections import Counter
 
 import pytest
 
@@ -79,6 +80,33 @@ def test_a_scrape_forgets_only_the_grants_it_can_have_seen() -> None:
     backend.record_scrape(_metrics(2, 1.0, 10), granted_before=2)  # 1 granted while in flight
     assert (backend.in_flight, backend.granted_since_scrape) == (3, 1)
     assert backend.effective_waiting() == 1
+
+
+def test_the_other_replicas_grants_since_the_scrape_count_in_the_engines_queue() -> None:
+    """Each replica counts its own grants since a scrape as they happen and the others' as
+    their leases grow: without them, N replicas each queued up to the gate's bound in the
+    engine between two scrapes."""
+    backend = Backend(BackendSpec("127.0.0.1", 1))
+    backend.note_peers(Counter({10: 4}))
+    backend.record_scrape(EngineMetrics(1.0, 4.0, 0.5, 1.0, 10, 0.0), granted_before=0)
+    assert backend.effective_waiting() == 1  # the scrape already shows the others' four
+    backend.note_peers(Counter({10: 7}))  # they granted three more since
+    backend.note_grant()
+    assert backend.effective_waiting() == 5
+    assert backend.busy_seats() == 9  # 4 running + 1 waiting + 4 sent since
+    backend.note_peers(Counter({10: 2}))  # and five of theirs finished: seats freed
+    assert backend.effective_waiting() == 0
+    assert backend.busy_seats() == 4  # our 1 and their 2 in flight, but the engine's 4
+    backend.record_scrape(EngineMetrics(0.0, 3.0, 0.5, 1.0, 12, 0.0), granted_before=1)
+    assert backend.effective_waiting() == 0 and backend.busy_seats() == 3
+
+
+def test_a_replica_alone_counts_only_its_own_grants() -> None:
+    backend = Backend(BackendSpec("127.0.0.1", 1))
+    backend.record_scrape(EngineMetrics(0.0, 1.0, 0.5, 1.0, 10, 0.0), granted_before=0)
+    for _ in range(3):
+        backend.note_grant()
+    assert backend.effective_waiting() == 3  # fill_per_scrape is 1 on an unknown engine
 
 
 def test_itl_is_the_interval_mean_kept_through_tokenless_intervals_while_busy() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from extproc.fleet.backend import Backend, BackendSpec
 from extproc.fleet.shared_scrape import SharedScrape, scraper_of, takeover_s
 from extproc.fleet.vllm_metrics import EngineMetrics
@@ -55,6 +57,19 @@ def test_an_adopted_scrape_forgets_only_the_grants_made_before_it_was_taken() ->
     assert (backend.granted_since_scrape, backend.completed_since_scrape) == (2, 1)
     assert backend.kv_tokens_since_scrape == 20
     assert backend.in_flight == 3
+
+
+def test_an_adopted_scrape_counts_the_others_leases_from_its_mark() -> None:
+    """The others' requests sent after the mark before the scrape was taken are not in it:
+    they count as queued in the engine until the next scrape."""
+    backend = Backend(BackendSpec("127.0.0.1", 1))
+    backend.note_peers(Counter({10: 3}))
+    backend.mark(1.00)
+    backend.note_peers(Counter({10: 5}))
+    backend.mark(1.02)
+    assert backend.adopt_scrape(_scrape(3), taken_at=1.01)
+    assert backend.peer_in_flight_at_scrape == 3
+    assert backend.effective_waiting() == 2
 
 
 def test_a_scrape_older_than_every_mark_forgets_nothing() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -203,3 +204,19 @@ def test_power_user_x5_is_power_user_slower_with_the_same_simulated_durations() 
     for a, b in zip(quick.tiers, scaled.tiers, strict=True):
         assert b.queue_deadline_s == 4 * a.queue_deadline_s
     assert scaled.backpressure.scrape_interval_s == 4 * quick.backpressure.scrape_interval_s
+
+
+def test_power_user_x5_varied_differs_only_in_output_lengths_of_the_same_mean() -> None:
+    """Its figures compare with power-user-x5's: the same fleet, policy, groups (but their
+    output lengths) and targets."""
+    fixed, varied = load_scenario("power-user-x5"), load_scenario("power-user-x5-varied")
+    assert (varied.speedup, varied.policy, varied.targets) == (
+        fixed.speedup,
+        fixed.policy,
+        fixed.targets,
+    )
+    assert len(varied.groups) == len(fixed.groups)
+    for a, b in zip(fixed.groups, varied.groups, strict=True):
+        assert dataclasses.replace(b, max_tokens=a.max_tokens) == a
+        assert (a.max_tokens.kind, a.max_tokens.value) == ("fixed", 128)
+        assert (b.max_tokens.kind, b.max_tokens.low, b.max_tokens.high) == ("uniform", 64, 192)

@@ -716,7 +716,10 @@ class Admission:
             if delta:
                 self._demand.change(rank, delta, now, self._windows.get(rank, 0.0))
         for backend in self.pool.backends:
-            backend.note_peers(view.in_flight_by_backend.get(backend.address, Counter()))
+            backend.note_peers(
+                view.in_flight_by_backend.get(backend.address, Counter()),
+                view.kv_tokens.get(backend.address, 0),
+            )
         self.peers = view
         self._sample.forget()
         for ask in self._asks.to_answer(view.asks):  # another replica's urgent request
@@ -748,6 +751,9 @@ class Admission:
             idle,
             cancellable=self._cancellable.counts(),
             asks=self._asks.recent(now, self.peers.defer_s),
+            kv_tokens={
+                b.address: b.kv_tokens_total for b in self.pool.backends if b.kv_tokens_total
+            },
         )
 
     def charge_elsewhere(self, charges: Iterable[tuple[str, str, float]]) -> None:

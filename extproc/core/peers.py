@@ -125,6 +125,10 @@ class ReplicaReport:
     """Backend address -> rank -> requests this replica could cancel there."""
     asks: tuple[PreemptAsk, ...] = ()
     """Its recent asks to other replicas to cancel a request for it."""
+    kv_tokens: Mapping[str, int] = field(default_factory=dict)
+    """Backend address -> KV tokens (prompt plus expected output) of every request it has
+    sent there, a running total: what it grew by since an engine's scrape counts in that
+    engine's projected KV use on the others (``Backend.projected_kv_usage``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +153,8 @@ class PeerView:
     idle_s: Mapping[str, float] = field(default_factory=dict)
     asks: tuple[tuple[str, PreemptAsk], ...] = ()
     """(asking replica, ask) for every ask addressed to the reader (``merge``'s ``me``)."""
+    kv_tokens: Mapping[str, int] = field(default_factory=dict)
+    """Backend address -> the others' ``ReplicaReport.kv_tokens``, summed."""
 
     @classmethod
     def merge(
@@ -165,7 +171,9 @@ class PeerView:
         by_rank: Counter[int] = Counter()
         waiting: dict[str, PeerBand] = {}
         idle: dict[str, float] = {}
+        kv_tokens: Counter[str] = Counter()
         for report in reports:
+            kv_tokens.update(report.kv_tokens)
             for address, ranks in report.in_flight.items():
                 counts = by_backend.setdefault(address, Counter())
                 for rank, n in ranks.items():
@@ -199,7 +207,9 @@ class PeerView:
             for ask in report.asks
             if me is not None and ask.replica == me
         )
-        return cls(reports, read_at, 1.0, defer_s, by_backend, by_rank, waiting, idle, asks)
+        return cls(
+            reports, read_at, 1.0, defer_s, by_backend, by_rank, waiting, idle, asks, kv_tokens
+        )
 
     @classmethod
     def cut_off(cls, replicas: int, read_at: float) -> PeerView:

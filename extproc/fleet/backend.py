@@ -55,6 +55,10 @@ MARKS_KEPT = 128
 """Marks of the grant and completion totals a backend keeps (``Backend.mark``): at one per
 20 ms exchange, 2.5 s of history, far more than a shared scrape's age."""
 
+Mark = tuple[float, int, int, int, int, int]
+"""(when, granted_total, completed_total, kv_tokens_total, peer_in_flight,
+peer_kv_tokens_total): a backend's totals at one moment (``Backend.mark``)."""
+
 
 def check_endpoint_fields(
     port: int, region: str, weight: int, seats: int | None, credential: str | None
@@ -362,6 +366,8 @@ class Backend:
         "peer_in_flight",
         "peer_in_flight_at_scrape",
         "peer_in_flight_by_rank",
+        "peer_kv_tokens_at_scrape",
+        "peer_kv_tokens_total",
         "prefix_cache",
         "scrape_error",
         "scrape_here",
@@ -383,6 +389,10 @@ class Backend:
         # The others' requests in flight here when the last scrape was taken: what they
         # granted (or finished) since is the difference (``_since_scrape``).
         self.peer_in_flight_at_scrape = 0
+        # The others' KV tokens sent here, a running total (``ReplicaReport.kv_tokens``), and
+        # its value at the last scrape: the growth is KV the scrape could not show.
+        self.peer_kv_tokens_total = 0
+        self.peer_kv_tokens_at_scrape = 0
         self.metrics: EngineMetrics | None = None
         self.itl_s: float | None = None
         self.granted_since_scrape = 0
@@ -396,7 +406,7 @@ class Backend:
         self.granted_total = 0
         self.completed_total = 0
         self.kv_tokens_total = 0
-        self._marks: deque[tuple[float, int, int, int, int]] = deque(maxlen=MARKS_KEPT)
+        self._marks: deque[Mark] = deque(maxlen=MARKS_KEPT)
         self.scrape_here = True
         self.timeouts = 0
         self.failures = 0
@@ -449,10 +459,12 @@ class Backend:
         the others as of their last report (``peer_in_flight``, 0 when alone)."""
         return self.in_flight + self.peer_in_flight
 
-    def note_peers(self, by_rank: Counter[int]) -> None:
-        """The other replicas' requests in flight here, by rank, as their reports say."""
+    def note_peers(self, by_rank: Counter[int], kv_tokens_total: int = 0) -> None:
+        """The other replicas' requests in flight here, by rank, and the KV tokens of all
+        they sent here (a running total), as their reports say."""
         self.peer_in_flight_by_rank = by_rank
         self.peer_in_flight = sum(by_rank.values())
+        self.peer_kv_tokens_total = kv_tokens_total
 
     def note_grant(self, kv_tokens: int = 0, rank: int = 0, committed_tokens: int = 0) -> None:
         """Admission sent one request here: count it in flight and as not yet scraped, with
@@ -514,7 +526,10 @@ class Backend:
         capacity = self.kv_capacity_tokens()
         if capacity is None:
             return metrics.kv_cache_usage
-        return metrics.kv_cache_usage + self.kv_tokens_since_scrape / capacity
+        # The others' grants since the scrape too: each of N replicas filling the KV gate's
+        # headroom between two scrapes would fill it N times over (as ``_since_scrape``).
+        peers = max(0, self.peer_kv_tokens_total - self.peer_kv_tokens_at_scrape)
+        return metrics.kv_cache_usage + (self.kv_tokens_since_scrape + peers) / capacity
 
     def final_kv_usage(self) -> float:
         """KV-cache use once the requests in flight here have grown to their end (0..1+):
@@ -649,10 +664,11 @@ class Backend:
         completed_before: int = 0,
         kv_tokens_before: int = 0,
         peers_before: int | None = None,
+        peer_kv_before: int | None = None,
     ) -> None:
         """A scrape sent when the since-scrape counters were ``granted_before`` and
         ``completed_before``, and the other replicas had ``peers_before`` requests in flight
-        here (default: as now), succeeded.
+        here and had sent ``peer_kv_before`` KV tokens in all (default: as now), succeeded.
 
         Only the grants and completions made before the scrape was sent can be in its
         numbers; the ones made while it was in flight stay counted. ``itl_s`` becomes the
@@ -695,6 +711,9 @@ class Backend:
         self.peer_in_flight_at_scrape = (
             self.peer_in_flight if peers_before is None else peers_before
         )
+        self.peer_kv_tokens_at_scrape = (
+            self.peer_kv_tokens_total if peer_kv_before is None else peer_kv_before
+        )
         self.scrape_ok = True
         if self.membership == "warming":
             self.membership = "serving"
@@ -729,6 +748,7 @@ class Backend:
                 self.completed_total,
                 self.kv_tokens_total,
                 self.peer_in_flight,
+                self.peer_kv_tokens_total,
             )
         )
 
@@ -756,9 +776,10 @@ class Backend:
             return False
         granted = completed = kv_tokens = 0
         peers: int | None = None
+        peer_kv: int | None = None
         mark = self._mark_before(taken_at)
         if mark is not None:
-            _, granted_at, completed_at, kv_tokens_at, peers = mark
+            _, granted_at, completed_at, kv_tokens_at, peers, peer_kv = mark
             granted = self.granted_since_scrape - (self.granted_total - granted_at)
             completed = self.completed_since_scrape - (self.completed_total - completed_at)
             kv_tokens = self.kv_tokens_since_scrape - (self.kv_tokens_total - kv_tokens_at)
@@ -767,10 +788,12 @@ class Backend:
         metrics = shared.metrics
         if metrics.scraped_at != taken_at:
             metrics = replace(metrics, scraped_at=taken_at)
-        self.record_scrape(metrics, max(0, granted), max(0, completed), max(0, kv_tokens), peers)
+        self.record_scrape(
+            metrics, max(0, granted), max(0, completed), max(0, kv_tokens), peers, peer_kv
+        )
         return True
 
-    def _mark_before(self, at: float) -> tuple[float, int, int, int, int] | None:
+    def _mark_before(self, at: float) -> Mark | None:
         """The latest mark at or before ``at`` (marks are few: a reverse scan is enough)."""
         for mark in reversed(self._marks):
             if mark[0] <= at:

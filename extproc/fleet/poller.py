@@ -107,6 +107,7 @@ class Poller:
         completed_before = backend.completed_since_scrape
         kv_tokens_before = backend.kv_tokens_since_scrape
         peers_before = backend.peer_in_flight
+        peer_kv_before = backend.peer_kv_tokens_total
         sent_at = self.pool.clock()
         try:
             async with session.get(f"{backend.spec.url}/metrics") as response:
@@ -135,7 +136,12 @@ class Poller:
         if not backend.scrape_ok:
             log.warning("backend %s metrics are readable again", backend.address)
         backend.record_scrape(
-            metrics, granted_before, completed_before, kv_tokens_before, peers_before
+            metrics,
+            granted_before,
+            completed_before,
+            kv_tokens_before,
+            peers_before,
+            peer_kv_before,
         )
         return True
 

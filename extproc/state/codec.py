@@ -5,7 +5,9 @@ A report is ``{"i": {backend: {rank: n}}, "w": {band: [n, oldest_wait_s, head_co
 "a": {tier: idle_s}, "s": {backend: [scraped_at, age_s, ok, waiting, running, kv_cache_usage,
 itl_sum_s, itl_count, block_size, num_gpu_blocks]}, "c": {backend: {rank: n}}, "p": [[replica,
 backend, rank, seq], ...]}`` (``c``: the requests it could cancel, ``p``: its asks to other
-replicas to cancel one, ``extproc.core.peers.PreemptAsk``; both left out when empty; ``s``:
+replicas to cancel one, ``extproc.core.peers.PreemptAsk``; both left out when empty; ``"k":
+{backend: kv_tokens}``, the KV tokens of every request it sent there, a running total, left
+out when none; ``s``:
 the engines this replica scrapes for the fleet, ``extproc.fleet.shared_scrape``;
 ``scraped_at`` is on the scraper's clock and
 only tells its scrapes apart; ``itl_sum_s`` and ``itl_count`` are both null for an engine
@@ -55,6 +57,8 @@ def encode_report(report: ReplicaReport, active: Mapping[Key, int] | None = None
         }
     if report.asks:
         body["p"] = [[a.replica, a.backend, a.rank, a.seq] for a in report.asks]
+    if report.kv_tokens:
+        body["k"] = dict(report.kv_tokens)
     if active:
         body["b"] = [[tenant, user, n] for (tenant, user), n in active.items()]
     return json.dumps(body, separators=(",", ":"))
@@ -87,12 +91,13 @@ def decode_report_and_active(
             PreemptAsk(str(to), str(addr), int(rank), int(seq))
             for to, addr, rank, seq in body.get("p") or ()
         )
+        kv_tokens = {str(addr): int(n) for addr, n in _mapping(body.get("k")).items()}
         active = {_key(tenant, user): int(n) for tenant, user, n in body.get("b") or ()}
     except (ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
         log.warning("skipping an unreadable report from replica %s: %s", replica, exc)
         return None, {}
     report = ReplicaReport(
-        replica, in_flight, waiting, idle, max(0.0, age_s), scrapes, cancellable, asks
+        replica, in_flight, waiting, idle, max(0.0, age_s), scrapes, cancellable, asks, kv_tokens
     )
     return report, active
 

@@ -51,6 +51,23 @@ def test_merge_sums_leases_and_waiting_and_ages_by_the_reports_age() -> None:
     assert merged.replicas == 3
 
 
+def test_merge_sums_the_kv_tokens_each_replica_sent_to_each_backend() -> None:
+    merged = view(
+        ReplicaReport("r2", kv_tokens={BACKEND: 100, "10.0.0.9:8000": 5}),
+        ReplicaReport("r3", kv_tokens={BACKEND: 50}),
+    )
+    assert merged.kv_tokens == {BACKEND: 150, "10.0.0.9:8000": 5}
+
+
+def test_a_report_carries_the_kv_tokens_sent_and_apply_peers_hands_them_to_the_backend() -> None:
+    admission, pool, clock = make_admission(limit=4)
+    submit(admission, "a1", Request(API, prompt_tokens=100, max_tokens=50))
+    sent = pool.backends[0].kv_tokens_total
+    assert sent > 0 and admission.report("r1").kv_tokens == {BACKEND: sent}
+    admission.apply_peers(view_at(clock, ReplicaReport("r2", kv_tokens={BACKEND: 700})))
+    assert pool.backends[0].peer_kv_tokens_total == 700
+
+
 def test_other_replicas_leases_count_against_the_per_backend_cap() -> None:
     admission, pool, _ = make_admission(limit=2)
     admission.apply_peers(view(ReplicaReport("r2", {BACKEND: {1: 2}})))

@@ -182,6 +182,21 @@ def test_final_kv_usage_counts_what_requests_in_flight_will_hold_at_their_end() 
     assert backend.final_kv_usage() == pytest.approx(0.2 + 160 / 1600)
 
 
+def test_the_other_replicas_kv_since_the_scrape_counts_in_the_projected_use() -> None:
+    """Each of N replicas filling the KV gate's headroom between two scrapes would fill it
+    N times over: the others' KV grown since the scrape counts as ours does."""
+    backend = Backend(BackendSpec("127.0.0.1", 1))
+    backend.note_peers(Counter({2: 3}), kv_tokens_total=1000)
+    scrape = EngineMetrics(0.0, 3.0, 0.25, 0.0, 0.0, 0.0, block_size=16, num_gpu_blocks=100)
+    backend.record_scrape(scrape, granted_before=0)
+    assert backend.projected_kv_usage() == pytest.approx(0.25)  # the scrape shows their 1000
+    backend.note_peers(Counter({2: 4}), kv_tokens_total=1400)  # one more of theirs since
+    backend.note_grant(kv_tokens=160)
+    assert backend.projected_kv_usage() == pytest.approx(0.25 + (400 + 160) / 1600)
+    backend.note_peers(Counter({2: 4}), kv_tokens_total=0)  # they left: never below the scrape
+    assert backend.projected_kv_usage() == pytest.approx(0.25 + 160 / 1600)
+
+
 def test_parse_backend_names_where_its_key_is_read_from() -> None:
     spec = parse_backend("eu=http://10.0.0.5:8000#key=env:VLLM_API_KEY")
     assert spec == BackendSpec("10.0.0.5", 8000, "eu", credential="env:VLLM_API_KEY")

@@ -63,12 +63,12 @@ def test_an_adopted_scrape_counts_the_others_leases_from_its_mark() -> None:
     """The others' requests sent after the mark before the scrape was taken are not in it:
     they count as queued in the engine until the next scrape."""
     backend = Backend(BackendSpec("127.0.0.1", 1))
-    backend.note_peers(Counter({10: 3}))
+    backend.note_peers(Counter({10: 3}), kv_tokens_total=300)
     backend.mark(1.00)
-    backend.note_peers(Counter({10: 5}))
+    backend.note_peers(Counter({10: 5}), kv_tokens_total=500)
     backend.mark(1.02)
     assert backend.adopt_scrape(_scrape(3), taken_at=1.01)
-    assert backend.peer_in_flight_at_scrape == 3
+    assert (backend.peer_in_flight_at_scrape, backend.peer_kv_tokens_at_scrape) == (3, 300)
     assert backend.effective_waiting() == 2
 
 

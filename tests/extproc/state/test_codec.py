@@ -109,3 +109,10 @@ def test_cancellable_requests_and_asks_round_trip() -> None:
     decoded = decode_report("r1", encode_report(report), age_s=0.0)
     assert decoded == report
     assert '"c"' not in encode_report(ReplicaReport("r1"))  # left out when empty
+
+
+def test_kv_tokens_sent_round_trip() -> None:
+    report = ReplicaReport("r1", kv_tokens={"10.0.0.1:8000": 123_456})
+    assert decode_report("r1", encode_report(report), age_s=0.0) == report
+    assert '"k"' not in encode_report(ReplicaReport("r1"))  # left out when none
+    assert decode_report("r1", '{"k": {"10.0.0.1:8000": "x"}}', 0.0) is None

@@ -7,8 +7,10 @@ grants, but it decides them over the whole fleet's demand:
 
 - **Leases.** Each report carries the replica's requests in flight per backend and rank.
   They count into every backend's load (``Backend.note_peers``), the tiers' reservations and
-  the per-backend cap. A report expires with its replica (the lease TTL), so a dead
-  replica's seats come back by themselves.
+  the per-backend cap; what they grew by since an engine's scrape, and the KV tokens the
+  replica sent there since (``ReplicaReport.kv_tokens``), count as the engine's queue and
+  KV use that the scrape could not show. A report expires with its replica (the lease
+  TTL), so a dead replica's seats come back by themselves.
 - **Strict priority across replicas.** Each report carries, per band, how many requests
   wait and how long the oldest has waited. A replica does not grant a band while another
   replica holds a band that ranks strictly better after aging: the replica of the globally

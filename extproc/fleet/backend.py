@@ -497,8 +497,8 @@ class Backend:
     def queue_room(self, max_waiting: int, rank: int, most: int) -> int:
         """How many more requests of ``rank`` this engine's queue gate (``max_waiting``)
         lets through now, at most ``most``: each counts into ``effective_waiting`` as
-        ``passes`` would see it after the ones before it. Replicas split that room among
-        themselves (``extproc.core.peers.share``) rather than each taking all of it."""
+        ``passes`` would see it after the ones before it. Replicas take that room in turns
+        (``extproc.core.peers.turn``) rather than each taking all of it."""
         bound = max(max_waiting, 1)
         waiting = self.metrics.waiting if self.metrics is not None else 0.0
         granted, completed = self._since_scrape()
@@ -623,9 +623,10 @@ class Backend:
         leases since the scrape (``peer_in_flight_at_scrape``), up to an exchange late, and
         net of their completions, so a fall counts as finished. Without them each of N
         replicas let the engine queue fill to the gate's bound between two scrapes, N times
-        over: measured on ``power-user-x5`` with three replicas, the fleet filled 23 of its
-        32 seats in the first scrape where one process filled 11, the engines queued, the
-        gate shut until the first requests finished, and the rest were sent in one burst.
+        over: measured on ``power-user-x5`` with three replicas, the fleet filled 18-23 of
+        its 32 seats in the first two simulated seconds where one process filled 11, the
+        engines queued, the gate shut until the first requests finished, and the rest were
+        sent in one burst.
         Every request being as long, the fleet then finished in bursts 4-5 s apart (a light
         tenant's request waited for the next burst: p95 1.8-1.9 x its latency alone,
         against 1.3-1.5 x for one process, whose gate fills the fleet over several scrapes)."""

@@ -9,6 +9,7 @@ The modules, one concern each, in the order a run uses them:
   Envoy-only baseline's config)
 - ``client``        the asyncio load generator and its request records
 - ``cpu``           per-process CPU accounting; ``cachestats`` the fleet's prefix-cache hits
+- ``replica_flows`` which replica decided which flow (replica arms)
 - ``stats``         an arm's figures from its records
 - ``targets``       the scenario's targets checked against the arms
 - ``results``       the typed results (``results.json``'s shape)

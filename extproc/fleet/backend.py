@@ -490,9 +490,12 @@ class Backend:
         queue is often a few batch requests waiting for the step's token budget; counting
         them would hold chat in the gateway while vLLM would have seated it first.
         """
+        return max(0.0, self.effective_waiting() - self._behind(rank))
+
+    def _behind(self, rank: int) -> int:
+        """Requests in flight here, from every replica, of ranks less urgent than ``rank``."""
         behind = sum(n for r, n in self.in_flight_by_rank.items() if r > rank)
-        behind += sum(n for r, n in self.peer_in_flight_by_rank.items() if r > rank)
-        return max(0.0, self.effective_waiting() - behind)
+        return behind + sum(n for r, n in self.peer_in_flight_by_rank.items() if r > rank)
 
     def queue_room(self, max_waiting: int, rank: int, most: int) -> int:
         """How many more requests of ``rank`` this engine's queue gate (``max_waiting``)
@@ -500,16 +503,9 @@ class Backend:
         ``passes`` would see it after the ones before it. Replicas take that room in turns
         (``extproc.core.peers.turn``) rather than each taking all of it."""
         bound = max(max_waiting, 1)
-        waiting = self.metrics.waiting if self.metrics is not None else 0.0
-        granted, completed = self._since_scrape()
-        free = 0 if waiting else self.fill_per_scrape() - 1
-        behind = sum(n for r, n in self.in_flight_by_rank.items() if r > rank)
-        behind += sum(n for r, n in self.peer_in_flight_by_rank.items() if r > rank)
+        behind = self._behind(rank)
         room = 0
-        while room < most:
-            ahead = max(0.0, waiting + max(0, granted + room - free) - completed) - behind
-            if ahead >= bound:
-                break
+        while room < most and self.effective_waiting(extra=room) - behind < bound:
             room += 1
         return room
 
@@ -596,8 +592,9 @@ class Backend:
             )
         self.cool_off_until = self._clock() + COOL_OFF_S
 
-    def effective_waiting(self) -> float:
-        """The engine's waiting queue as it is now, by the last scrape and what we saw since.
+    def effective_waiting(self, extra: int = 0) -> float:
+        """The engine's waiting queue as it is now, by the last scrape and what we saw since
+        (and ``extra`` grants more, for ``queue_room``).
 
         Each grant since the scrape may be waiting in the engine (conservative: one the
         engine seats at once never waits, but the gateway cannot know that until the next
@@ -612,6 +609,7 @@ class Backend:
         """
         waiting = self.metrics.waiting if self.metrics is not None else 0.0
         granted, completed = self._since_scrape()
+        granted += extra
         if not waiting:  # free seats at the scrape: the first few grants take them
             granted = max(0, granted - (self.fill_per_scrape() - 1))
         return max(0.0, waiting + granted - completed)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -88,11 +88,13 @@ def sample(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
-def admitted(stack: Stack, tier: str, flow: str) -> dict[str, float]:
-    """Each replica's count of ``flow``'s admitted requests in ``tier``."""
+def admitted(
+    stack: Stack, tier: str, flow: str, replicas: Sequence[str] = REPLICAS
+) -> dict[str, float]:
+    """Each replica's (of ``replicas``) count of ``flow``'s admitted requests in ``tier``."""
     return {
         r: sample(metrics(stack, r), "fairlane_flow_requests_total", tier=tier, flow=flow)
-        for r in REPLICAS
+        for r in replicas
     }
 
 
@@ -331,7 +333,7 @@ async def test_a_killed_replica_fails_no_request_it_did_not_hold(tmp_path: Path)
                     async with session.post(url, json=body, headers=headers) as response:
                         results.append((started, response.status, await response.read()))
 
-            async def kill_after(delay: float) -> tuple[float, str, dict[str, float]]:
+            async def kill_after(delay: float) -> tuple[float, dict[str, float]]:
                 await asyncio.sleep(delay)
                 victim = holder(admitted(stack, "interactive", "chat-app"))
                 assert victim is not None, admitted(stack, "interactive", "chat-app")
@@ -340,24 +342,13 @@ async def test_a_killed_replica_fails_no_request_it_did_not_hold(tmp_path: Path)
                 # A stream opened before Envoy ejects the victim is retried on either
                 # survivor; from a second after the kill the key hashes to one of them.
                 await asyncio.sleep(1.0)
-                return killed, victim, survivor_counts(victim)
-
-            def survivor_counts(victim: str) -> dict[str, float]:
-                return {
-                    r: sample(
-                        metrics(stack, r),
-                        "fairlane_flow_requests_total",
-                        tier="interactive",
-                        flow="chat-app",
-                    )
-                    for r in REPLICAS
-                    if r != victim
-                }
+                survivors = [r for r in REPLICAS if r != victim]
+                return killed, admitted(stack, "interactive", "chat-app", survivors)
 
             killer = asyncio.create_task(kill_after(2.0))
             await asyncio.gather(*(client() for _ in range(4)))
-            killed_at, victim, settled = await killer
-            moved = survivor_counts(victim)
+            killed_at, settled = await killer  # the survivors' counts a second after
+            moved = admitted(stack, "interactive", "chat-app", list(settled))
             await asyncio.sleep(max(0.0, killed_at + 2.0 - loop.time()))
             async with session.get(f"{stack.admin_url}/clusters") as response:
                 clusters_text = await response.text()

@@ -1,13 +1,13 @@
-"""A gRPC server on the h2 state machine, in the event loop's own thread.
+"""A gRPC server on HTTP/2 framed in the event loop's own thread.
 
 Why not grpc.aio, which the service used before: each stream there goes through grpc's C
 core, its poller thread and a cross-thread wake-up of the loop for every message. Behind the
 same Envoy, a servicer that decides nothing served 2,700-2,850 requests/s per core on
-grpc.aio and 6,000-6,900 on this server, and 2,218-2,362 against 3,951-4,495 in a busier
-hour (``python -m loadtests.bench.overhead.floor``, both in one run). The per-stream work
-here is h2's framing and HPACK, a task, and the servicer: the same servicers grpc.aio runs,
-registered the same way (the generated ``add_XServicer_to_server(servicer, server)`` calls
-``add_registered_method_handlers``).
+grpc.aio and 6,000-6,900 on this server (then on python-hyper's h2), and 2,218-2,362 against
+3,951-4,495 in a busier hour (``python -m loadtests.bench.overhead.floor``, both in one
+run). The per-stream work here is the framing (``extproc.transport.http2``), a task, and the
+servicer: the same servicers grpc.aio runs, registered the same way (the generated
+``add_XServicer_to_server(servicer, server)`` calls ``add_registered_method_handlers``).
 
 Scope: what Envoy's gRPC clients (and grpc's own, in the tests) use towards this service:
 HTTP/2 with prior knowledge over cleartext TCP, streaming methods (stream-stream and
@@ -29,17 +29,11 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any, cast
 
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
+from extproc.transport import http2
 
 log = logging.getLogger("fairlane.h2grpc")
 
 GRPC_CONTENT_TYPE = b"application/grpc"
-RESPONSE_HEADERS = ((b":status", b"200"), (b"content-type", GRPC_CONTENT_TYPE))
 
 # https://grpc.github.io/grpc/core/md_doc_statuscodes.html
 OK = 0
@@ -49,53 +43,14 @@ INTERNAL = 13
 UNAVAILABLE = 14
 RESOURCE_EXHAUSTED = 8
 
-WINDOW = (1 << 31) - 1
-"""Flow-control window offered to the client, per stream and for the connection: the
-service buffers whole messages anyway (a body up to the policy's limit), so stalling Envoy's
-sends would only add round trips."""
-
-_H2_CONFIG = h2.config.H2Configuration(
-    client_side=False,
-    header_encoding=None,
-    # What this server sends is fixed and well-formed, and of what it receives it reads
-    # only :path and content-type: checking every header of every stream (its peer is
-    # Envoy) cost ~3 % of the service's CPU at saturation.
-    validate_outbound_headers=False,
-    normalize_outbound_headers=False,
-    validate_inbound_headers=False,
-    normalize_inbound_headers=False,
+RESPONSE_HEADER_BLOCK = http2.encode_headers(
+    [(b":status", b"200"), (b"content-type", GRPC_CONTENT_TYPE)]
 )
+"""Every answer's headers, encoded once."""
+OK_TRAILERS = http2.encode_headers([(b"grpc-status", b"0")])
+TRAILERS_ONLY_OK = RESPONSE_HEADER_BLOCK + OK_TRAILERS
 
-
-SWEEP_MIN_STREAMS = 64
-"""The fewest new streams between two of h2's walks over the stream table."""
-
-
-class _H2Connection(h2.connection.H2Connection):
-    """h2's connection, without its walk over every stream each time one opens.
-
-    h2 counts the open streams to enforce MAX_CONCURRENT_STREAMS (which this server does not
-    set) and drops the closed ones as it goes: O(streams) per new stream, and every held
-    request is an open stream. Here the walk is made only once as many streams have opened
-    since the last one as were then known: the same cleanup, amortised O(1) per stream.
-    Measured with grpc's client (the server's CPU per new stream, together with the blocked
-    set of ``_Connection``): 360 / 1,055 / 3,470 µs behind 0 / 2,000 / 4,000 held streams
-    before, 340 / 365 / 350 µs after.
-    """
-
-    _opened_since_sweep = 0
-    _next_sweep = SWEEP_MIN_STREAMS
-    """New streams until the next walk: as many as the table held after the last one."""
-
-    @property
-    def open_inbound_streams(self) -> int:
-        self._opened_since_sweep += 1
-        if self._opened_since_sweep < self._next_sweep:
-            return 0  # below any limit: none is set
-        count: int = super().open_inbound_streams
-        self._opened_since_sweep = 0
-        self._next_sweep = max(SWEEP_MIN_STREAMS, len(self.streams))
-        return count
+MAX_HEADER_LIST_BYTES = 64 << 10
 
 
 class GrpcServer:
@@ -197,11 +152,11 @@ class GrpcServer:
 
 
 class _Connection(asyncio.Protocol):
-    """One HTTP/2 connection: h2's events in, each stream's handler as a task."""
+    """One HTTP/2 connection: frames in through ``http2``, each stream's handler a task."""
 
     def __init__(self, server: GrpcServer) -> None:
         self.server = server
-        self.h2 = _H2Connection(config=_H2_CONFIG)
+        self.http2 = http2.ServerConnection(self, MAX_HEADER_LIST_BYTES)
         self.streams: dict[int, _Stream] = {}
         self.blocked: set[_Stream] = set()
         """Streams with data that flow control holds back: a WINDOW_UPDATE for the whole
@@ -218,16 +173,8 @@ class _Connection(asyncio.Protocol):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.server.connected(self)
-        self.h2.local_settings = h2.settings.Settings(
-            client=False,
-            initial_values={
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW,
-                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 64 << 10,
-            },
-        )
-        self.h2.initiate_connection()
-        self.h2.increment_flow_control_window(WINDOW - 65_535)
-        self.transport.write(self.h2.data_to_send())
+        self.http2.initiate()
+        self.transport.write(self.http2.take())
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.disconnected(self)
@@ -236,81 +183,75 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         try:
-            events = self.h2.receive_data(data)
-        except h2.exceptions.ProtocolError as error:
+            self.http2.receive(data)
+        except http2.Http2Error as error:
             log.warning("closing an HTTP/2 connection that broke the protocol: %s", error)
             self.flush()
             self.close()
             return
-        for event in events:
-            kind = type(event)
-            if kind is h2.events.DataReceived:
-                self._data(event)  # type: ignore[arg-type]
-            elif kind is h2.events.RequestReceived:
-                self._request(event)  # type: ignore[arg-type]
-            elif kind is h2.events.StreamEnded:
-                stream = self.streams.get(event.stream_id)  # type: ignore[attr-defined]
-                if stream is not None:
-                    stream.end_of_input()
-            elif kind is h2.events.StreamReset:
-                stream = self.streams.get(event.stream_id)  # type: ignore[attr-defined]
-                if stream is not None:
-                    stream.reset_by_client()
-            elif kind is h2.events.WindowUpdated:
-                self._window_opened(event.stream_id)  # type: ignore[attr-defined]
-            elif kind is h2.events.ConnectionTerminated:
-                self.cancel_all()
-        # Not now: the handlers woken above answer in this loop iteration, and their
-        # answers go out with h2's acknowledgements in one write.
+        # Not now: the handlers woken here answer in this loop iteration, and their answers
+        # go out with the acknowledgements in one write.
         self.flush_soon()
 
-    def _request(self, event: h2.events.RequestReceived) -> None:
-        stream_id = event.stream_id
-        assert stream_id is not None and event.headers is not None
+    # -- http2.Listener ------------------------------------------------------------------
+
+    def on_request(
+        self, stream_id: int, headers: list[tuple[bytes, bytes]], end_stream: bool
+    ) -> None:
         path = b""
         content_type = b""
-        for name, value in event.headers:
+        for name, value in headers:
             if name == b":path":
-                path = bytes(value)
+                path = value
             elif name == b"content-type":
-                content_type = bytes(value)
+                content_type = value
         if self._refusing:
-            self.h2.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+            self.http2.reset(stream_id, http2.REFUSED_STREAM)
             return
         handler = self.server.method(path)
         if handler is None or not content_type.startswith(GRPC_CONTENT_TYPE):
             why = f"unknown method {path.decode(errors='replace')}"
-            self._trailers_only(stream_id, UNIMPLEMENTED, why)
+            self.http2.send_headers(stream_id, _trailers(UNIMPLEMENTED, why, first=True), True)
             return
         stream = _Stream(self, stream_id, handler)
         self.streams[stream_id] = stream
+        if end_stream:
+            stream.end_of_input()
         stream.task = asyncio.get_running_loop().create_task(stream.run())
 
-    def _data(self, event: h2.events.DataReceived) -> None:
-        stream_id = event.stream_id
-        assert stream_id is not None and event.data is not None
-        # Give the window back at once: messages are buffered whole in any case.
-        self.h2.acknowledge_received_data(event.flow_controlled_length or 0, stream_id)
+    def on_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
         stream = self.streams.get(stream_id)
         if stream is not None:
-            stream.feed(event.data)
+            stream.feed(data)
+            if end_stream:
+                stream.end_of_input()
 
-    def _window_opened(self, stream_id: int | None) -> None:
+    def on_trailers(self, stream_id: int) -> None:
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            stream.end_of_input()
+
+    def on_reset(self, stream_id: int) -> None:
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            stream.reset_by_client()
+
+    def on_window(self, stream_id: int) -> None:
         if stream_id:
             stream = self.streams.get(stream_id)
             if stream is not None and stream.blocked:
                 stream.send_pending()
         else:  # the connection's window: only streams that wait for it (not every held one)
-            for stream in [s for s in self.blocked]:
+            for stream in list(self.blocked):
                 stream.send_pending()
 
-    def _trailers_only(self, stream_id: int, status: int, message: str) -> None:
-        headers = [*RESPONSE_HEADERS, *_status_headers(status, message)]
-        with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-            self.h2.send_headers(stream_id, headers, end_stream=True)
+    def on_goaway(self) -> None:
+        self.cancel_all()
+
+    # -- out -----------------------------------------------------------------------------
 
     def flush_soon(self) -> None:
-        """Write what h2 has queued at the end of this loop iteration: the answers of every
+        """Write what is queued at the end of this loop iteration: the answers of every
         stream that runs in it go out in one write."""
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -318,7 +259,7 @@ class _Connection(asyncio.Protocol):
 
     def flush(self) -> None:
         self._flush_scheduled = False
-        data = self.h2.data_to_send()
+        data = self.http2.take()
         if data and self.transport is not None:
             self.transport.write(data)
 
@@ -331,8 +272,8 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         if self.transport is not None:
-            with contextlib.suppress(h2.exceptions.ProtocolError):
-                self.h2.close_connection()
+            if not self.http2.closed:
+                self.http2.goaway()
             self.flush()
             self.transport.close()
 
@@ -371,7 +312,7 @@ class _Stream:
         self._ended = False
         self._waiter: asyncio.Future[None] | None = None
         self._pending = bytearray()
-        self.trailers: list[tuple[bytes, bytes]] | None = None
+        self.trailers: bytes | None = None
         self.headers_sent = False
         self.closed = False
         self.blocked = False
@@ -458,40 +399,31 @@ class _Stream:
 
     def send(self, message: bytes) -> bool:
         """Queue one message; False when the stream can no longer carry it."""
-        if self.closed:
-            return False
-        h2conn = self.connection.h2
-        try:
-            if not self.headers_sent:
-                h2conn.send_headers(self.stream_id, RESPONSE_HEADERS)
-                self.headers_sent = True
-            self._pending += len(message).to_bytes(5, "big")  # flag 0, then the length
-            self._pending += message
-            self.send_pending()
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+        if self.closed or self.stream_id not in self.connection.http2.streams:
             self.closed = True
             return False
+        if not self.headers_sent:
+            self.connection.http2.send_headers(self.stream_id, RESPONSE_HEADER_BLOCK)
+            self.headers_sent = True
+        self._pending += len(message).to_bytes(5, "big")  # flag 0, then the length
+        self._pending += message
+        self.send_pending()
         return True
 
     def send_pending(self) -> None:
         """Send what flow control allows; the rest waits for a WINDOW_UPDATE."""
-        h2conn = self.connection.h2
+        framing = self.connection.http2
         pending = self._pending
-        try:
-            while pending:
-                window = h2conn.local_flow_control_window(self.stream_id)
-                size = min(len(pending), window, h2conn.max_outbound_frame_size)
-                if size <= 0:
-                    break
-                h2conn.send_data(self.stream_id, bytes(pending[:size]))
-                del pending[:size]
-            if not pending and self.trailers is not None:
-                h2conn.send_headers(self.stream_id, self.trailers, end_stream=True)
-                self.trailers = None
-                self._close()
-            self._block(bool(pending))
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+        if pending:
+            sent = framing.send_data(self.stream_id, pending)
+            del pending[:sent]
+        if not pending and self.trailers is not None:
+            framing.send_headers(self.stream_id, self.trailers, end_stream=True)
+            self.trailers = None
             self._close()
+        elif self.stream_id not in framing.streams:  # reset meanwhile
+            self._close()
+        self._block(bool(pending) and not self.closed)
         self.connection.flush_soon()
 
     def _block(self, blocked: bool) -> None:
@@ -507,13 +439,10 @@ class _Stream:
             self.connection.forget(self.stream_id)
             return
         if status == CANCELLED:
-            self._reset(h2.errors.ErrorCodes.CANCEL)
+            self._reset(http2.CANCEL)
             return
-        trailers = _status_headers(status, message)
-        if not self.headers_sent:
-            self.headers_sent = True
-            trailers = [*RESPONSE_HEADERS, *trailers]
-        self.trailers = trailers
+        self.trailers = _trailers(status, message, first=not self.headers_sent)
+        self.headers_sent = True
         self.send_pending()
 
     def fail(self, status: int, message: str) -> None:
@@ -534,9 +463,8 @@ class _Stream:
         else:
             self._close()
 
-    def _reset(self, code: h2.errors.ErrorCodes) -> None:
-        with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-            self.connection.h2.reset_stream(self.stream_id, code)
+    def _reset(self, code: int) -> None:
+        self.connection.http2.reset(self.stream_id, code)
         self.connection.flush_soon()
         self._close()
 
@@ -557,11 +485,15 @@ class _Context:
         return self._stream.closed
 
 
-def _status_headers(status: int, message: str) -> list[tuple[bytes, bytes]]:
+def _trailers(status: int, message: str, first: bool) -> bytes:
+    """The status as a trailer block; ``first``: no headers went out yet (trailers-only)."""
+    if status == OK and not message:
+        return TRAILERS_ONLY_OK if first else OK_TRAILERS
     headers = [(b"grpc-status", str(status).encode())]
     if message:
         headers.append((b"grpc-message", _percent_encode(message)))
-    return headers
+    block = http2.encode_headers(headers)
+    return RESPONSE_HEADER_BLOCK + block if first else block
 
 
 def _percent_encode(message: str) -> bytes:

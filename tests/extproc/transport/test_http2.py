@@ -1,0 +1,237 @@
+"""The HTTP/2 framing, frame by frame, without sockets.
+
+A client is played by hand (frames built here, header blocks by ``hpack``'s encoder); what
+the framing tells its listener and what it queues to send are checked. The same server
+against grpc's real client is ``test_h2grpc.py``; behind Envoy, every integration test.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import hpack
+import pytest
+
+from extproc.transport import http2
+from extproc.transport.http2 import Http2Error, ServerConnection
+
+HEADERS = [(b":method", b"POST"), (b":path", b"/s/M"), (b"content-type", b"application/grpc")]
+
+
+class Heard:
+    """A listener that writes down every callback."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[object, ...]] = []
+
+    def on_request(
+        self, stream_id: int, headers: list[tuple[bytes, bytes]], end_stream: bool
+    ) -> None:
+        self.events.append(("request", stream_id, dict(headers), end_stream))
+
+    def on_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
+        self.events.append(("data", stream_id, data, end_stream))
+
+    def on_trailers(self, stream_id: int) -> None:
+        self.events.append(("trailers", stream_id))
+
+    def on_reset(self, stream_id: int) -> None:
+        self.events.append(("reset", stream_id))
+
+    def on_window(self, stream_id: int) -> None:
+        self.events.append(("window", stream_id))
+
+    def on_goaway(self) -> None:
+        self.events.append(("goaway",))
+
+
+def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    length = len(payload)
+    return struct.pack(">BHBBL", length >> 16, length & 0xFFFF, kind, flags, stream_id) + payload
+
+
+def frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
+    """What the server queued, split into (type, flags, stream, payload)."""
+    out = []
+    while data:
+        high, low, kind, flags, stream_id = struct.unpack_from(">BHBBL", data)
+        length = high << 16 | low
+        out.append((kind, flags, stream_id, data[9 : 9 + length]))
+        data = data[9 + length :]
+    return out
+
+
+def settings(**values: int) -> bytes:
+    ids = {"initial_window": http2.INITIAL_WINDOW_SIZE, "max_frame": http2.MAX_FRAME_SIZE}
+    return b"".join(struct.pack(">HL", ids[key], value) for key, value in values.items())
+
+
+@pytest.fixture
+def served() -> tuple[ServerConnection, Heard, hpack.Encoder]:
+    """A connection past both prefaces, its queue emptied."""
+    heard = Heard()
+    connection = ServerConnection(heard)
+    connection.initiate()
+    connection.receive(http2.PREFACE + frame(http2.SETTINGS, 0, 0))
+    connection.take()
+    heard.events.clear()
+    return connection, heard, hpack.Encoder()
+
+
+def test_the_server_preface_offers_the_widest_windows() -> None:
+    connection = ServerConnection(Heard())
+    connection.initiate()
+    (kind, _, _, payload), (update, _, stream, step) = frames(connection.take())
+    assert kind == http2.SETTINGS
+    assert (http2.INITIAL_WINDOW_SIZE, http2.MAX_WINDOW) in struct.iter_unpack(">HL", payload)
+    assert update == http2.WINDOW_UPDATE and stream == 0
+    assert int.from_bytes(step, "big") == http2.MAX_WINDOW - http2.DEFAULT_WINDOW
+
+
+def test_a_bad_preface_is_a_connection_error() -> None:
+    connection = ServerConnection(Heard())
+    with pytest.raises(Http2Error):
+        connection.receive(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert frames(connection.take())[-1][0] == http2.GOAWAY
+
+
+def test_frames_split_anywhere_arrive_whole(served: tuple) -> None:
+    connection, heard, encoder = served
+    data = frame(http2.HEADERS, http2.END_HEADERS, 1, encoder.encode(HEADERS))
+    data += frame(http2.DATA, http2.END_STREAM, 1, b"hello")
+    for byte in range(len(data)):
+        connection.receive(data[byte : byte + 1])
+    assert heard.events == [
+        ("request", 1, dict(HEADERS), False),
+        ("data", 1, b"hello", True),
+    ]
+
+
+def test_settings_and_pings_are_acknowledged(served: tuple) -> None:
+    connection, _, _ = served
+    connection.receive(frame(http2.SETTINGS, 0, 0, settings(max_frame=1 << 20)))
+    connection.receive(frame(http2.PING, 0, 0, b"12345678"))
+    sent = frames(connection.take())
+    assert (http2.SETTINGS, http2.ACK, 0, b"") in sent
+    assert (http2.PING, http2.ACK, 0, b"12345678") in sent
+    assert connection.max_frame_size == 1 << 20
+
+
+def test_continuation_padding_and_priority_are_read(served: tuple) -> None:
+    connection, heard, encoder = served
+    block = encoder.encode(HEADERS)
+    padded = bytes([3]) + bytes(5) + block[:4] + b"pad"  # pad length, priority, fragment
+    connection.receive(frame(http2.HEADERS, http2.PADDED | http2.PRIORITY_FLAG, 1, padded))
+    connection.receive(frame(http2.CONTINUATION, http2.END_HEADERS, 1, block[4:]))
+    connection.receive(frame(http2.DATA, http2.PADDED, 1, bytes([2]) + b"ab" + b"xx"))
+    assert heard.events == [("request", 1, dict(HEADERS), False), ("data", 1, b"ab", False)]
+
+
+def test_an_interrupted_header_block_is_a_connection_error(served: tuple) -> None:
+    connection, _, encoder = served
+    connection.receive(frame(http2.HEADERS, 0, 1, encoder.encode(HEADERS)[:3]))
+    with pytest.raises(Http2Error):
+        connection.receive(frame(http2.DATA, 0, 1, b"x"))
+
+
+def test_trailers_end_the_input(served: tuple) -> None:
+    connection, heard, encoder = served
+    connection.receive(frame(http2.HEADERS, http2.END_HEADERS, 1, encoder.encode(HEADERS)))
+    trailer = encoder.encode([(b"x-done", b"1")])
+    connection.receive(frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 1, trailer))
+    assert heard.events[-1] == ("trailers", 1)
+
+
+def test_sends_respect_the_stream_and_connection_windows(served: tuple) -> None:
+    connection, heard, encoder = served
+    connection.receive(frame(http2.SETTINGS, 0, 0, settings(initial_window=10)))
+    connection.receive(frame(http2.HEADERS, http2.END_HEADERS, 1, encoder.encode(HEADERS)))
+    connection.take()
+    assert connection.send_data(1, b"x" * 25) == 10
+    assert connection.send_window(1) == 0
+    connection.receive(frame(http2.WINDOW_UPDATE, 0, 1, (100).to_bytes(4, "big")))
+    assert ("window", 1) in heard.events
+    assert connection.send_data(1, b"x" * 15) == 15
+    # the connection's window (65,535 by default) binds as well as the stream's
+    connection.receive(frame(http2.SETTINGS, 0, 0, settings(initial_window=1 << 20)))
+    assert connection.send_window(1) == http2.DEFAULT_WINDOW - 25
+    sent = [f for f in frames(connection.take()) if f[0] == http2.DATA]
+    assert sum(len(f[3]) for f in sent) == 25
+
+
+def test_data_larger_than_a_frame_goes_in_several(served: tuple) -> None:
+    connection, _, encoder = served
+    connection.receive(frame(http2.SETTINGS, 0, 0, settings(initial_window=1 << 20)))
+    connection.receive(frame(http2.WINDOW_UPDATE, 0, 0, (1 << 20).to_bytes(4, "big")))
+    connection.receive(frame(http2.HEADERS, http2.END_HEADERS, 1, encoder.encode(HEADERS)))
+    connection.take()
+    assert connection.send_data(1, b"y" * 40_000) == 40_000
+    sizes = [len(f[3]) for f in frames(connection.take()) if f[0] == http2.DATA]
+    assert sizes == [16_384, 16_384, 40_000 - 2 * 16_384]
+
+
+def test_a_reset_stream_is_forgotten_and_its_late_frames_dropped(served: tuple) -> None:
+    connection, heard, encoder = served
+    connection.receive(frame(http2.HEADERS, http2.END_HEADERS, 1, encoder.encode(HEADERS)))
+    connection.receive(frame(http2.RST_STREAM, 0, 1, http2.CANCEL.to_bytes(4, "big")))
+    connection.receive(frame(http2.DATA, 0, 1, b"late"))
+    assert heard.events[1:] == [("reset", 1)]
+    assert 1 not in connection.streams
+    # a new stream after it still decodes: the HPACK table stayed in step
+    connection.receive(frame(http2.HEADERS, http2.END_HEADERS, 3, encoder.encode(HEADERS)))
+    assert heard.events[-1] == ("request", 3, dict(HEADERS), False)
+
+
+def test_the_server_ends_a_stream_with_trailers_or_a_reset(served: tuple) -> None:
+    connection, _, encoder = served
+    for stream_id in (1, 3):
+        connection.receive(
+            frame(http2.HEADERS, http2.END_HEADERS, stream_id, encoder.encode(HEADERS))
+        )
+    connection.send_headers(1, http2.encode_headers([(b":status", b"200")]), end_stream=True)
+    connection.reset(3, http2.CANCEL)
+    sent = frames(connection.take())
+    assert sent[0][:3] == (http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 1)
+    assert hpack.Decoder().decode(sent[0][3], raw=True) == [(b":status", b"200")]
+    assert sent[1] == (http2.RST_STREAM, 0, 3, http2.CANCEL.to_bytes(4, "big"))
+    assert not connection.streams
+
+
+def test_receive_windows_are_topped_up_in_large_steps(
+    served: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(http2, "TOP_UP_AFTER", 100)
+    connection, _, encoder = served
+    connection.receive(frame(http2.HEADERS, http2.END_HEADERS, 1, encoder.encode(HEADERS)))
+    connection.receive(frame(http2.DATA, 0, 1, b"z" * 60))
+    assert connection.take() == b""  # no WINDOW_UPDATE per frame
+    connection.receive(frame(http2.DATA, 0, 1, b"z" * 60))
+    updates = {(f[2], int.from_bytes(f[3], "big")) for f in frames(connection.take())}
+    assert updates == {(0, 120), (1, 120)}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        frame(http2.PUSH_PROMISE, http2.END_HEADERS, 1, bytes(4)),
+        frame(http2.HEADERS, http2.END_HEADERS, 2, b""),
+        frame(http2.HEADERS, http2.END_HEADERS, 1, b"\xff\xff\xff\xff"),
+        frame(http2.DATA, 0, 1, bytes(http2.DEFAULT_FRAME_SIZE + 1)),
+        frame(http2.WINDOW_UPDATE, 0, 0, (http2.MAX_WINDOW).to_bytes(4, "big")),
+        frame(http2.SETTINGS, 0, 0, b"\x00\x04"),
+    ],
+    ids=["push", "even-stream", "hpack", "frame-size", "window-overflow", "settings-size"],
+)
+def test_protocol_violations_end_the_connection_with_goaway(served: tuple, bad: bytes) -> None:
+    connection, _, _ = served
+    with pytest.raises(Http2Error):
+        connection.receive(bad)
+    assert frames(connection.take())[-1][0] == http2.GOAWAY
+    connection.receive(frame(http2.PING, 0, 0, bytes(8)))  # nothing more is read
+    assert connection.take() == b""
+
+
+def test_header_blocks_are_hpack_integers_past_their_prefix() -> None:
+    long_value = b"v" * 300
+    block = http2.encode_headers([(b"grpc-message", long_value)])
+    assert hpack.Decoder().decode(block, raw=True) == [(b"grpc-message", long_value)]

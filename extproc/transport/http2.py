@@ -22,7 +22,7 @@ module only frames.
 from __future__ import annotations
 
 import struct
-from typing import Protocol
+from typing import Protocol, cast
 
 import hpack
 import hpack.exceptions
@@ -341,7 +341,8 @@ class ServerConnection:
 
     def _header_block(self, flags: int, stream_id: int, block: bytes) -> None:
         try:  # decoded even for a stream that is gone: the HPACK table must stay in step
-            headers = self._decoder.decode(block, raw=True)
+            # a list of (name, value) bytes pairs with raw=True
+            headers = cast(list[tuple[bytes, bytes]], self._decoder.decode(block, raw=True))
         except hpack.exceptions.HPACKError as error:
             raise self._fail(COMPRESSION_ERROR, f"bad header block: {error}") from None
         end_stream = bool(flags & END_STREAM)

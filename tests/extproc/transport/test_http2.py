@@ -235,3 +235,24 @@ def test_header_blocks_are_hpack_integers_past_their_prefix() -> None:
     long_value = b"v" * 300
     block = http2.encode_headers([(b"grpc-message", long_value)])
     assert hpack.Decoder().decode(block, raw=True) == [(b"grpc-message", long_value)]
+
+
+def test_a_repeated_header_block_decodes_the_same_until_the_table_changes(
+    served: tuple,
+) -> None:
+    connection, heard, encoder = served
+    first = encoder.encode(HEADERS)  # fills the dynamic table
+    again = encoder.encode(HEADERS)  # indexed only: the same bytes every time from here
+    assert encoder.encode(HEADERS) == again
+    for stream_id, block in ((1, first), (3, again), (5, again)):
+        connection.receive(frame(http2.HEADERS, http2.END_HEADERS, stream_id, block))
+    assert again in connection._decoded
+    # a new entry shifts every dynamic index: the remembered meaning is dropped
+    other = [(b":method", b"POST"), (b":path", b"/s/Other"), (b"x-new", b"1")]
+    connection.receive(frame(http2.HEADERS, http2.END_HEADERS, 7, encoder.encode(other)))
+    assert not connection._decoded
+    connection.receive(frame(http2.HEADERS, http2.END_HEADERS, 9, encoder.encode(HEADERS)))
+    assert [event[2] for event in heard.events] == [dict(HEADERS)] * 3 + [
+        dict(other),
+        dict(HEADERS),
+    ]

@@ -246,7 +246,10 @@ class _Connection(asyncio.Protocol):
                 stream.send_pending()
 
     def on_goaway(self) -> None:
-        self.cancel_all()
+        # The client opens no new stream; those it opened may still finish (RFC 9113 6.8):
+        # a held request must not fail because Envoy drains its connection. The streams
+        # end with the connection if it closes first (``connection_lost``).
+        self.refuse_new_streams()
 
     # -- out -----------------------------------------------------------------------------
 

@@ -12,9 +12,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import hpack
 import pytest
 
-from extproc.transport.h2grpc import GrpcServer
+from extproc.transport import http2
+from extproc.transport.h2grpc import GrpcServer, _Connection
+from tests.extproc.transport.test_http2 import frame
 from tests.loopback_grpc import serving
 from tests.polling import until
 
@@ -205,8 +208,67 @@ async def test_finished_streams_do_not_pile_up_behind_held_ones(
     for _ in range(500):
         assert await chat(channel, [b"x"]).read() == b"x"
     (connection,) = server._connections
-    assert len(connection.streams) == 100
+    # the last answer's message can reach the client before its trailers leave the server
+    await until(lambda: len(connection.streams) == 100, "the finished streams forgotten")
     assert len(connection.http2.streams) == 100
     assert not connection.blocked
     for call in held:
         call.cancel()
+
+
+class Written:
+    """A transport that keeps what the server writes."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_goaway_from_the_client_lets_its_open_streams_finish() -> None:
+    # Envoy drains a connection with GOAWAY and waits for its streams: a held request on
+    # it must still be answered (h2 the library made the server cancel them all).
+    calls = Calls()
+    server = GrpcServer(max_message_bytes=1 << 20)
+    release = asyncio.Event()
+
+    async def wait_then_echo(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        async for message in requests:
+            calls.started.set()
+            await release.wait()
+            yield message
+
+    server.add_registered_method_handlers(
+        SERVICE, {"Wait": grpc.stream_stream_rpc_method_handler(wait_then_echo)}
+    )
+    connection = _Connection(server)
+    transport = Written()
+    connection.connection_made(transport)  # type: ignore[arg-type]
+
+    headers = [
+        (b":method", b"POST"),
+        (b":path", f"/{SERVICE}/Wait".encode()),
+        (b"content-type", b"application/grpc"),
+    ]
+    block = hpack.Encoder().encode(headers)
+    connection.data_received(
+        http2.PREFACE
+        + frame(http2.SETTINGS, 0, 0, b"")
+        + frame(http2.HEADERS, http2.END_HEADERS, 1, block)
+        + frame(http2.DATA, http2.END_STREAM, 1, b"\x00\x00\x00\x00\x02hi")
+    )
+    await asyncio.wait_for(calls.started.wait(), WAIT_S)
+    connection.data_received(frame(http2.GOAWAY, 0, 0, bytes(8)))
+    connection.data_received(frame(http2.HEADERS, http2.END_HEADERS, 3, block))  # too late
+    release.set()
+    await until(lambda: not connection.streams, "the held stream answered and closed")
+    written = bytes(transport.data)
+    assert b"\x00\x00\x00\x00\x02hi" in written  # the held stream's answer went out
+    assert frame(http2.RST_STREAM, 0, 3, http2.REFUSED_STREAM.to_bytes(4, "big")) in written

@@ -128,6 +128,24 @@ def parse_body(policy: Policy, info: RequestInfo) -> dict[str, Any]:
     return body
 
 
+def with_member(raw: bytes, body: dict[str, Any], key: str, value: int) -> bytes:
+    """The body to forward: ``raw`` (the JSON object ``body`` was parsed from) with ``key``
+    set to ``value``.
+
+    When the client sent no such member it is spliced in before the closing brace: the
+    client's bytes go upstream as they came, and re-encoding the object, ~140 us for a
+    30 KB prompt (an 8k-token one) against ~3 us, is saved. A member the client did send
+    (a priority of its own) must be replaced, so then the object is re-encoded.
+    """
+    if key not in body:
+        stripped = raw.rstrip()  # JSON's trailing whitespace; parse_body refused the rest
+        if stripped.endswith(b"}"):
+            member = json.dumps(key).encode() + b":" + json.dumps(value).encode()
+            return stripped[:-1] + (b"," if body else b"") + member + b"}"
+    body[key] = value
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 def _non_finite(text: str, literal: str) -> Rejection:
     """The 400 for a ``NaN``/``Infinity``/overflowing number, naming where it is."""
     where: str | None = None

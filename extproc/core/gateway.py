@@ -12,14 +12,13 @@ nothing a client sends can break the stream for the next request.
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from extproc.core.admission import Admission, Grant
-from extproc.core.body import parse_body
+from extproc.core.body import parse_body, with_member
 from extproc.core.classify import RequestClass, authenticate, classify
 from extproc.core.counters import GatewayStats
 from extproc.core.decisions import Decision, Forward, Hold, Respond
@@ -283,7 +282,6 @@ class Gateway:
         request_id: str,
     ) -> Forward:
         """The request as a backend must see it: vLLM priority in body and header."""
-        body["priority"] = grant.priority
         set_headers = {
             PRIORITY_HEADER: str(grant.priority),
             TIER_HEADER: request.tier.name,
@@ -318,7 +316,7 @@ class Gateway:
             for header, value in admission.budgets.headers(request_id, now, share).items():
                 metadata[RATELIMIT_METADATA[header]] = value
         return Forward(
-            body=json.dumps(body, separators=(",", ":")).encode(),
+            body=with_member(info.body, body, "priority", grant.priority),
             endpoints=grant.endpoints,
             set_headers=set_headers,
             remove_headers=strip,

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from extproc.core.body import find, parse_body
+from extproc.core.body import find, parse_body, with_member
 from extproc.core.errors import Rejection
 from extproc.core.events import RequestInfo
 from extproc.policy import DEFAULT_POLICY_PATH, Policy, load_policy
@@ -109,3 +109,26 @@ def test_find_walks_in_document_order_without_recursion() -> None:
     for _ in range(10_000):  # ten times the recursion limit
         deep = [deep]
     assert find({"x": deep}, lambda value: value == 1) == "x" + "[0]" * 10_000
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "m", "messages": [{"role": "user", "content": "h\xc3\xa9llo"}]}\n',
+        b"{ }",
+        b'{"model":"m","stream":true}  \r\n',
+    ],
+    ids=["spaced-and-utf8", "empty", "trailing-whitespace"],
+)
+def test_a_member_is_spliced_into_the_clients_own_bytes(raw: bytes) -> None:
+    body = json.loads(raw)
+    forwarded = with_member(raw, dict(body), "priority", 12)
+    assert json.loads(forwarded) == {**body, "priority": 12}
+    assert forwarded.startswith(raw.rstrip()[:-1])  # the client's bytes, untouched
+
+
+def test_a_member_the_client_sent_is_replaced_not_repeated() -> None:
+    raw = b'{"model": "m", "priority": -100}'
+    forwarded = with_member(raw, json.loads(raw), "priority", 3)
+    assert forwarded.count(b"priority") == 1
+    assert json.loads(forwarded) == {"model": "m", "priority": 3}

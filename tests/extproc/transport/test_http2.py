@@ -7,6 +7,7 @@ against grpc's real client is ``test_h2grpc.py``; behind Envoy, every integratio
 
 from __future__ import annotations
 
+import random
 import struct
 
 import hpack
@@ -256,3 +257,57 @@ def test_a_repeated_header_block_decodes_the_same_until_the_table_changes(
         dict(other),
         dict(HEADERS),
     ]
+
+
+def random_frame(rng: random.Random, encoder: hpack.Encoder, opened: list[int]) -> bytes:
+    """Mostly a frame a client could send (new streams, data on them, window updates,
+    pings, resets), sometimes any type, flags, stream and bytes."""
+    if rng.random() < 0.15:
+        kind = rng.choice([*range(10), 0xFA])
+        stream_id = rng.choice([0, 2, rng.randrange(1 << 31), *opened[-2:]])
+        payload = rng.randbytes(rng.choice([0, 1, 4, 8, 40]))
+        return frame(kind, rng.randrange(256), stream_id, payload)
+    roll = rng.random()
+    if roll < 0.3 or not opened:
+        opened.append(opened[-1] + 2 if opened else 1)
+        flags = http2.END_HEADERS | (http2.END_STREAM if rng.random() < 0.2 else 0)
+        return frame(http2.HEADERS, flags, opened[-1], encoder.encode(HEADERS))
+    stream_id = rng.choice(opened)
+    if roll < 0.7:
+        padded = rng.random() < 0.2
+        body = rng.randbytes(rng.randrange(0, 300))
+        payload = bytes([3]) + body + b"pad" if padded else body
+        flags = (http2.PADDED if padded else 0) | (http2.END_STREAM if rng.random() < 0.3 else 0)
+        return frame(http2.DATA, flags, stream_id, payload)
+    if roll < 0.8:
+        step = rng.randrange(1, 1 << 16).to_bytes(4, "big")
+        return frame(http2.WINDOW_UPDATE, 0, rng.choice([0, stream_id]), step)
+    if roll < 0.9:
+        return frame(http2.PING, 0, 0, rng.randbytes(8))
+    if roll < 0.95:
+        return frame(http2.SETTINGS, 0, 0, settings(initial_window=rng.randrange(1 << 20)))
+    return frame(http2.RST_STREAM, 0, stream_id, http2.CANCEL.to_bytes(4, "big"))
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_any_frame_sequence_ends_in_frames_or_a_connection_error(seed: int) -> None:
+    """Whatever a peer sends, the framing answers with frames or ``Http2Error`` (GOAWAY
+    queued): never another exception, which would escape the server's ``data_received``."""
+    rng = random.Random(seed)
+    heard = Heard()
+    connection = ServerConnection(heard)
+    connection.initiate()
+    encoder = hpack.Encoder()
+    opened: list[int] = []
+    data = http2.PREFACE + b"".join(random_frame(rng, encoder, opened) for _ in range(60))
+    try:
+        while data:
+            cut = rng.randrange(1, 64)
+            connection.receive(data[:cut])
+            data = data[cut:]
+            for stream_id in list(connection.streams):  # the owner answers as it goes
+                connection.send_data(stream_id, b"answer")
+    except Http2Error:
+        assert connection.closed
+        assert frames(connection.take())[-1][0] == http2.GOAWAY
+    assert all(stream_id % 2 == 1 for stream_id in connection.streams)

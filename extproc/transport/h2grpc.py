@@ -50,8 +50,6 @@ RESPONSE_HEADER_BLOCK = http2.encode_headers(
 OK_TRAILERS = http2.encode_headers([(b"grpc-status", b"0")])
 TRAILERS_ONLY_OK = RESPONSE_HEADER_BLOCK + OK_TRAILERS
 
-MAX_HEADER_LIST_BYTES = 64 << 10
-
 
 class GrpcServer:
     """Serves registered streaming methods on one listening socket.
@@ -156,7 +154,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, server: GrpcServer) -> None:
         self.server = server
-        self.http2 = http2.ServerConnection(self, MAX_HEADER_LIST_BYTES)
+        self.http2 = http2.ServerConnection(self)
         self.streams: dict[int, _Stream] = {}
         self.blocked: set[_Stream] = set()
         """Streams with data that flow control holds back: a WINDOW_UPDATE for the whole

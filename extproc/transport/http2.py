@@ -49,6 +49,8 @@ TOP_UP_AFTER = 1 << 30
 """Received bytes after which a receive window is given back: half of what is offered, so
 a sender never stalls, and a WINDOW_UPDATE per GiB rather than per frame."""
 
+MAX_HEADER_LIST_SIZE_BYTES = 64 << 10
+"""The largest header list accepted (advertised in SETTINGS): gRPC metadata is small."""
 DECODED_BLOCKS = 64
 """Distinct header blocks remembered at most (a client sends a handful)."""
 
@@ -128,7 +130,9 @@ class _Stream:
 class ServerConnection:
     """Frames in (``receive``), callbacks out; frames out queued until ``take``."""
 
-    def __init__(self, listener: Listener, max_header_list_size: int = 64 << 10) -> None:
+    def __init__(
+        self, listener: Listener, max_header_list_size: int = MAX_HEADER_LIST_SIZE_BYTES
+    ) -> None:
         self.listener = listener
         self.streams: dict[int, _Stream] = {}
         self.last_stream_id = 0

@@ -26,7 +26,6 @@ import grpc
 from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.endpoint.v3 import eds_pb2_grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.runtime.v3 import rtds_pb2_grpc
 
 from extproc.core.admission import Admission
@@ -69,6 +68,7 @@ from extproc.transport.servicer import (
     EndpointDiscovery,
     ExternalProcessor,
     RuntimeDiscovery,
+    add_external_processor,
 )
 from extproc.transport.tokenizing import OffLoopTokenizer
 
@@ -175,7 +175,7 @@ class Service:
                 config.dns_max_interval_s,
             )
         self.server = grpc_server(config.grpc_server)
-        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
+        add_external_processor(
             ExternalProcessor(self.held, self.ages, self.credentials, self.tokenizing),
             self.server,
         )

@@ -23,7 +23,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import replace
 from time import perf_counter, time
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
@@ -43,6 +43,26 @@ from extproc.transport.tokenizing import OffLoopTokenizer
 from extproc.wire import TIER_KEY
 
 log = logging.getLogger("fairlane.service")
+
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+def add_external_processor(servicer: ExternalProcessor, server: Any) -> None:
+    """``add_ExternalProcessorServicer_to_server``, with ``codec.encoded`` as the answers'
+    serializer: ``codec.forward`` hands over its answer encoded already. ``server`` is
+    either gRPC server (grpc.aio's or ``transport.h2grpc``'s)."""
+    handlers = {
+        "Process": grpc.stream_stream_rpc_method_handler(
+            servicer.Process,
+            request_deserializer=codec.ProcessingRequest.FromString,
+            response_serializer=codec.encoded,
+        )
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, handlers),)
+    )
+    server.add_registered_method_handlers(EXT_PROC_SERVICE, handlers)
 
 
 class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
@@ -65,7 +85,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
         self,
         request_iterator: AsyncIterator[codec.ProcessingRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncGenerator[codec.ProcessingResponse, None]:
+    ) -> AsyncGenerator[codec.ProcessingResponse | bytes, None]:
         headers: codec.HeadersPart | None = None
         busy_s = 0.0  # this request's own work here, without the time it is held
         messages = aiter(request_iterator)

@@ -74,7 +74,7 @@ def test_forward_on_body_sets_body_content_length_endpoints_and_metadata() -> No
         remove_headers=("x-priority",),
         metadata={"tier": "api", "queue_ms": "12"},
     )
-    response = codec.forward(decision, "request_body")
+    response = pb.ProcessingResponse.FromString(codec.forward(decision, "request_body"))
     common = response.request_body.response
     headers = set_headers(common.header_mutation)
     assert common.body_mutation.body == b'{"priority":3}'
@@ -91,7 +91,8 @@ def test_forward_on_body_sets_body_content_length_endpoints_and_metadata() -> No
 
 
 def test_forward_on_headers_leaves_the_body_alone() -> None:
-    response = codec.forward(Forward(body=b"", endpoints=("10.0.0.1:8000",)), "request_headers")
+    encoded = codec.forward(Forward(body=b"", endpoints=("10.0.0.1:8000",)), "request_headers")
+    response = pb.ProcessingResponse.FromString(encoded)
     common = response.request_headers.response
     assert not common.HasField("body_mutation")
     assert "content-length" not in set_headers(common.header_mutation)
@@ -208,3 +209,43 @@ def test_runtime_response_packs_the_whole_layer() -> None:
     assert decoded == response
     empty = codec.runtime_response(RUNTIME_LAYER, 0, {})
     assert empty.version_info == "0" and len(empty.resources) == 1
+
+
+def built_with_upb(decision: Forward, phase: str) -> pb.ProcessingResponse:
+    """What ``forward`` encodes by hand, built through the generated messages."""
+    common = pb.CommonResponse()
+    set_headers = dict(decision.set_headers)
+    set_headers[codec.ENDPOINT_HEADER] = ",".join(decision.endpoints)
+    if phase == "request_body":
+        set_headers["content-length"] = str(len(decision.body))
+        common.body_mutation.body = decision.body
+    for key, value in set_headers.items():
+        option = common.header_mutation.set_headers.add()
+        option.header.key, option.header.raw_value = key, value.encode()
+    common.header_mutation.remove_headers.extend(decision.remove_headers)
+    metadata = struct_pb2.Struct()
+    lb = metadata.fields["envoy.lb"].struct_value.fields
+    lb[codec.ENDPOINT_HEADER].string_value = ",".join(decision.endpoints)
+    for key, value in decision.metadata.items():
+        metadata.fields["fairlane"].struct_value.fields[key].string_value = value
+    if phase == "request_body":
+        return pb.ProcessingResponse(
+            request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
+        )
+    return pb.ProcessingResponse(
+        request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata
+    )
+
+
+@pytest.mark.parametrize("phase", ["request_body", "request_headers"])
+def test_the_hand_encoded_forward_is_the_generated_message(phase: str) -> None:
+    decision = Forward(
+        body=("é" * 300).encode(),  # lengths past one varint byte
+        endpoints=("10.0.0.1:8000", "10.0.0.2:8000"),
+        set_headers={"x-vllm-priority": "3", "x-long": "v" * 200},
+        remove_headers=("authorization", "x-fairlane-client-authorization"),
+        metadata={"tier": "api", "queue_ms": "12", "long": "9" * 200},
+    )
+    decoded = pb.ProcessingResponse.FromString(codec.forward(decision, phase))
+    assert decoded == built_with_upb(decision, phase)
+    assert codec.encoded(decoded) == decoded.SerializeToString()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -58,6 +58,26 @@ class Stream:
             self.closed = True
 
 
+class Answers:
+    """The servicer's answers as Envoy reads them: ``codec.forward`` yields its answer
+    encoded already, the others are messages."""
+
+    def __init__(self, process: AsyncGenerator[pb.ProcessingResponse | bytes, None]) -> None:
+        self._process = process
+
+    def __aiter__(self) -> Answers:
+        return self
+
+    async def __anext__(self) -> pb.ProcessingResponse:
+        answer = await anext(self._process)
+        if isinstance(answer, bytes):
+            return pb.ProcessingResponse.FromString(answer)
+        return answer
+
+    async def aclose(self) -> None:
+        await self._process.aclose()
+
+
 def saturated() -> HeldRequests:
     """Both backends of the default policy full (one seat each): the next request waits."""
     held = HeldRequests(make_gateway(limit=1))
@@ -70,7 +90,7 @@ async def test_a_stream_closed_while_its_hold_is_sent_leaves_the_queue() -> None
     held = saturated()
     admission = held.gateway.admission
     stream = Stream(messages("waiting"))
-    process = ExternalProcessor(held).Process(stream.generate(), None)  # type: ignore[arg-type]
+    process = Answers(ExternalProcessor(held).Process(stream.generate(), None))  # type: ignore[arg-type]
     assert (await anext(process)).HasField("request_headers")  # the headers: continue
     hold = await anext(process)
     assert hold.HasField("override_message_timeout")
@@ -85,7 +105,7 @@ async def test_a_stream_closed_while_its_hold_is_sent_leaves_the_queue() -> None
 async def test_an_answered_stream_closes_grpcs_request_iterator() -> None:
     held = HeldRequests(make_gateway())
     stream = Stream([*messages("one"), *messages("never read")])
-    process = ExternalProcessor(held).Process(stream.generate(), None)  # type: ignore[arg-type]
+    process = Answers(ExternalProcessor(held).Process(stream.generate(), None))  # type: ignore[arg-type]
     answers = [answer async for answer in process]
     assert [a.WhichOneof("response") for a in answers] == ["request_headers", "request_body"]
     # closed by the servicer itself, not left for asyncio's finaliser (a task per request)
@@ -97,14 +117,14 @@ async def test_overloaded_a_least_urgent_key_is_refused_before_its_body_is_read(
     held.gateway.overload.period(1.0)  # far behind
     assert held.overloaded
     batch = Stream(messages("batch", key="sk-batch-demo"))
-    process = ExternalProcessor(held).Process(batch.generate(), None)  # type: ignore[arg-type]
+    process = Answers(ExternalProcessor(held).Process(batch.generate(), None))  # type: ignore[arg-type]
     answers = [answer async for answer in process]
     assert [a.WhichOneof("response") for a in answers] == ["immediate_response"]
     assert answers[0].immediate_response.status.code == 429
     assert batch.read == 1 and batch.closed  # the body message was never read
     # chat's key is not limited to the least urgent tier: decided on its body, and admitted
     chat = Stream(messages("chat"))
-    process = ExternalProcessor(held).Process(chat.generate(), None)  # type: ignore[arg-type]
+    process = Answers(ExternalProcessor(held).Process(chat.generate(), None))  # type: ignore[arg-type]
     answers = [answer async for answer in process]
     assert [a.WhichOneof("response") for a in answers] == ["request_headers", "request_body"]
 
@@ -138,7 +158,7 @@ async def _running_batch(
     stream's next answer, which comes only when it ends or is preempted (and then checks
     that the servicer ends cleanly, as grpc would drive it)."""
     stream = OpenStream(messages(request_id, key="sk-batch-demo"))
-    process = ExternalProcessor(held).Process(stream.generate(), None)  # type: ignore[arg-type]
+    process = Answers(ExternalProcessor(held).Process(stream.generate(), None))  # type: ignore[arg-type]
 
     async def last_answer() -> pb.ProcessingResponse:
         answer = await anext(process)

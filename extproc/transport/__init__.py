@@ -4,5 +4,6 @@
 streams into core events and back, ``held`` owns the futures of requests Envoy holds while
 they wait in a queue, ``overload`` measures how far behind the service is and ``runtime``
 holds the layer Envoy reads over RTDS (the share it turns away), ``server`` wires the
-process together, and ``prometheus`` exposes the core's counters.
+process together, and ``prometheus`` exposes the core's counters. ``h2grpc`` is the gRPC
+server the servicers run on, in the event loop's thread, and ``http2`` its HTTP/2 framing.
 """

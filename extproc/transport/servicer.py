@@ -23,7 +23,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import replace
 from time import perf_counter, time
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
@@ -36,6 +36,7 @@ from extproc.core.decisions import Forward, Hold
 from extproc.transport import codec
 from extproc.transport.credentials import BackendCredentials
 from extproc.transport.endpoints import EndpointSet
+from extproc.transport.h2grpc import GrpcServer
 from extproc.transport.held import HeldRequests
 from extproc.transport.overload import Ages
 from extproc.transport.runtime import RuntimeLayer
@@ -48,7 +49,9 @@ log = logging.getLogger("fairlane.service")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 
-def add_external_processor(servicer: ExternalProcessor, server: Any) -> None:
+def add_external_processor(
+    servicer: ExternalProcessor, server: grpc.aio.Server | GrpcServer
+) -> None:
     """``add_ExternalProcessorServicer_to_server``, with ``codec.encoded`` as the answers'
     serializer: ``codec.forward`` hands over its answer encoded already. ``server`` is
     either gRPC server (grpc.aio's or ``transport.h2grpc``'s)."""

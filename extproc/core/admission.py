@@ -524,9 +524,7 @@ class Admission:
         user = (request.tenant.name, request.user)
         base = where.tier.priority if where.tier is not None else request.tier.priority
         priority = vllm_priority(base, self._pending[user])
-        prompt = PromptBlocks(
-            request.prompt_text, request.model or "", request.body, self.engine, request.prompt_ids
-        )
+        prompt = PromptBlocks(request.prompt_text, request.model or "", request.body, self.engine)
         fleet = self.pool.backends
         pick = choose(
             where.backends,
@@ -543,15 +541,15 @@ class Admission:
             self._preempt_for(backend, where.rank)
         blocks = prompt.blocks(backend.block_size)
         keys = prompt.keys(backend.block_size) if backend.kv_index is not None else None
-        held = backend.precise_prefix(keys) if keys else None
+        held = backend.precise_prefix(keys) if keys is not None else None
         if held is None:
             held = backend.prefix_cache.match(blocks)
             self.prefix_index[(backend.address, "approximate")] += 1
         else:
             self.prefix_index[(backend.address, "precise")] += 1
         shared_tokens = held * backend.block_size
-        if keys:
-            backend.expect_blocks(keys)
+        if keys is not None and keys.known:
+            backend.expect_blocks(keys.known)  # as far as matching read them: see BlockKeys
         backend.prefix_cache.record(blocks)  # kept warm: the fallback when events stop
         self.picks[(backend.address, pick.reason)] += 1
         kv_tokens = max(0, entry.input_tokens - shared_tokens) + self._expected_output(entry)

@@ -25,9 +25,9 @@ from __future__ import annotations
 import hashlib
 import pickle
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Protocol, get_args
 
 from extproc.fleet.kv_events import event_key
 
@@ -95,27 +95,46 @@ class BlockHasher:
         """The digests of the first ``limit`` full blocks of ``token_ids``, chained."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        hash_ = self._hash
-        memo = self._memo
         digests: list[bytes] = []
         parent = self.none_hash
-        extra: tuple[tuple[str, str], ...] | None = (
-            (("cache_salt", cache_salt),) if cache_salt else None
-        )
+        extra = self.first_extra(cache_salt)
         end = min(len(token_ids) - block_size + 1, limit * block_size)
         for start in range(0, max(end, 0), block_size):
-            block = (parent, tuple(token_ids[start : start + block_size]), extra)
-            seen = hash(block)
-            digest = memo.get(seen)
-            if digest is None:
-                digest = memo[seen] = hash_(block)
-            parent = digest
-            digests.append(digest)
+            parent = self.digest(parent, tuple(token_ids[start : start + block_size]), extra)
+            digests.append(parent)
             extra = None
+        self.trim()
+        return digests
+
+    @staticmethod
+    def first_extra(cache_salt: str | None) -> tuple[tuple[str, str], ...] | None:
+        """The extra keys of a request's first block (the salt, if any); later blocks have none."""
+        return (("cache_salt", cache_salt),) if cache_salt else None
+
+    def digest(
+        self, parent: bytes, block: tuple[int, ...], extra: tuple[tuple[str, str], ...] | None
+    ) -> bytes:
+        """One block's digest chained on ``parent``'s (remembered: see the class)."""
+        item = (parent, block, extra)
+        seen = hash(item)
+        memo = self._memo
+        found = memo.get(seen)
+        if found is None:
+            found = memo[seen] = self._hash(item)
+        return found
+
+    def trim(self) -> None:
+        """Forget the oldest remembered digests once more than ``MEMO_BLOCKS`` are kept."""
+        memo = self._memo
         if len(memo) > MEMO_BLOCKS:
             for old in list(islice(memo, len(memo) - MEMO_BLOCKS * 9 // 10)):
                 del memo[old]
-        return digests
+
+    def lazy_keys(
+        self, tokens: TokenSource, block_size: int, cache_salt: str | None = None
+    ) -> BlockKeys:
+        """The keys of a prompt read piece by piece, hashed as far as they are read."""
+        return BlockKeys(self, tokens, block_size, cache_salt)
 
     def keys(
         self,
@@ -126,6 +145,94 @@ class BlockHasher:
     ) -> list[int]:
         """``chain`` as the ints the engine's KV events carry (``event_key``)."""
         return [event_key(d) for d in self.chain(token_ids, block_size, cache_salt, limit)]
+
+
+class TokenSource(Protocol):
+    """A prompt's token ids, read piece by piece (``extproc.core.prefix.PromptTokens``)."""
+
+    ids: list[int]
+    """The ids read so far."""
+
+    def more(self) -> bool:
+        """Read the next piece into ``ids``; False once the whole prompt is read."""
+        ...
+
+    def estimated_total(self) -> int:
+        """The prompt's length in tokens: exact once read, else extrapolated from the
+        characters read so far."""
+        ...
+
+
+class BlockKeys:
+    """One prompt's block keys (``event_key`` ints) in an engine's chain, computed only as
+    far as they are read.
+
+    Matching a prompt against an engine's index stops at the first block the engine lacks
+    (a block is reusable only with every block before it), so the picker never needs the
+    keys past the longest prefix any engine holds, plus one. Iterating yields key after key
+    and tokenizes and hashes more of the prompt only when the reader asks past what is
+    known: a prompt no engine holds costs its first piece, not its whole length
+    (``loadtests/bench/tokenize_cost.py``).
+    """
+
+    __slots__ = ("_extra", "_hasher", "_limit", "_parent", "_tokens", "block_size", "known")
+
+    def __init__(
+        self,
+        hasher: BlockHasher,
+        tokens: TokenSource,
+        block_size: int,
+        cache_salt: str | None = None,
+        limit: int = MAX_HASHED_BLOCKS,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self._hasher = hasher
+        self._tokens = tokens
+        self.block_size = block_size
+        self._limit = limit
+        self._parent = hasher.none_hash
+        self._extra = hasher.first_extra(cache_salt)
+        self.known: list[int] = []
+        """The keys computed so far, in order."""
+
+    def __iter__(self) -> Iterator[int]:
+        known = self.known
+        index = 0
+        while index < len(known) or self._extend():
+            yield known[index]
+            index += 1
+
+    def total(self) -> int:
+        """How many full blocks the whole prompt spans (estimated until it is all read)."""
+        blocks = min(self._tokens.estimated_total() // self.block_size, self._limit)
+        return max(blocks, len(self.known))
+
+    def all(self) -> list[int]:
+        """Every key of the prompt (up to the limit): what a whole-prompt reader needs."""
+        for _ in self:
+            pass
+        return self.known
+
+    def _extend(self) -> bool:
+        """Hash one more block, reading more of the prompt if it is not yet there."""
+        known, size = self.known, self.block_size
+        if len(known) >= self._limit:
+            return False
+        start = len(known) * size
+        ids = self._tokens.ids
+        while len(ids) < start + size:
+            if not self._tokens.more():
+                return False
+            ids = self._tokens.ids
+        self._parent = self._hasher.digest(
+            self._parent, tuple(ids[start : start + size]), self._extra
+        )
+        self._extra = None
+        known.append(event_key(self._parent))
+        if len(known) % 64 == 0:
+            self._hasher.trim()
+        return True
 
 
 # Canonical CBOR (RFC 8949 4.2.1) for the few types a block hash holds: what

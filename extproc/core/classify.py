@@ -17,7 +17,7 @@ can trigger) lifts a request above that.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,9 +54,6 @@ class RequestClass:
     body: Mapping[str, Any] | None
     """The request body as parsed, for the engine's own tokenizer when the picker matches
     prompts against the blocks engines report (``extproc.core.prefix.PromptBlocks.keys``)."""
-    prompt_ids: Sequence[int] | None
-    """The engine's token ids of the prompt when they were computed before (off the event
-    loop, ``RequestInfo.prompt_ids``); None: ``body`` is tokenized if needed."""
     max_tokens: int | None
     path: str
     """The path to send upstream (a rule may have rewritten it)."""
@@ -124,7 +121,6 @@ def classify(policy: Policy, info: RequestInfo, body: Mapping[str, Any]) -> Requ
         prompt_tokens=tokens,
         prompt_text=text,
         body=body,
-        prompt_ids=info.prompt_ids,
         max_tokens=max_tokens,
         path=path_rule.rewrite(info.path) if path_rule is not None else info.path,
         asked_tier=asked.name if asked is not None else None,

@@ -6,7 +6,7 @@ sees only these frozen objects, so every decision can be unit-tested without soc
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -22,10 +22,6 @@ class RequestInfo:
     request_id: str = ""
     invalid_headers: tuple[str, ...] = ()
     """Names of headers whose value was not valid UTF-8 (they are not in ``headers``)."""
-    prompt_ids: Sequence[int] | None = None
-    """The prompt's token ids as the engines compute them, when the transport tokenized a
-    long prompt off the event loop (``extproc.transport.tokenizing``); None: the picker
-    tokenizes it itself if it needs to."""
 
     def header(self, name: str, default: str | None = None) -> str | None:
         return self.headers.get(name, default)

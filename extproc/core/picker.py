@@ -125,9 +125,9 @@ def _share(backend: Backend, prompt: PromptBlocks | None) -> float:
     if prompt is None:
         return 0.0
     keys = prompt.keys(backend.block_size) if backend.kv_events_live else None
-    if keys is not None:  # the engine's own truth; [] when the prompt fills no block
-        held = backend.precise_prefix(keys) if keys else 0
-        return held / len(keys) if held else 0.0
+    if keys is not None:  # the engine's own truth, read only as far as it holds the prompt
+        held = backend.precise_prefix(keys)
+        return held / keys.total() if held else 0.0
     blocks = prompt.blocks(backend.block_size)
     if not blocks:
         return 0.0

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from extproc.fleet.pieces import TokenPieces
 
 if TYPE_CHECKING:  # the service loads it only when precise routing is configured
-    from extproc.core.blockhash import BlockHasher
+    from extproc.core.blockhash import BlockHasher, BlockKeys
 
 CHARS_PER_TOKEN = 4
 """About four characters of English per token (the shared tokenizer's rate, and llm-d's)."""
@@ -66,7 +68,49 @@ class PromptTokenizer(Protocol):
     """The engines' tokenizer: ``extproc.fleet.tokenizer.EngineTokenizer`` (a model's own
     files) or ``extproc.core.prompt.BuiltinTokenizer`` (fairlane's simulated engines)."""
 
-    def body_ids(self, body: Mapping[str, Any]) -> list[int] | None: ...
+    def body_ids(self, body: Mapping[str, Any]) -> list[int] | None:
+        """The prompt's ids; None when the body has no single text prompt."""
+        ...
+
+    def body_pieces(self, body: Mapping[str, Any]) -> TokenPieces | None:
+        """The same ids piece by piece, each tokenized when it is read."""
+        ...
+
+
+class PromptTokens:
+    """A prompt's token ids, read from its ``TokenPieces`` only as far as someone asks
+    (``extproc.core.blockhash.BlockKeys``): shared by every block size of one request."""
+
+    __slots__ = ("_chars", "_pieces", "_read", "done", "ids")
+
+    def __init__(self, pieces: TokenPieces) -> None:
+        self.ids: list[int] = []
+        self._pieces = pieces.pieces
+        self._chars = pieces.chars
+        self._read = 0
+        self.done = False
+
+    def more(self) -> bool:
+        if self.done:
+            return False
+        try:
+            piece = next(self._pieces, None)
+        except Exception:  # the tokenizer failed on odd text: match what was read
+            piece = None
+        if piece is None:
+            self.done = True
+            return False
+        ids, chars = piece
+        self.ids.extend(ids)
+        self._read += chars
+        return True
+
+    def estimated_total(self) -> int:
+        if self.done:
+            return len(self.ids)
+        if not self._read:
+            return len(self.ids) + self._chars // CHARS_PER_TOKEN
+        return round(len(self.ids) * self._chars / self._read)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,14 +127,14 @@ class PromptBlocks:
 
     Two kinds: ``blocks`` chains character chunks (the approximate index, no tokenizer);
     ``keys`` chains the engine's own token ids with its hash (the precise index, when
-    ``engine`` is configured and the body has one text prompt). Tokenizing is the dear part,
-    done at most once per request, and only when a backend with a live event index is
-    scored. Backends may run different block sizes (vLLM's CPU platform forces 128); each
-    size is hashed once per request however many backends are scored. ``salt`` (the model
-    name) keeps equal prompts for different models apart, as vLLM's cache is per model.
+    ``engine`` is configured and the body has one text prompt). Tokenizing is the dear part:
+    done only when a backend with an event index is scored, and only as far as matching
+    reads (``BlockKeys``), the ids shared by every block size. Backends may run different
+    block sizes (vLLM's CPU platform forces 128). ``salt`` (the model name) keeps equal
+    prompts for different models apart, as vLLM's cache is per model.
     """
 
-    __slots__ = ("_body", "_by_size", "_engine", "_ids", "_keys_by_size", "salt", "text")
+    __slots__ = ("_body", "_by_size", "_engine", "_keys_by_size", "_tokens", "salt", "text")
 
     def __init__(
         self,
@@ -98,29 +142,30 @@ class PromptBlocks:
         salt: str = "",
         body: Mapping[str, Any] | None = None,
         engine: EngineHashing | None = None,
-        ids: Sequence[int] | None = None,
     ) -> None:
         self.text = salt + "\x00" + text if salt and text else text
         self._by_size: dict[int, list[int]] = {}
         self._body = body
         self._engine = engine
-        self._ids: Sequence[int] | None = ids
-        self._keys_by_size: dict[int, list[int] | None] = {}
+        self._tokens: PromptTokens | Literal[False] | None = None
+        """Read lazily; False once the body turned out to have no tokens to read."""
+        self._keys_by_size: dict[int, BlockKeys | None] = {}
 
-    def keys(self, block_size: int) -> list[int] | None:
-        """The engine's block keys of the prompt's full blocks (``event_key`` ints), or None
-        when they cannot be known (no tokenizer configured, no single text prompt)."""
+    def keys(self, block_size: int) -> BlockKeys | None:
+        """The engine's block keys of the prompt's full blocks, computed as they are read;
+        None when they cannot be known (no tokenizer configured, no single text prompt)."""
         if block_size in self._keys_by_size:
             return self._keys_by_size[block_size]
         engine, body = self._engine, self._body
-        keys: list[int] | None = None
+        keys: BlockKeys | None = None
         if engine is not None and body is not None:
-            if self._ids is None:
-                self._ids = _engine_ids(engine.tokenizer, body)
-            if self._ids:
+            if self._tokens is None:
+                pieces = _engine_pieces(engine.tokenizer, body)
+                self._tokens = PromptTokens(pieces) if pieces is not None else False
+            if self._tokens:
                 salt = body.get("cache_salt")
-                keys = engine.hasher.keys(
-                    self._ids, block_size, salt if isinstance(salt, str) else None
+                keys = engine.hasher.lazy_keys(
+                    self._tokens, block_size, salt if isinstance(salt, str) else None
                 )
         self._keys_by_size[block_size] = keys
         return keys
@@ -134,10 +179,10 @@ class PromptBlocks:
         return found
 
 
-def _engine_ids(tokenizer: PromptTokenizer, body: Mapping[str, Any]) -> list[int]:
-    """The prompt's token ids, or none when the body has no single text prompt, or the
+def _engine_pieces(tokenizer: PromptTokenizer, body: Mapping[str, Any]) -> TokenPieces | None:
+    """The prompt's pieces, or none when the body has no single text prompt, or the
     template fails on it (the engine will answer that request with its own error)."""
     try:
-        return tokenizer.body_ids(body) or []
+        return tokenizer.body_pieces(body)
     except Exception:  # a template's raise_exception, or odd content: no precise keys
-        return []
+        return None

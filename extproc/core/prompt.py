@@ -15,6 +15,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from extproc.fleet.pieces import TokenPieces, text_pieces
+
 VOCAB_SIZE = 32_000
 
 # A piece is: an optional leading space plus up to 5 letters, or up to 3 digits, or one
@@ -120,10 +122,24 @@ class BuiltinTokenizer:
 
     def body_ids(self, body: Mapping[str, Any]) -> list[int] | None:
         """The token ids the simulator computes for a chat or completion body."""
-        messages = body.get("messages")
-        if isinstance(messages, list):
-            return tokenize(render_chat(messages))
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        return tokenize(prompt) if isinstance(prompt, str) else None
+        text = _body_text(body)
+        return tokenize(text) if text is not None else None
+
+    def body_pieces(self, body: Mapping[str, Any]) -> TokenPieces | None:
+        """``body_ids`` piece by piece (``extproc.core.prefix.text_pieces``: this tokenizer's
+        pieces never cross a space between two words, so the ids are the same)."""
+        text = _body_text(body)
+        if text is None:
+            return None
+        pieces = ((tokenize(text[a:b]), b - a) for a, b in text_pieces(text))
+        return TokenPieces(pieces, len(text))
+
+
+def _body_text(body: Mapping[str, Any]) -> str | None:
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return render_chat(messages)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None

@@ -26,7 +26,7 @@ import json
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 from urllib.parse import urlsplit
@@ -724,9 +724,10 @@ class Backend:
         where its whole cache was known."""
         return self.kv_index is not None and self.kv_index.live
 
-    def precise_prefix(self, keys: Sequence[int]) -> int | None:
-        """How many leading blocks of ``keys`` (the engine's block keys of a prompt) the
-        engine holds or was just sent; None while its KV events cannot tell."""
+    def precise_prefix(self, keys: Iterable[int]) -> int | None:
+        """How many leading blocks of ``keys`` (the engine's block keys of a prompt, read
+        only up to the first one it lacks) the engine holds or was just sent; None while its
+        KV events cannot tell."""
         if self.kv_index is None or not self.kv_index.live:
             return None
         return self.kv_index.match(keys, self._clock())

@@ -21,7 +21,7 @@ speculative entries), so the burst follows the first one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,8 +187,9 @@ class KVBlockIndex:
         if len(expected) > 4 * len(keys) + 4096:
             self._expected = {k: t for k, t in expected.items() if t > now}
 
-    def match(self, keys: Sequence[int], now: float) -> int:
-        """How many leading blocks of ``keys`` the engine holds or was just sent."""
+    def match(self, keys: Iterable[int], now: float) -> int:
+        """How many leading blocks of ``keys`` the engine holds or was just sent (``keys``
+        is read no further than the first block it lacks)."""
         held = self.held
         expected = self._expected
         count = 0

@@ -27,11 +27,13 @@ import re
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
+
+from extproc.fleet.pieces import TokenPieces, text_pieces
 
 log = logging.getLogger("fairlane.tokenizer")
 
@@ -72,13 +74,18 @@ class EngineTokenizer:
         cacheable = all(
             not (token.lstrip or token.rstrip or token.single_word) for token in added.values()
         )
+        self._whole = not (cacheable and _cuts_cleanly(tokenizer, next(iter(self._added_ids), "")))
+        """Only the whole text gives the engine's ids: added tokens eat the whitespace around
+        them, or text cut where ``text_pieces`` cuts it tokenizes differently (a normalizer
+        that prepends to every input does that, as older SentencePiece conversions have)."""
         self._splitter = (
             re.compile(
                 "|".join(re.escape(t) for t in sorted(self._added_ids, key=len, reverse=True))
             )
-            if cacheable and self._added_ids
+            if self._added_ids
             else None
         )
+        self._special_prefix = _special_prefix(tokenizer)
         self._segments: OrderedDict[str, array[int]] = OrderedDict()
         self._lock = threading.Lock()
         self._cached_tokens = 0
@@ -126,20 +133,28 @@ class EngineTokenizer:
         """The prompt's token ids for a chat (``messages``) or completion (``prompt``) body;
         None when the body has no single text prompt (token ids, several prompts, a chat
         without a template)."""
+        pieces = self.body_pieces(body)
+        return None if pieces is None else [i for ids, _ in pieces.pieces for i in ids]
+
+    def body_pieces(self, body: Mapping[str, Any]) -> TokenPieces | None:
+        """``body_ids`` a piece at a time, each tokenized only when it is read; None as
+        there. The chat template is rendered at once (the pieces are of its text)."""
         messages = body.get("messages")
         if isinstance(messages, list):
             if self._template is None:
                 return None
             text = self.render_chat(messages, bool(body.get("add_generation_prompt", True)))
-            return self.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return self.encode(
-                prompt, add_special_tokens=bool(body.get("add_special_tokens", True))
-            )
-        return None
+            special = bool(body.get("add_special_tokens", False))
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                return None
+            text, special = prompt, bool(body.get("add_special_tokens", True))
+        if self.max_chars is not None:
+            text = text[: self.max_chars]
+        return TokenPieces(self._pieces(text, special), len(text))
 
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
@@ -159,18 +174,27 @@ class EngineTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if self.max_chars is not None:
             text = text[: self.max_chars]
-        if add_special_tokens or self._splitter is None:
-            return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
-        ids: list[int] = []
+        return [i for ids, _ in self._pieces(text, add_special_tokens) for i in ids]
+
+    def _pieces(self, text: str, add_special_tokens: bool) -> Iterator[tuple[Sequence[int], int]]:
+        """The ids of ``text`` in order, a piece at a time: the special tokens the
+        tokenizer puts in front, then each added token on its own and the text between them
+        in pieces (``text_pieces``), each looked up in or added to the cache; the whole
+        text at once where this tokenizer does not allow pieces (see ``__init__``)."""
+        if self._whole or (add_special_tokens and self._special_prefix is None):
+            yield self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids, len(text)
+            return
+        if add_special_tokens and self._special_prefix:
+            yield self._special_prefix, 0
         start = 0
-        for match in self._splitter.finditer(text):
-            if match.start() > start:
-                ids.extend(self._segment(text[start : match.start()]))
-            ids.append(self._added_ids[match.group()])
-            start = match.end()
-        if start < len(text):
-            ids.extend(self._segment(text[start:]))
-        return ids
+        if self._splitter is not None:
+            for match in self._splitter.finditer(text):
+                for a, b in text_pieces(text, start, match.start()):
+                    yield self._segment(text[a:b]), b - a
+                yield (self._added_ids[match.group()],), match.end() - match.start()
+                start = match.end()
+        for a, b in text_pieces(text, start):
+            yield self._segment(text[a:b]), b - a
 
     def _segment(self, text: str) -> array[int]:
         # The service tokenizes from the event loop and from worker threads
@@ -194,6 +218,37 @@ class EngineTokenizer:
                     _, dropped = self._segments.popitem(last=False)
                     self._cached_tokens -= len(dropped)
         return ids
+
+
+_PROBE = (
+    "Hello world! It's 2024-06-01; the price is $1,234.56 (about 7 %).  Two  spaces,\ttabs, "
+    "new\nlines\n\n and  café, naïve, 你好 — done. Don't you'll we've; x=y+z*2 /path/to?a=b "
+    "CamelCase snake_case ALLCAPS 12345678 ...!? 'quoted' \"double\" <tag> {json: [1, 2]}"
+)
+
+
+def _cuts_cleanly(tokenizer: Tokenizer, added: str) -> bool:
+    """Whether text cut at an added token and everywhere ``text_pieces`` may cut it
+    tokenizes, piece by piece, to the ids of the whole: true of byte-level BPE and metaspace
+    pre-tokenizers, false of a normalizer that prepends to every input."""
+    text = f"{_PROBE}{added}{_PROBE}"
+    whole = tokenizer.encode(text, add_special_tokens=False).ids
+    cut: list[int] = []
+    for part in (_PROBE, added, _PROBE):
+        for a, b in text_pieces(part, size=1):
+            cut.extend(tokenizer.encode(part[a:b], add_special_tokens=False).ids)
+    if cut != whole:
+        log.info("this tokenizer changes ids where text is cut: prompts are tokenized whole")
+    return cut == whole
+
+
+def _special_prefix(tokenizer: Tokenizer) -> tuple[int, ...] | None:
+    """The ids the tokenizer's post-processor puts in front of every text (a BOS), when
+    that is all it adds; None when it adds more (an EOS after the text, say)."""
+    front = list(tokenizer.encode("", add_special_tokens=True).ids)
+    plain = list(tokenizer.encode(_PROBE, add_special_tokens=False).ids)
+    with_special = list(tokenizer.encode(_PROBE, add_special_tokens=True).ids)
+    return tuple(front) if with_special == front + plain else None
 
 
 def _token_text(value: Any) -> str:

@@ -70,7 +70,6 @@ from extproc.transport.servicer import (
     RuntimeDiscovery,
     add_external_processor,
 )
-from extproc.transport.tokenizing import OffLoopTokenizer
 
 log = logging.getLogger("fairlane.server")
 
@@ -143,11 +142,6 @@ class Service:
         self.pool = BackendPool(config.backends, regions=regions, dynamic=bool(config.dns_backends))
         self.admission = Admission(self.pool, self.policies.current)
         self.admission.engine = engine_hashing(config)
-        self.tokenizing: OffLoopTokenizer | None = None
-        if self.admission.engine is not None and isinstance(
-            self.admission.engine.tokenizer, EngineTokenizer
-        ):
-            self.tokenizing = OffLoopTokenizer(self.admission.engine.tokenizer)
         self.policies.on_change(self._policy_changed)
         self.overload = OverloadControl()
         self.runtime = RuntimeLayer()
@@ -176,7 +170,7 @@ class Service:
             )
         self.server = grpc_server(config.grpc_server)
         add_external_processor(
-            ExternalProcessor(self.held, self.ages, self.credentials, self.tokenizing),
+            ExternalProcessor(self.held, self.ages, self.credentials),
             self.server,
         )
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(self.held), self.server)
@@ -313,8 +307,6 @@ class Service:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.kv_feeds is not None:
             await self.kv_feeds.stop()
-        if self.tokenizing is not None:
-            self.tokenizing.close()
         if self._metrics is not None:
             await self._metrics.cleanup()
 

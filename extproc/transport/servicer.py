@@ -7,8 +7,7 @@ stream the client resets cancels the call's task.
 Deliberately thin. ``ExternalProcessor.Process`` runs once per HTTP request: it answers the
 headers message (or decides on it when there is no body), holds the request with
 ``override_message_timeout`` while it waits in a queue, and sends the final body response
-or immediate response; a long prompt is tokenized in a worker thread first when precise
-prefix routing needs its token ids (``transport.tokenizing``).
+or immediate response.
 ``AccessLog.StreamAccessLogs`` receives Envoy's access-log entries, which tell the gateway
 when each request finished. ``RuntimeDiscovery.StreamRuntime``
 serves the runtime layer (``transport.runtime``) to every Envoy subscribed to it, and
@@ -21,7 +20,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import replace
 from time import perf_counter, time
 from typing import Protocol
 
@@ -40,7 +38,6 @@ from extproc.transport.h2grpc import GrpcServer
 from extproc.transport.held import HeldRequests
 from extproc.transport.overload import Ages
 from extproc.transport.runtime import RuntimeLayer
-from extproc.transport.tokenizing import OffLoopTokenizer
 from extproc.wire import TIER_KEY
 
 log = logging.getLogger("fairlane.service")
@@ -74,15 +71,12 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
         held: HeldRequests,
         ages: Ages | None = None,
         credentials: BackendCredentials | None = None,
-        tokenizing: OffLoopTokenizer | None = None,
     ) -> None:
         self.held = held
         self._service_time = held.gateway.stats.service_time
         self._ages = ages or Ages()
         self._credentials = credentials
         """The engines' API keys, when they want any: the last word on a forward."""
-        self._tokenizing = tokenizing
-        """Long prompts' token ids computed in a thread (precise prefix routing)."""
 
     async def Process(
         self,
@@ -114,12 +108,6 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
                 elif phase == "request_body" and headers is not None:
                     body, _ = codec.body_of(message)
                     info = headers.request_info(body)
-                    tokenizing = self._tokenizing
-                    if tokenizing is not None and tokenizing.wants(body):
-                        busy_s += perf_counter() - started  # the loop serves others meanwhile
-                        ids = await tokenizing.ids(body)
-                        started = perf_counter()
-                        info = replace(info, prompt_ids=ids)
                 else:
                     log.warning(
                         "unexpected ext_proc message %r; check the filter's processing_mode", phase

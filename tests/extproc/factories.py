@@ -43,7 +43,6 @@ class Request:
     prompt_text: str = ""
     model: str | None = None
     body: Mapping[str, Any] | None = None
-    prompt_ids: Sequence[int] | None = None
 
 
 class FakeClock:

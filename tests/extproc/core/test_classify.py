@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
@@ -395,12 +394,9 @@ def test_prompt_text_is_the_rendered_prompt_the_picker_hashes(
     assert request_class.prompt_tokens == prompt_tokens(body)
 
 
-def test_the_body_and_ids_tokenized_off_the_loop_go_to_the_picker(policy: Policy) -> None:
+def test_the_parsed_body_goes_to_the_picker(policy: Policy) -> None:
     body = {"model": "m", "prompt": "hello"}
-    info = dataclasses.replace(request(body=body), prompt_ids=(1, 2, 3))
-    request_class = run(policy, info)
-    assert request_class.body == body and request_class.prompt_ids == (1, 2, 3)
-    assert run(policy, request(body=body)).prompt_ids is None
+    assert run(policy, request(body=body)).body == body
 
 
 # --------------------------------------------------------------------------- strict fields

@@ -7,6 +7,7 @@ indexes are filled here as their KV events would fill them (``KVBlockIndex.apply
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,10 @@ import pytest
 
 from extproc.core.admission import Admission
 from extproc.core.blockhash import BlockHasher
-from extproc.core.prefix import EngineHashing, PromptBlocks
+from extproc.core.prefix import EngineHashing, PromptBlocks, PromptTokenizer
 from extproc.fleet.backend import Backend, BackendPool, BackendSpec, KVEventPorts
 from extproc.fleet.kv_events import EXPECT_S, BlocksStored
+from extproc.fleet.pieces import TokenPieces
 from extproc.fleet.tokenizer import EngineTokenizer
 from tests.extproc.factories import API, FakeClock, Request, policy, scraped
 
@@ -116,7 +118,8 @@ def test_without_events_or_tokenizer_affinity_is_approximate(engine: EngineHashi
 
 def test_bodies_without_one_text_prompt_have_no_keys(engine: EngineHashing) -> None:
     assert PromptBlocks("", "", {"prompt": [1, 2, 3]}, engine).keys(16) is None
-    assert PromptBlocks("", "", {"prompt": "too short"}, engine).keys(16) == []
+    short = PromptBlocks("", "", {"prompt": "too short"}, engine).keys(16)
+    assert short is not None and short.all() == [] and short.total() == 0
 
 
 def test_cache_salt_keeps_tenants_apart(engine: EngineHashing) -> None:
@@ -125,16 +128,82 @@ def test_cache_salt_keeps_tenants_apart(engine: EngineHashing) -> None:
     assert plain and salted and not set(plain) & set(salted)
 
 
-class Untouchable:
-    """A tokenizer that must not be called: the ids came with the request."""
+class CountingTokenizer:
+    """The engine's tokenizer, counting the token ids the picker reads."""
 
-    def body_ids(self, body: Any) -> list[int] | None:
-        raise AssertionError("tokenized again on the event loop")
+    def __init__(self, tokenizer: PromptTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.read = 0
+
+    def body_ids(self, body: Mapping[str, Any]) -> list[int] | None:
+        return self.tokenizer.body_ids(body)
+
+    def body_pieces(self, body: Mapping[str, Any]) -> TokenPieces | None:
+        pieces = self.tokenizer.body_pieces(body)
+        if pieces is None:
+            return None
+
+        def counted() -> Iterator[tuple[Sequence[int], int]]:
+            for piece in pieces.pieces:
+                self.read += len(piece[0])
+                yield piece
+
+        return TokenPieces(counted(), pieces.chars)
 
 
-def test_ids_computed_off_the_loop_are_used_as_they_are(engine: EngineHashing) -> None:
-    body = chat("q")
+def long_chat(document: str, question: str) -> dict[str, Any]:
+    return {
+        "messages": [
+            {"role": "system", "content": SYSTEM + document},
+            {"role": "user", "content": question},
+        ]
+    }
+
+
+DOCUMENT = " ".join(f"Paragraph {n} says the mineral kaloto{n} grows slowly." for n in range(300))
+
+
+def test_keys_read_lazily_are_the_whole_prompts_keys(engine: EngineHashing) -> None:
+    body = long_chat(DOCUMENT, "what grows?")
     ids = engine.tokenizer.body_ids(body)
-    assert ids
-    given = PromptBlocks("", "", body, EngineHashing(Untouchable(), engine.hasher), ids)
-    assert given.keys(16) == PromptBlocks("", "", body, engine).keys(16)
+    assert ids and len(ids) > 1000
+    for size in (16, 128):
+        keys = PromptBlocks("", "", body, engine).keys(size)
+        assert keys is not None
+        assert keys.total() > 0
+        assert keys.all() == engine.hasher.keys(ids, size)
+        assert keys.total() == len(ids) // size  # exact once all is read
+
+
+PIECE_TOKENS = 400
+"""More than a piece of ``PIECE_CHARS`` characters of this text ever tokenizes to."""
+
+
+def test_a_prompt_no_engine_holds_is_tokenized_no_further_than_its_first_block(
+    engine: EngineHashing,
+) -> None:
+    admission, _, _ = setup(engine)
+    counting = CountingTokenizer(engine.tokenizer)
+    admission.engine = EngineHashing(counting, engine.hasher)
+    body = long_chat(DOCUMENT, "what grows?")
+    whole = engine.tokenizer.body_ids(body)
+    assert whole is not None and len(whole) > 10 * PIECE_TOKENS
+    submit(admission, "q", request(body))
+    assert admission.backend_of("q") is not None
+    assert 0 < counting.read < 16 + PIECE_TOKENS  # nobody holds the first block: no more
+
+
+def test_matching_reads_one_block_past_the_longest_held_prefix(engine: EngineHashing) -> None:
+    admission, pool, _ = setup(engine)
+    counting = CountingTokenizer(engine.tokenizer)
+    admission.engine = EngineHashing(counting, engine.hasher)
+    holder = pool.backends[1]
+    assert holder.kv_index is not None
+    earlier = long_chat(DOCUMENT, "an earlier question")
+    keys = PromptBlocks("", "", earlier, engine).keys(holder.block_size)
+    assert keys is not None
+    held = keys.all()[:40]  # the engine kept the first 40 blocks of the document
+    holder.kv_index.apply([BlocksStored(tuple(held), holder.block_size)])
+    submit(admission, "q", request(long_chat(DOCUMENT, "a new question")))
+    assert admission.backend_of("q") is holder
+    assert 41 * holder.block_size <= counting.read < 41 * holder.block_size + PIECE_TOKENS

@@ -6,7 +6,13 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from extproc.core.prompt import _CountCache, chat_text_and_tokens, count_tokens, render_chat
+from extproc.core.prompt import (
+    BuiltinTokenizer,
+    _CountCache,
+    chat_text_and_tokens,
+    count_tokens,
+    render_chat,
+)
 
 # Characters that make every kind of piece and its edges: letters, digits, punctuation,
 # runs of spaces and newlines, tabs, non-ASCII, and the template's own markers.
@@ -44,3 +50,19 @@ def test_a_long_message_is_counted_once_and_the_cache_keeps_to_its_budget() -> N
     assert list(cache._counts) == [second] and cache._held == len(second)
     cache.count("short")  # under `shortest`: counted, not kept
     assert list(cache._counts) == [second]
+
+
+def test_the_builtin_tokenizer_read_in_pieces_gives_the_whole_prompts_ids() -> None:
+    """The simulator tokenizes whole prompts; the gateway reads them a piece at a time."""
+    rng = random.Random(5)
+    words = [" kaloto", " the", "generation", " 12", "345", ".", ",", "\n", "  ", " é", "<|x|>"]
+    tokenizer = BuiltinTokenizer()
+    for _ in range(30):
+        text = "".join(rng.choice(words) for _ in range(rng.randrange(100, 1500)))
+        for body in ({"prompt": text}, {"messages": [{"role": "user", "content": text}]}):
+            pieces = tokenizer.body_pieces(body)
+            assert pieces is not None
+            read = list(pieces.pieces)
+            assert len(read) > 1 and sum(chars for _, chars in read) == pieces.chars
+            assert [i for ids, _ in read for i in ids] == tokenizer.body_ids(body)
+    assert tokenizer.body_pieces({"prompt": [1, 2]}) is None

@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, normalizers
 
 from extproc.fleet.tokenizer import EngineTokenizer, TokenizerError
 from loadtests.conformance.tiny_model import BOS
@@ -33,6 +33,41 @@ def test_segments_encode_as_the_whole_text(
         text = "".join(rng.choice(words) for _ in range(rng.randrange(0, 60)))
         assert tokenizer.encode(text) == plain.encode(text, add_special_tokens=False).ids, text
     assert tokenizer.segment_hits > 0
+
+
+def test_long_texts_read_in_pieces_give_the_whole_texts_ids(
+    tokenizer: EngineTokenizer, tiny_tokenizer: Path
+) -> None:
+    """Pieces are cut only where a word starts (``text_pieces``), so their ids are the
+    whole text's, with the special tokens a completion's encoding puts around it too."""
+    plain = Tokenizer.from_file(str(tiny_tokenizer / "tokenizer.json"))
+    rng = random.Random(11)
+    words = [" kaloto", " the", "gen", " 12", "345", ".", ",", "\n", "  ", " é", "\t", "<|user|>"]
+    for _ in range(30):
+        text = "".join(rng.choice(words) for _ in range(rng.randrange(200, 2000)))
+        pieces = tokenizer.body_pieces({"prompt": text, "add_special_tokens": False})
+        assert pieces is not None and pieces.chars == len(text)
+        read = list(pieces.pieces)
+        assert len(read) > 1 and sum(chars for _, chars in read) == len(text)
+        assert [i for ids, _ in read for i in ids] == plain.encode(
+            text, add_special_tokens=False
+        ).ids
+        assert tokenizer.body_ids({"prompt": text}) == plain.encode(text).ids
+
+
+def test_a_tokenizer_whose_ids_change_where_text_is_cut_reads_it_whole(
+    tiny_tokenizer: Path,
+) -> None:
+    """A normalizer that prepends to every input (older SentencePiece conversions) would
+    give each piece a token the whole text has once: such a tokenizer is found out when it
+    is loaded and tokenizes whole texts."""
+    plain = Tokenizer.from_file(str(tiny_tokenizer / "tokenizer.json"))
+    plain.normalizer = normalizers.Prepend("@")
+    tokenizer = EngineTokenizer(plain, None, {})
+    text = " ".join(["kaloto the gen"] * 400)
+    pieces = tokenizer.body_pieces({"prompt": text})
+    assert pieces is not None and len(list(pieces.pieces)) == 1
+    assert tokenizer.encode(text) == plain.encode(text, add_special_tokens=False).ids
 
 
 def test_chat_renders_the_template_without_added_special_tokens(

@@ -8,9 +8,14 @@ block sizes 16 (vLLM's default on GPUs) and 128 (its CPU platform's). Prompts lo
 ``MAX_PROMPT_CHARS`` are cut before tokenizing (``tokenized`` says how many tokens were
 kept). Two cases:
 
-- ``cold``: a system prompt never seen before (every segment tokenized);
+- ``cold``: a system prompt never seen before (every piece tokenized);
 - ``warm``: the same system prompt and earlier turns with a new user message (the
-  segment cache serves all but the new text), what a multi-turn chat costs.
+  segment cache serves all but the new text), what a multi-turn chat costs;
+
+and ``unheld``: what the picker itself pays for a prompt never seen that no engine holds
+(``PromptBlocks.keys`` read until the first block an engine lacks: the template, the first
+piece, one block's hash), per block size. ``cold`` is then what a prompt costs when an
+engine holds all of it and this process never tokenized it (another replica sent it).
 
 The tokenizer is the tiny model's (``loadtests.conformance.tiny_model``: a byte-level BPE,
 trained offline here); a production model's tokenizer has a larger vocabulary and its own
@@ -32,6 +37,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from extproc.core.blockhash import BlockHasher
+from extproc.core.prefix import EngineHashing, PromptBlocks
 from extproc.fleet.tokenizer import EngineTokenizer
 from loadtests.conformance.tiny_model import build_tokenizer, corpus
 
@@ -63,9 +69,11 @@ def measure(
     system = text_of(plain, tokens, seed=tokens)
     words = " ".join(corpus(1, 20)).split()
     rng = random.Random(tokens)
+    # Cold prompts are texts of their own, not the same text shifted: pieces are cut where
+    # a word starts some way on, so a shifted copy would meet the cache after one piece.
+    fresh = [text_of(plain, tokens, seed=tokens * 1000 + n) for n in range(rounds)]
 
-    def chat(n: int, fresh_system: bool) -> dict[str, Any]:
-        prompt = f"{n} {system}" if fresh_system else system
+    def chat(n: int, prompt: str) -> dict[str, Any]:
         question = f"question {n}: " + " ".join(rng.choice(words) for _ in range(60))
         return {
             "messages": [
@@ -74,23 +82,38 @@ def measure(
             ]
         }
 
-    ids = tokenizer.body_ids(chat(0, False)) or []
+    ids = tokenizer.body_ids(chat(0, system)) or []
     result: dict[str, Any] = {"prompt_tokens": len(plain.encode(system).ids), "tokenized": len(ids)}
-    for case, fresh in (("cold", True), ("warm", False)):
-        bodies = [chat(n, fresh) for n in range(1, rounds + 1)]
-        result[f"{case}_tokenize_us"] = round(cpu_us(tokenizer.body_ids, bodies))
+    cold = [chat(n, fresh[n]) for n in range(rounds)]
+    result["cold_tokenize_us"] = round(cpu_us(tokenizer.body_ids, cold))
+    warm = [chat(n, system) for n in range(rounds)]
+    result["warm_tokenize_us"] = round(cpu_us(tokenizer.body_ids, warm))
+    for block_size in BLOCK_SIZES:
+        # What the picker pays for a prompt never seen that no engine holds: the template,
+        # the first piece, its first block's hash (``BlockKeys`` read until a miss).
+        unseen = [chat(n, f"{block_size} {fresh[n]}") for n in range(rounds)]
+        engine = EngineHashing(tokenizer, BlockHasher())
+        result[f"unheld_{block_size}_us"] = round(
+            cpu_us(lambda body: _first_miss(engine, body, block_size), unseen)  # noqa: B023
+        )
     for block_size in BLOCK_SIZES:
         # cold: a hasher that has seen none of the blocks; warm: one that hashed them before
         # (a shared system prompt, a conversation's earlier turns).
-        cold = [BlockHasher() for _ in range(rounds)]
+        hashers = [BlockHasher() for _ in range(rounds)]
         result[f"hash_{block_size}_cold_us"] = round(
-            cpu_us(lambda hasher: hasher.keys(ids, block_size), cold)  # noqa: B023
+            cpu_us(lambda hasher: hasher.keys(ids, block_size), hashers)  # noqa: B023
         )
         hasher.keys(ids, block_size)
         result[f"hash_{block_size}_warm_us"] = round(
             cpu_us(lambda prompt: hasher.keys(prompt, block_size), [ids] * rounds)  # noqa: B023
         )
     return result
+
+
+def _first_miss(engine: EngineHashing, body: dict[str, Any], block_size: int) -> None:
+    keys = PromptBlocks("", "", body, engine).keys(block_size)
+    assert keys is not None
+    next(iter(keys), None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"{'prompt tokens':>14} {'tokenized':>14} {'cold tokenize':>14} {'warm tokenize':>14}"
         + "".join(f" {f'hash/{b} {kind}':>14}" for b in BLOCK_SIZES for kind in ("cold", "warm"))
+        + "".join(f" {f'unheld/{b}':>14}" for b in BLOCK_SIZES)
     )
     print(header + "   (CPU us per request)")
     for row in rows:
@@ -115,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         hashes = "".join(
             f" {row[f'hash_{b}_{kind}_us']:>14}" for b in BLOCK_SIZES for kind in ("cold", "warm")
         )
-        print("".join(f"{cell:>14} " for cell in cells).rstrip() + hashes)
+        unheld = "".join(f" {row[f'unheld_{b}_us']:>14}" for b in BLOCK_SIZES)
+        print("".join(f"{cell:>14} " for cell in cells).rstrip() + hashes + unheld)
     if args.out is not None:
         args.out.write_text(json.dumps(rows, indent=2) + "\n")
     return 0

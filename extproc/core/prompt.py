@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from extproc.fleet.pieces import TokenPieces, text_pieces
+from extproc.fleet.pieces import PieceCache, TokenPieces, text_pieces
 
 VOCAB_SIZE = 32_000
 
@@ -120,6 +120,9 @@ class BuiltinTokenizer:
 
     source = "builtin"
 
+    def __init__(self) -> None:
+        self.cache = PieceCache()
+
     def body_ids(self, body: Mapping[str, Any]) -> list[int] | None:
         """The token ids the simulator computes for a chat or completion body."""
         text = _body_text(body)
@@ -131,7 +134,7 @@ class BuiltinTokenizer:
         text = _body_text(body)
         if text is None:
             return None
-        pieces = ((tokenize(text[a:b]), b - a) for a, b in text_pieces(text))
+        pieces = ((self.cache.ids(text[a:b], tokenize), b - a) for a, b in text_pieces(text))
         return TokenPieces(pieces, len(text))
 
 

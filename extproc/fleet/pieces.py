@@ -9,7 +9,9 @@ them out a piece at a time, each tokenized when it is read.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -50,3 +52,42 @@ def text_pieces(
         start = cut.start()
     if stop > start:
         yield start, stop
+
+
+PIECE_CACHE_TOKENS = 2_000_000
+"""Token ids a piece cache keeps (4 bytes each: 8 MB, thousands of long prompts)."""
+
+
+class PieceCache:
+    """Token ids of recently tokenized pieces, by their text, within a budget of ids.
+
+    Prompts repeat: a shared system prompt, a document asked about again, a conversation
+    re-sent with one more turn. Pieces are cut at the same places in the same text
+    (``text_pieces`` starts from the text before it), so such a prompt costs a lookup per
+    piece and only its new text is tokenized. The oldest pieces are dropped first.
+    """
+
+    def __init__(self, budget: int = PIECE_CACHE_TOKENS) -> None:
+        self._pieces: OrderedDict[str, array[int]] = OrderedDict()
+        self._budget = budget
+        self._held = 0
+        self.hits = 0
+        self.misses = 0
+
+    def ids(self, text: str, tokenize: Callable[[str], Sequence[int]]) -> array[int]:
+        """``text``'s ids, from the cache or from ``tokenize`` (then remembered)."""
+        pieces = self._pieces
+        found = pieces.get(text)
+        if found is not None:
+            pieces.move_to_end(text)
+            self.hits += 1
+            return found
+        self.misses += 1
+        ids = array("I", tokenize(text))
+        if len(ids) <= self._budget // 4:
+            pieces[text] = ids
+            self._held += len(ids)
+            while self._held > self._budget:
+                _, dropped = pieces.popitem(last=False)
+                self._held -= len(dropped)
+        return ids

@@ -11,12 +11,14 @@ transformers renders it), and vLLM's choices around them:
   default for chat: the template writes them);
 - completions: the prompt encoded *with* them (vLLM's default there).
 
-Tokenizing is the expensive part (about 4 ms for 8k tokens here). Text between two special
-tokens is tokenized independently of the rest (``tokenizers`` splits added tokens out
-first), so each such segment, typically one message's content, is cached: a conversation
-re-sent with one more turn, or a shared system prompt, costs only its new text. The cache
-is used only when that independence holds for this tokenizer (no added token strips the
-whitespace around it), checked when it is loaded.
+Tokenizing is the expensive part (8-9 ms of CPU for a cold 8k-token prompt here), so it is
+done lazily, a piece at a time (``extproc.fleet.pieces``): text between two special tokens
+(``tokenizers`` splits added tokens out first) is cut into pieces where a word starts, and
+each piece is tokenized only when the picker reads that far (``BlockKeys``) and then
+cached, so a conversation re-sent with one more turn, or a shared system prompt, costs
+only its new text. Pieces are used only when they give the whole text's ids for this
+tokenizer (no added token strips the whitespace around it, and a probe text cut into
+pieces tokenizes as it does whole), checked when it is loaded.
 """
 
 from __future__ import annotations
@@ -24,25 +26,21 @@ from __future__ import annotations
 import json
 import logging
 import re
-import threading
-from array import array
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
 
-from extproc.fleet.pieces import TokenPieces, text_pieces
+from extproc.fleet.pieces import PieceCache, TokenPieces, text_pieces
 
 log = logging.getLogger("fairlane.tokenizer")
 
-SEGMENT_CACHE_TOKENS = 2_000_000
-"""Token ids the segment cache keeps (4 bytes each): 8 MB, thousands of long prompts."""
 MAX_PROMPT_CHARS = 32 * 1024
 """Longer prompts are cut before tokenizing: only their head decides prefix affinity, and
-the service's CPU per request must stay bounded (here about 8-12k tokens, 7-14 ms of CPU
-when nothing of it is cached, in a worker thread; ``loadtests/bench/tokenize_cost.py``). Blocks
+the service's CPU per request must stay bounded (here about 8-12k tokens, 9-13 ms of CPU
+on the event loop when an engine holds all of it and none of it is cached;
+``loadtests/bench/tokenize_cost.py``). Blocks
 past the cut are not matched; the cut may change the last few tokens before it, so the
 block holding it may not match either."""
 
@@ -86,11 +84,7 @@ class EngineTokenizer:
             else None
         )
         self._special_prefix = _special_prefix(tokenizer)
-        self._segments: OrderedDict[str, array[int]] = OrderedDict()
-        self._lock = threading.Lock()
-        self._cached_tokens = 0
-        self.segment_hits = 0
-        self.segment_misses = 0
+        self.cache = PieceCache()
 
     @classmethod
     def from_dir(
@@ -190,34 +184,15 @@ class EngineTokenizer:
         if self._splitter is not None:
             for match in self._splitter.finditer(text):
                 for a, b in text_pieces(text, start, match.start()):
-                    yield self._segment(text[a:b]), b - a
+                    yield self.cache.ids(text[a:b], self._encode_piece), b - a
                 yield (self._added_ids[match.group()],), match.end() - match.start()
                 start = match.end()
         for a, b in text_pieces(text, start):
-            yield self._segment(text[a:b]), b - a
+            yield self.cache.ids(text[a:b], self._encode_piece), b - a
 
-    def _segment(self, text: str) -> array[int]:
-        # The service tokenizes from the event loop and from worker threads
-        # (``extproc.transport.tokenizing``): the cache is touched under a lock, the
-        # tokenizer (which releases the GIL) runs outside it.
-        with self._lock:
-            found = self._segments.get(text)
-            if found is not None:
-                self._segments.move_to_end(text)
-                self.segment_hits += 1
-                return found
-            self.segment_misses += 1
+    def _encode_piece(self, text: str) -> list[int]:
         # The batch call without offsets: about 30 % less CPU than ``encode`` here.
-        ids = array("I", self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids)
-        if len(ids) <= SEGMENT_CACHE_TOKENS // 4:
-            with self._lock:
-                if text not in self._segments:
-                    self._segments[text] = ids
-                    self._cached_tokens += len(ids)
-                while self._cached_tokens > SEGMENT_CACHE_TOKENS:
-                    _, dropped = self._segments.popitem(last=False)
-                    self._cached_tokens -= len(dropped)
-        return ids
+        return self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
 
 _PROBE = (

@@ -32,7 +32,7 @@ def test_segments_encode_as_the_whole_text(
     for _ in range(200):
         text = "".join(rng.choice(words) for _ in range(rng.randrange(0, 60)))
         assert tokenizer.encode(text) == plain.encode(text, add_special_tokens=False).ids, text
-    assert tokenizer.segment_hits > 0
+    assert tokenizer.cache.hits > 0
 
 
 def test_long_texts_read_in_pieces_give_the_whole_texts_ids(
@@ -102,10 +102,10 @@ def test_completion_prompt_and_bodies_without_one(
 def test_a_conversation_resent_costs_only_its_new_turn(tokenizer: EngineTokenizer) -> None:
     history = [{"role": "user", "content": "the kaloto " * 200}]
     tokenizer.body_ids({"messages": history})
-    misses = tokenizer.segment_misses
+    misses = tokenizer.cache.misses
     longer = [*history, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
     tokenizer.body_ids({"messages": longer})
-    assert tokenizer.segment_misses - misses == 2  # "ok" and "more"
+    assert tokenizer.cache.misses - misses == 2  # "ok" and "more"
 
 
 def test_missing_or_broken_files_say_which(tmp_path: Path) -> None:

@@ -172,7 +172,8 @@ class BlockKeys:
     keys past the longest prefix any engine holds, plus one. Iterating yields key after key
     and tokenizes and hashes more of the prompt only when the reader asks past what is
     known: a prompt no engine holds costs its first piece, not its whole length
-    (``loadtests/bench/tokenize_cost.py``).
+    (``loadtests/bench/tokenize_cost.py``). The tokenizer may end a prompt early, once one
+    request has tokenized its budget of new text (``extproc.fleet.pieces.COLD_CHARS``).
     """
 
     __slots__ = ("_extra", "_hasher", "_limit", "_parent", "_tokens", "block_size", "known")
@@ -209,7 +210,7 @@ class BlockKeys:
         return max(blocks, len(self.known))
 
     def all(self) -> list[int]:
-        """Every key of the prompt (up to the limit): what a whole-prompt reader needs."""
+        """Every key of the prompt the tokenizer gives (up to the limit)."""
         for _ in self:
             pass
         return self.known

@@ -73,7 +73,9 @@ class PromptTokenizer(Protocol):
         ...
 
     def body_pieces(self, body: Mapping[str, Any]) -> TokenPieces | None:
-        """The same ids piece by piece, each tokenized when it is read."""
+        """The same ids piece by piece, each tokenized when it is read; they may end early,
+        before ``TokenPieces.chars`` are read, where reading on would cost too much
+        (``extproc.fleet.pieces.COLD_CHARS``)."""
         ...
 
 
@@ -106,7 +108,7 @@ class PromptTokens:
         return True
 
     def estimated_total(self) -> int:
-        if self.done:
+        if self._read >= self._chars:
             return len(self.ids)
         if not self._read:
             return len(self.ids) + self._chars // CHARS_PER_TOKEN

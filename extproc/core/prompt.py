@@ -12,10 +12,10 @@ from __future__ import annotations
 import re
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from extproc.fleet.pieces import PieceCache, TokenPieces, text_pieces
+from extproc.fleet.pieces import COLD_CHARS, ColdBudget, PieceCache, TokenPieces, text_pieces
 
 VOCAB_SIZE = 32_000
 
@@ -128,14 +128,24 @@ class BuiltinTokenizer:
         text = _body_text(body)
         return tokenize(text) if text is not None else None
 
-    def body_pieces(self, body: Mapping[str, Any]) -> TokenPieces | None:
-        """``body_ids`` piece by piece (``extproc.core.prefix.text_pieces``: this tokenizer's
-        pieces never cross a space between two words, so the ids are the same)."""
+    def body_pieces(
+        self, body: Mapping[str, Any], cold_chars: int | None = COLD_CHARS
+    ) -> TokenPieces | None:
+        """``body_ids`` piece by piece (``extproc.fleet.pieces``: this tokenizer's pieces
+        never cross a space between two words, so the ids are the same), ending early once
+        ``cold_chars`` of text not in the cache were tokenized."""
         text = _body_text(body)
         if text is None:
             return None
-        pieces = ((self.cache.ids(text[a:b], tokenize), b - a) for a, b in text_pieces(text))
-        return TokenPieces(pieces, len(text))
+        budget = ColdBudget(cold_chars) if cold_chars is not None else None
+        return TokenPieces(self._pieces(text, budget), len(text))
+
+    def _pieces(self, text: str, budget: ColdBudget | None) -> Iterator[tuple[Sequence[int], int]]:
+        for a, b in text_pieces(text):
+            ids = self.cache.ids(text[a:b], tokenize, budget)
+            if ids is None:
+                return
+            yield ids, b - a
 
 
 def _body_text(body: Mapping[str, Any]) -> str | None:

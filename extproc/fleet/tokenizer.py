@@ -32,7 +32,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from extproc.fleet.pieces import PieceCache, TokenPieces, text_pieces
+from extproc.fleet.pieces import COLD_CHARS, ColdBudget, PieceCache, TokenPieces, text_pieces
 
 log = logging.getLogger("fairlane.tokenizer")
 
@@ -127,10 +127,12 @@ class EngineTokenizer:
         """The prompt's token ids for a chat (``messages``) or completion (``prompt``) body;
         None when the body has no single text prompt (token ids, several prompts, a chat
         without a template)."""
-        pieces = self.body_pieces(body)
+        pieces = self.body_pieces(body, cold_chars=None)
         return None if pieces is None else [i for ids, _ in pieces.pieces for i in ids]
 
-    def body_pieces(self, body: Mapping[str, Any]) -> TokenPieces | None:
+    def body_pieces(
+        self, body: Mapping[str, Any], cold_chars: int | None = COLD_CHARS
+    ) -> TokenPieces | None:
         """``body_ids`` a piece at a time, each tokenized only when it is read; None as
         there. The chat template is rendered at once (the pieces are of its text)."""
         messages = body.get("messages")
@@ -148,7 +150,8 @@ class EngineTokenizer:
             text, special = prompt, bool(body.get("add_special_tokens", True))
         if self.max_chars is not None:
             text = text[: self.max_chars]
-        return TokenPieces(self._pieces(text, special), len(text))
+        budget = ColdBudget(cold_chars) if cold_chars is not None else None
+        return TokenPieces(self._pieces(text, special, budget), len(text))
 
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
@@ -170,11 +173,14 @@ class EngineTokenizer:
             text = text[: self.max_chars]
         return [i for ids, _ in self._pieces(text, add_special_tokens) for i in ids]
 
-    def _pieces(self, text: str, add_special_tokens: bool) -> Iterator[tuple[Sequence[int], int]]:
+    def _pieces(
+        self, text: str, add_special_tokens: bool, budget: ColdBudget | None = None
+    ) -> Iterator[tuple[Sequence[int], int]]:
         """The ids of ``text`` in order, a piece at a time: the special tokens the
         tokenizer puts in front, then each added token on its own and the text between them
-        in pieces (``text_pieces``), each looked up in or added to the cache; the whole
-        text at once where this tokenizer does not allow pieces (see ``__init__``)."""
+        in pieces (``text_pieces``), each looked up in or added to the cache, ending early
+        once ``budget`` is spent; the whole text at once where this tokenizer does not
+        allow pieces (see ``__init__``)."""
         if self._whole or (add_special_tokens and self._special_prefix is None):
             yield self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids, len(text)
             return
@@ -184,11 +190,17 @@ class EngineTokenizer:
         if self._splitter is not None:
             for match in self._splitter.finditer(text):
                 for a, b in text_pieces(text, start, match.start()):
-                    yield self.cache.ids(text[a:b], self._encode_piece), b - a
+                    ids = self.cache.ids(text[a:b], self._encode_piece, budget)
+                    if ids is None:
+                        return
+                    yield ids, b - a
                 yield (self._added_ids[match.group()],), match.end() - match.start()
                 start = match.end()
         for a, b in text_pieces(text, start):
-            yield self.cache.ids(text[a:b], self._encode_piece), b - a
+            ids = self.cache.ids(text[a:b], self._encode_piece, budget)
+            if ids is None:
+                return
+            yield ids, b - a
 
     def _encode_piece(self, text: str) -> list[int]:
         # The batch call without offsets: about 30 % less CPU than ``encode`` here.

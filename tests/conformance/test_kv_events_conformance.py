@@ -45,6 +45,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.core.blockhash import BlockHasher
+from extproc.core.prefix import EngineHashing, PromptBlocks
 from extproc.fleet.kv_events import BlocksRemoved, BlocksStored, decode_batch
 from extproc.fleet.tokenizer import EngineTokenizer
 from extproc.ops.processes import ProcessGroup, free_port
@@ -161,7 +162,13 @@ class Engine:
         ids = self.tokenizer.body_ids(body)
         assert ids is not None, f"{name}: fairlane finds no prompt in {body}"
         salt = body.get("cache_salt")
-        ex = Exchange(name, body, ids, HASHER.keys(ids, BLOCK_SIZE, salt))
+        # The keys the picker matches, read a piece at a time (body_ids above cached every
+        # piece, so no budget of new text cuts them short).
+        lazy = PromptBlocks("", "", body, EngineHashing(self.tokenizer, HASHER)).keys(BLOCK_SIZE)
+        assert lazy is not None, f"{name}: no keys for {body}"
+        keys = lazy.all()
+        assert keys == HASHER.keys(ids, BLOCK_SIZE, salt), f"{name}: pieces change the keys"
+        ex = Exchange(name, body, ids, keys)
         hits, queries = (
             self.metric("vllm:prefix_cache_hits"),
             self.metric("vllm:prefix_cache_queries"),

@@ -60,7 +60,7 @@ def test_the_builtin_tokenizer_read_in_pieces_gives_the_whole_prompts_ids() -> N
     for _ in range(30):
         text = "".join(rng.choice(words) for _ in range(rng.randrange(100, 1500)))
         for body in ({"prompt": text}, {"messages": [{"role": "user", "content": text}]}):
-            pieces = tokenizer.body_pieces(body)
+            pieces = tokenizer.body_pieces(body, None)
             assert pieces is not None
             read = list(pieces.pieces)
             assert len(read) > 1 and sum(chars for _, chars in read) == pieces.chars

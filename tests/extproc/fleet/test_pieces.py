@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 import random
+from array import array
 
-from extproc.fleet.pieces import PieceCache, text_pieces
+from extproc.fleet.pieces import ColdBudget, PieceCache, text_pieces
 
 
 def test_pieces_cover_the_text_and_are_cut_only_where_a_word_starts() -> None:
@@ -41,8 +42,8 @@ def test_the_cache_remembers_within_its_budget_oldest_out_first() -> None:
         return [ord(c) for c in text]
 
     cache = PieceCache(budget=100)
-    assert list(cache.ids("abc", tokenize)) == [97, 98, 99]
-    assert list(cache.ids("abc", tokenize)) == [97, 98, 99]
+    assert cache.ids("abc", tokenize) == array("I", [97, 98, 99])
+    assert cache.ids("abc", tokenize) == array("I", [97, 98, 99])
     assert calls == ["abc"] and (cache.hits, cache.misses) == (1, 1)
     for n in range(30):
         cache.ids(f"{n:04d}", tokenize)  # 4 ids each: 120 > 100, the oldest go
@@ -51,3 +52,17 @@ def test_the_cache_remembers_within_its_budget_oldest_out_first() -> None:
     cache.ids("x" * 26, tokenize)  # over a quarter of the budget: computed, not kept
     cache.ids("x" * 26, tokenize)
     assert calls.count("x" * 26) == 2
+
+
+def test_a_spent_budget_tokenizes_nothing_more_but_cached_pieces_still_come() -> None:
+    def tokenize(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    cache = PieceCache()
+    cache.ids("known", tokenize)
+    budget = ColdBudget(10)
+    assert cache.ids("first piece, longer than the budget", tokenize, budget) is not None
+    assert budget.left < 0
+    assert cache.ids("second", tokenize, budget) is None  # spent: not tokenized
+    assert cache.ids("known", tokenize, budget) is not None  # cached: free
+    assert cache.ids("second", tokenize) is not None  # no budget: always

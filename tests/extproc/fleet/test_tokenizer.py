@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, normalizers
 
+from extproc.fleet.pieces import COLD_CHARS, PIECE_CHARS
 from extproc.fleet.tokenizer import EngineTokenizer, TokenizerError
 from loadtests.conformance.tiny_model import BOS
 
@@ -45,7 +46,7 @@ def test_long_texts_read_in_pieces_give_the_whole_texts_ids(
     words = [" kaloto", " the", "gen", " 12", "345", ".", ",", "\n", "  ", " é", "\t", "<|user|>"]
     for _ in range(30):
         text = "".join(rng.choice(words) for _ in range(rng.randrange(200, 2000)))
-        pieces = tokenizer.body_pieces({"prompt": text, "add_special_tokens": False})
+        pieces = tokenizer.body_pieces({"prompt": text, "add_special_tokens": False}, None)
         assert pieces is not None and pieces.chars == len(text)
         read = list(pieces.pieces)
         assert len(read) > 1 and sum(chars for _, chars in read) == len(text)
@@ -53,6 +54,29 @@ def test_long_texts_read_in_pieces_give_the_whole_texts_ids(
             text, add_special_tokens=False
         ).ids
         assert tokenizer.body_ids({"prompt": text}) == plain.encode(text).ids
+
+
+def test_one_request_tokenizes_at_most_its_budget_of_new_text(
+    tokenizer: EngineTokenizer, tiny_tokenizer: Path
+) -> None:
+    """Past ``COLD_CHARS`` of text not in the cache a prompt reads as ended; what was read
+    is cached, so the next request with the same prompt reads that far and further."""
+    plain = Tokenizer.from_file(str(tiny_tokenizer / "tokenizer.json"))
+    text = " ".join(f"kaloto{n} the gen" for n in range(1500))  # within MAX_PROMPT_CHARS
+    whole = plain.encode(text, add_special_tokens=False).ids
+    read: list[int] = []
+    for _ in range(100):
+        pieces = tokenizer.body_pieces({"prompt": text, "add_special_tokens": False})
+        assert pieces is not None
+        again = [i for ids, chars in pieces.pieces for i in ids]
+        assert again == whole[: len(again)]
+        assert len(read) < len(again) or len(again) == len(whole)
+        if len(read) == len(whole):
+            break
+        new_chars = len(plain.decode(again[len(read) :]))
+        assert new_chars <= COLD_CHARS + PIECE_CHARS * 2
+        read = again
+    assert read == whole
 
 
 def test_a_tokenizer_whose_ids_change_where_text_is_cut_reads_it_whole(

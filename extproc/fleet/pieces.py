@@ -54,9 +54,9 @@ def text_pieces(
         yield start, stop
 
 
-COLD_CHARS = 2048
+COLD_CHARS = 1024
 """At most this much text that is not in the cache is tokenized for one request's match
-(~750 tokens, under 1 ms here; the first piece always is): a long prefix an engine holds
+(~400 tokens, well under 1 ms here; the first piece always is): a long prefix an engine holds
 that this process never read (another replica sent it, or it was read only as far as its
 first piece) is tokenized over several requests instead of stalling the event loop for
 one. Past the budget the prompt reads as ended, so the engines holding that far tie."""

@@ -14,8 +14,10 @@ kept). Two cases:
 
 and ``unheld``: what the picker itself pays for a prompt never seen that no engine holds
 (``PromptBlocks.keys`` read until the first block an engine lacks: the template, the first
-piece, one block's hash), per block size. ``cold`` is then what a prompt costs when an
-engine holds all of it and this process never tokenized it (another replica sent it).
+piece, one block's hash), per block size; ``held, new``: what one request pays for a
+prompt an engine holds in full that this process never read (another replica sent it):
+as far as its budget of new text goes (``extproc.fleet.pieces.COLD_CHARS``), the rest
+left to the requests after it. ``cold`` is all of such a prompt read at once.
 
 The tokenizer is the tiny model's (``loadtests.conformance.tiny_model``: a byte-level BPE,
 trained offline here); a production model's tokenizer has a larger vocabulary and its own
@@ -96,6 +98,13 @@ def measure(
         result[f"unheld_{block_size}_us"] = round(
             cpu_us(lambda body: _first_miss(engine, body, block_size), unseen)  # noqa: B023
         )
+        # An engine holds all of it, but this process never read it: one request reads
+        # as far as its budget of new text (``COLD_CHARS``) goes.
+        held = [chat(n, f"held {block_size} {fresh[n]}") for n in range(rounds)]
+        engine = EngineHashing(tokenizer, BlockHasher())
+        result[f"held_new_{block_size}_us"] = round(
+            cpu_us(lambda body: _read_all(engine, body, block_size), held)  # noqa: B023
+        )
     for block_size in BLOCK_SIZES:
         # cold: a hasher that has seen none of the blocks; warm: one that hashed them before
         # (a shared system prompt, a conversation's earlier turns).
@@ -116,6 +125,12 @@ def _first_miss(engine: EngineHashing, body: dict[str, Any], block_size: int) ->
     next(iter(keys), None)
 
 
+def _read_all(engine: EngineHashing, body: dict[str, Any], block_size: int) -> None:
+    keys = PromptBlocks("", "", body, engine).keys(block_size)
+    assert keys is not None
+    keys.all()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
@@ -130,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'prompt tokens':>14} {'tokenized':>14} {'cold tokenize':>14} {'warm tokenize':>14}"
         + "".join(f" {f'hash/{b} {kind}':>14}" for b in BLOCK_SIZES for kind in ("cold", "warm"))
         + "".join(f" {f'unheld/{b}':>14}" for b in BLOCK_SIZES)
+        + "".join(f" {f'held, new/{b}':>14}" for b in BLOCK_SIZES)
     )
     print(header + "   (CPU us per request)")
     for row in rows:
@@ -140,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             f" {row[f'hash_{b}_{kind}_us']:>14}" for b in BLOCK_SIZES for kind in ("cold", "warm")
         )
         unheld = "".join(f" {row[f'unheld_{b}_us']:>14}" for b in BLOCK_SIZES)
+        unheld += "".join(f" {row[f'held_new_{b}_us']:>14}" for b in BLOCK_SIZES)
         print("".join(f"{cell:>14} " for cell in cells).rstrip() + hashes + unheld)
     if args.out is not None:
         args.out.write_text(json.dumps(rows, indent=2) + "\n")

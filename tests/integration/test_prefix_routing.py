@@ -207,8 +207,9 @@ def model_stack(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path) 
 async def test_with_the_models_tokenizer_a_long_prompt_finds_its_engine(
     model_stack: Stack,
 ) -> None:
-    """The same as above with a real tokenizer and a prompt long enough (> 8 KiB) to be
-    tokenized in the service's worker thread: the keys still match the engine's."""
+    """The same as above with a real tokenizer and a prompt (> 8 KiB) the engine holds
+    but the service never read: one request reads only its budget of new text
+    (``COLD_CHARS``), and those keys, read in pieces, still match the engine's."""
     stack = model_stack
     await live(stack)
     holder = stack.backends[1]
@@ -221,6 +222,6 @@ async def test_with_the_models_tokenizer_a_long_prompt_finds_its_engine(
             "the holder's BlockStored events in the service's index",
         )
         await idle(stack)
-        question = "through the gateway, tokenized off the loop"
+        question = "through the gateway, read a piece at a time"
         await send(session, stack.url, conversation(system, question))
     assert served_by(stack, question) == holder.address

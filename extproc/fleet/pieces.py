@@ -54,12 +54,16 @@ def text_pieces(
         yield start, stop
 
 
-COLD_CHARS = 1024
+COLD_CHARS = 8 * 1024
 """At most this much text that is not in the cache is tokenized for one request's match
-(~400 tokens, well under 1 ms here; the first piece always is): a long prefix an engine holds
-that this process never read (another replica sent it, or it was read only as far as its
-first piece) is tokenized over several requests instead of stalling the event loop for
-one. Past the budget the prompt reads as ended, so the engines holding that far tie."""
+(~3k tokens, ~3 ms here; the first piece always is): what the service tokenized on its
+event loop before prompts were read lazily (longer ones went to a thread). A long prefix
+an engine holds that this process never read (another replica sent it, or only its first
+piece was read when it was new) is read further by each request that matches it, instead
+of stalling the event loop for one. Past the budget the prompt reads as ended there, so
+engines holding that far tie and load decides: at 1 KiB, system prompts of 6-8 KiB were
+read over several requests and `prefix-kv-bound` lost 3-7 points of hit rate in two runs
+of four (loadtests/bench/README.md)."""
 
 
 class ColdBudget:

@@ -38,11 +38,10 @@ log = logging.getLogger("fairlane.tokenizer")
 
 MAX_PROMPT_CHARS = 32 * 1024
 """Longer prompts are cut before tokenizing: only their head decides prefix affinity, and
-the service's CPU per request must stay bounded (here about 8-12k tokens, 9-13 ms of CPU
-on the event loop when an engine holds all of it and none of it is cached;
-``loadtests/bench/tokenize_cost.py``). Blocks
-past the cut are not matched; the cut may change the last few tokens before it, so the
-block holding it may not match either."""
+the work a prompt can cause stays bounded (here about 8-12k tokens, 11-20 ms of CPU to
+read all of it uncached, which one request never does: ``COLD_CHARS``;
+``loadtests/bench/tokenize_cost.py``). Blocks past the cut are not matched; the cut may
+change the last few tokens before it, so the block holding it may not match either."""
 
 
 class TokenizerError(ValueError):

@@ -162,6 +162,11 @@ class TokenSource(Protocol):
         characters read so far."""
         ...
 
+    @property
+    def cut_short(self) -> bool:
+        """Whether reading ended before the prompt did (one request's budget was spent)."""
+        ...
+
 
 class BlockKeys:
     """One prompt's block keys (``event_key`` ints) in an engine's chain, computed only as
@@ -203,6 +208,12 @@ class BlockKeys:
         while index < len(known) or self._extend():
             yield known[index]
             index += 1
+
+    @property
+    def cut_short(self) -> bool:
+        """Whether the keys end where one request's reading had to stop, not where the
+        prompt does (a match as long as them may go further)."""
+        return self._tokens.cut_short or len(self.known) >= self._limit
 
     def total(self) -> int:
         """How many full blocks the whole prompt spans (estimated until it is all read)."""

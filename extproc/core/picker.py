@@ -107,7 +107,10 @@ def _best(
     routing: Routing,
 ) -> tuple[Backend, PickReason]:
     shares = [_share(b, prompt) for b in usable]
-    holder_index = max(range(len(usable)), key=lambda i: (shares[i], -loads[id(usable[i])]))
+    sent = _sent_past_the_read(usable, shares, prompt)
+    holder_index = max(
+        range(len(usable)), key=lambda i: (shares[i], sent[i], -loads[id(usable[i])])
+    )
     if shares[holder_index] == 0.0:
         return min(usable, key=lambda b: loads[id(b)]), "load"
     holder = usable[holder_index]
@@ -117,6 +120,30 @@ def _best(
     others = [i for i in range(len(usable)) if i != holder_index]
     winner = min(others, key=lambda i: loads[id(usable[i])] - routing.prefix_weight * shares[i])
     return usable[winner], "load"
+
+
+def _sent_past_the_read(
+    usable: list[Backend], shares: list[float], prompt: PromptBlocks | None
+) -> list[float]:
+    """The tie-break among engines that hold all of a prompt that was read, when reading
+    stopped at one request's budget of new text (``extproc.fleet.pieces.COLD_CHARS``)
+    rather than at a block an engine lacks: how much of the prompt this gateway sent each
+    of them (the approximate index), so a conversation stays where it went before while its
+    text is read over several requests. Zeros where no such tie is."""
+    none = [0.0] * len(usable)
+    top = max(shares)
+    if prompt is None or top == 0.0 or shares.count(top) < 2:
+        return none
+    sent = none.copy()
+    for i, backend in enumerate(usable):
+        if shares[i] != top or not backend.kv_events_live:
+            continue
+        keys = prompt.keys(backend.block_size)
+        if keys is None or not keys.cut_short:
+            continue
+        blocks = prompt.blocks(backend.block_size)
+        sent[i] = backend.prefix_cache.match(blocks) / len(blocks) if blocks else 0.0
+    return sent
 
 
 def _share(backend: Backend, prompt: PromptBlocks | None) -> float:

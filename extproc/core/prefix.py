@@ -107,6 +107,10 @@ class PromptTokens:
         self._read += chars
         return True
 
+    @property
+    def cut_short(self) -> bool:
+        return self.done and self._read < self._chars
+
     def estimated_total(self) -> int:
         if self._read >= self._chars:
             return len(self.ids)

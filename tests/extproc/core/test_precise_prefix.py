@@ -18,7 +18,7 @@ from extproc.core.blockhash import BlockHasher
 from extproc.core.prefix import EngineHashing, PromptBlocks, PromptTokenizer
 from extproc.fleet.backend import Backend, BackendPool, BackendSpec, KVEventPorts
 from extproc.fleet.kv_events import EXPECT_S, BlocksStored
-from extproc.fleet.pieces import TokenPieces
+from extproc.fleet.pieces import COLD_CHARS, TokenPieces
 from extproc.fleet.tokenizer import EngineTokenizer
 from tests.extproc.factories import API, FakeClock, Request, policy, scraped
 
@@ -207,3 +207,26 @@ def test_matching_reads_one_block_past_the_longest_held_prefix(engine: EngineHas
     submit(admission, "q", request(long_chat(DOCUMENT, "a new question")))
     assert admission.backend_of("q") is holder
     assert 41 * holder.block_size <= counting.read < 41 * holder.block_size + PIECE_TOKENS
+
+
+def test_holders_tied_where_reading_stopped_are_told_apart_by_what_was_sent_there(
+    engine: EngineHashing, tiny_tokenizer: Path
+) -> None:
+    """Both engines hold all of a long prompt this service never read: one request reads
+    only its budget of it (``COLD_CHARS``), so both match all that was read. The one this
+    gateway sent the prompt to before (the approximate index) keeps it, not the one a
+    load tie would pick."""
+    admission, pool, _ = setup(engine)
+    admission.engine = EngineHashing(EngineTokenizer.from_dir(tiny_tokenizer), engine.hasher)
+    first, second = pool.backends
+    body = long_chat(DOCUMENT, "a question")
+    text = str(body["messages"][0]["content"])
+    assert len(text) > COLD_CHARS
+    for backend in (first, second):
+        keys = PromptBlocks("", "", body, engine).keys(backend.block_size)
+        assert keys is not None and backend.kv_index is not None
+        backend.kv_index.apply([BlocksStored(tuple(keys.all()), backend.block_size)])
+    second.prefix_cache.record(PromptBlocks(text).blocks(second.block_size))
+    submit(admission, "q", Request(API, prompt_text=text, body=body))
+    assert admission.backend_of("q") is second
+    assert admission.picks[(second.address, "prefix")] == 1

@@ -61,7 +61,8 @@ event loop before prompts were read lazily (longer ones went to a thread). A lon
 an engine holds that this process never read (another replica sent it, or only its first
 piece was read when it was new) is read further by each request that matches it, instead
 of stalling the event loop for one. Past the budget the prompt reads as ended there, so
-engines holding that far tie and load decides: at 1 KiB, system prompts of 6-8 KiB were
+engines holding that far tie (the picker breaks the tie with the approximate index, then
+load): at 1 KiB, system prompts of 6-8 KiB were
 read over several requests and `prefix-kv-bound` lost 3-7 points of hit rate in two runs
 of four (loadtests/bench/README.md)."""
 

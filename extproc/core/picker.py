@@ -19,7 +19,10 @@ candidate holding the longest prefix stays the choice while its load score is at
 best other candidate's plus ``sticky_margin``, so a conversation keeps its KV cache; beyond
 that it counts as saturated for this request and the best total score among the others wins
 (its prefix weight alone must not keep piling load on it), which copies a hot prefix onto a
-second backend instead of queueing behind the first.
+second backend instead of queueing behind the first. When precise matching stopped at one
+request's budget of new text (``extproc.fleet.pieces.COLD_CHARS``), the engines holding
+all that was read tie; what this gateway sent each of them (the approximate index) breaks
+the tie before load does.
 
 The first endpoint serves the first attempt; the alternates (healthy only, another region
 first, then least loaded) serve Envoy's retries and hedges through override_host, which uses

@@ -12,10 +12,10 @@ from __future__ import annotations
 import re
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from extproc.fleet.pieces import COLD_CHARS, ColdBudget, PieceCache, TokenPieces, text_pieces
+from extproc.fleet.pieces import COLD_CHARS, ColdBudget, PieceCache, TokenPieces
 
 VOCAB_SIZE = 32_000
 
@@ -138,14 +138,7 @@ class BuiltinTokenizer:
         if text is None:
             return None
         budget = ColdBudget(cold_chars) if cold_chars is not None else None
-        return TokenPieces(self._pieces(text, budget), len(text))
-
-    def _pieces(self, text: str, budget: ColdBudget | None) -> Iterator[tuple[Sequence[int], int]]:
-        for a, b in text_pieces(text):
-            ids = self.cache.ids(text[a:b], tokenize, budget)
-            if ids is None:
-                return
-            yield ids, b - a
+        return TokenPieces(self.cache.pieces(text, tokenize, budget), len(text))
 
 
 def _body_text(body: Mapping[str, Any]) -> str | None:

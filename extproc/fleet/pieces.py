@@ -62,22 +62,25 @@ an engine holds that this process never read (another replica sent it, or only i
 piece was read when it was new) is read further by each request that matches it, instead
 of stalling the event loop for one. Past the budget the prompt reads as ended there, so
 engines holding that far tie (the picker breaks the tie with the approximate index, then
-load): at 1 KiB, system prompts of 6-8 KiB were
-read over several requests and `prefix-kv-bound` lost 3-7 points of hit rate in two runs
-of four (loadtests/bench/README.md)."""
+load): at 1 KiB, system prompts of 6-8 KiB were read over several requests and, before
+that tie-break, `prefix-kv-bound` lost 3-7 points of hit rate in two runs of four
+(loadtests/bench/README.md)."""
 
 
 class ColdBudget:
     """What is left of one request's ``COLD_CHARS``."""
 
-    __slots__ = ("left",)
+    __slots__ = ("left", "stopped")
 
     def __init__(self, chars: int = COLD_CHARS) -> None:
         self.left = chars
+        self.stopped = False
+        """A piece was refused: the prompt's reading ends there."""
 
     def take(self, chars: int) -> bool:
         """Spend ``chars`` if anything is left (a piece is never split)."""
         if self.left <= 0:
+            self.stopped = True
             return False
         self.left -= chars
         return True
@@ -128,3 +131,19 @@ class PieceCache:
                 _, dropped = pieces.popitem(last=False)
                 self._held -= len(dropped)
         return ids
+
+    def pieces(
+        self,
+        text: str,
+        tokenize: Callable[[str], Sequence[int]],
+        budget: ColdBudget | None = None,
+        start: int = 0,
+        end: int | None = None,
+    ) -> Iterator[tuple[Sequence[int], int]]:
+        """The ids of ``text[start:end]`` piece by piece (``text_pieces``), each with the
+        characters it covers, until ``budget`` refuses one (``budget.stopped`` says so)."""
+        for a, b in text_pieces(text, start, end):
+            ids = self.ids(text[a:b], tokenize, budget)
+            if ids is None:
+                return
+            yield ids, b - a

@@ -188,18 +188,12 @@ class EngineTokenizer:
         start = 0
         if self._splitter is not None:
             for match in self._splitter.finditer(text):
-                for a, b in text_pieces(text, start, match.start()):
-                    ids = self.cache.ids(text[a:b], self._encode_piece, budget)
-                    if ids is None:
-                        return
-                    yield ids, b - a
+                yield from self.cache.pieces(text, self._encode_piece, budget, start, match.start())
+                if budget is not None and budget.stopped:
+                    return
                 yield (self._added_ids[match.group()],), match.end() - match.start()
                 start = match.end()
-        for a, b in text_pieces(text, start):
-            ids = self.cache.ids(text[a:b], self._encode_piece, budget)
-            if ids is None:
-                return
-            yield ids, b - a
+        yield from self.cache.pieces(text, self._encode_piece, budget, start)
 
     def _encode_piece(self, text: str) -> list[int]:
         # The batch call without offsets: about 30 % less CPU than ``encode`` here.

@@ -62,7 +62,8 @@ def test_a_spent_budget_tokenizes_nothing_more_but_cached_pieces_still_come() ->
     cache.ids("known", tokenize)
     budget = ColdBudget(10)
     assert cache.ids("first piece, longer than the budget", tokenize, budget) is not None
-    assert budget.left < 0
+    assert budget.left < 0 and not budget.stopped
     assert cache.ids("second", tokenize, budget) is None  # spent: not tokenized
+    assert budget.stopped
     assert cache.ids("known", tokenize, budget) is not None  # cached: free
     assert cache.ids("second", tokenize) is not None  # no budget: always

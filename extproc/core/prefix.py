@@ -78,6 +78,12 @@ class PromptTokenizer(Protocol):
         (``extproc.fleet.pieces.COLD_CHARS``)."""
         ...
 
+    def read_later(self, chars: int) -> int:
+        """Tokenize up to ``chars`` of what budgets left unread of recent prompts, so they
+        are whole when they come back (``extproc.fleet.pieces.ReadLater``); the characters
+        tokenized. The transport calls it between requests."""
+        ...
+
 
 class PromptTokens:
     """A prompt's token ids, read from its ``TokenPieces`` only as far as someone asks

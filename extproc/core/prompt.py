@@ -13,9 +13,10 @@ import re
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
+from functools import partial
 from typing import Any
 
-from extproc.fleet.pieces import COLD_CHARS, ColdBudget, PieceCache, TokenPieces
+from extproc.fleet.pieces import COLD_CHARS, ColdBudget, PieceCache, ReadLater, TokenPieces
 
 VOCAB_SIZE = 32_000
 
@@ -122,6 +123,7 @@ class BuiltinTokenizer:
 
     def __init__(self) -> None:
         self.cache = PieceCache()
+        self.later = ReadLater()
 
     def body_ids(self, body: Mapping[str, Any]) -> list[int] | None:
         """The token ids the simulator computes for a chat or completion body."""
@@ -138,7 +140,12 @@ class BuiltinTokenizer:
         if text is None:
             return None
         budget = ColdBudget(cold_chars) if cold_chars is not None else None
-        return TokenPieces(self.cache.pieces(text, tokenize, budget), len(text))
+        reader = partial(self.cache.pieces, text, tokenize)
+        return TokenPieces(self.later.reading(text, reader, budget), len(text))
+
+    def read_later(self, chars: int) -> int:
+        """Read on, up to ``chars`` of new text, the prompts budgets stopped (``ReadLater``)."""
+        return self.later.read(chars)
 
 
 def _body_text(body: Mapping[str, Any]) -> str | None:

@@ -54,17 +54,16 @@ def text_pieces(
         yield start, stop
 
 
-COLD_CHARS = 8 * 1024
+COLD_CHARS = 1024
 """At most this much text that is not in the cache is tokenized for one request's match
-(~3k tokens, ~3 ms here; the first piece always is): what the service tokenized on its
-event loop before prompts were read lazily (longer ones went to a thread). A long prefix
-an engine holds that this process never read (another replica sent it, or only its first
-piece was read when it was new) is read further by each request that matches it, instead
-of stalling the event loop for one. Past the budget the prompt reads as ended there, so
-engines holding that far tie (the picker breaks the tie with the approximate index, then
-load): at 1 KiB, system prompts of 6-8 KiB were read over several requests and, before
-that tie-break, `prefix-kv-bound` lost 3-7 points of hit rate in two runs of four
-(loadtests/bench/README.md)."""
+(two pieces, ~0.5 ms here; the first piece always is). A long prefix an engine holds that
+this process never read (another replica sent it, or only its first pieces were read when
+it was new) reads as ended there, so engines holding that far tie (the picker breaks the
+tie with the approximate index, then load), and the rest of it is read between requests
+(``ReadLater``), so the next request that meets it finds it whole. Without that second
+part 1 KiB cost `prefix-kv-bound` 3-7 points of hit rate in two runs of four (its system
+prompts are 6-8 KiB, read a KiB per request) and the budget was 8 KiB, ~3-6 ms for the
+request that first met such a prompt (loadtests/bench/README.md)."""
 
 
 class ColdBudget:
@@ -147,3 +146,71 @@ class PieceCache:
             if ids is None:
                 return
             yield ids, b - a
+
+
+Reader = Callable[[ColdBudget | None], Iterator[tuple[Sequence[int], int]]]
+"""A prompt's pieces read again from its start (cached pieces are lookups), within a
+budget of new text."""
+
+READ_LATER_PROMPTS = 256
+"""Prompts waiting to be read on; past it the longest-waiting one is forgotten (a prompt
+matched once in a burst of new ones may never come back)."""
+
+
+class ReadLater:
+    """Prompts whose reading one request's ``COLD_CHARS`` stopped, read on a piece at a
+    time when the service has a moment (``extproc.transport.read_later``), so the pieces
+    the budget left unread are in the cache when the prompt comes back (the next turn of a
+    conversation, the next request on a long system prompt).
+
+    A request never waits for it: its own reading stays within its budget. What it costs is
+    the tokenizing the budget deferred, spent between requests instead of on one. Pure
+    bookkeeping and tokenizing, no I/O: the transport decides when.
+    """
+
+    __slots__ = ("_limit", "_waiting")
+
+    def __init__(self, limit: int = READ_LATER_PROMPTS) -> None:
+        self._waiting: OrderedDict[object, Reader] = OrderedDict()
+        self._limit = limit
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def reading(
+        self, key: object, reader: Reader, budget: ColdBudget | None
+    ) -> Iterator[tuple[Sequence[int], int]]:
+        """``reader(budget)``'s pieces; when ``budget`` stops them, the prompt (``key``)
+        waits here to be read on."""
+        yield from reader(budget)
+        if budget is not None and budget.stopped:
+            self.add(key, reader)
+
+    def add(self, key: object, reader: Reader) -> None:
+        """Read the prompt ``key`` names on later, with ``reader``; the longest-waiting one
+        goes when ``READ_LATER_PROMPTS`` wait."""
+        waiting = self._waiting
+        waiting[key] = reader
+        while len(waiting) > self._limit:
+            waiting.popitem(last=False)
+
+    def read(self, chars: int) -> int:
+        """Tokenize up to ``chars`` of new text (at least one piece if any waits), from the
+        longest-waiting prompt on; the characters tokenized. A prompt read to its end
+        leaves the queue."""
+        spent = 0
+        waiting = self._waiting
+        while waiting and spent < chars:
+            key, reader = next(iter(waiting.items()))
+            budget = ColdBudget(chars - spent)
+            try:
+                for _ in reader(budget):
+                    pass
+            except Exception:  # the tokenizer failed on odd text: as the request's read did
+                del waiting[key]
+                continue
+            spent += (chars - spent) - budget.left
+            if budget.stopped:
+                break
+            del waiting[key]
+        return spent

@@ -27,12 +27,20 @@ import json
 import logging
 import re
 from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
 
-from extproc.fleet.pieces import COLD_CHARS, ColdBudget, PieceCache, TokenPieces, text_pieces
+from extproc.fleet.pieces import (
+    COLD_CHARS,
+    ColdBudget,
+    PieceCache,
+    ReadLater,
+    TokenPieces,
+    text_pieces,
+)
 
 log = logging.getLogger("fairlane.tokenizer")
 
@@ -84,6 +92,7 @@ class EngineTokenizer:
         )
         self._special_prefix = _special_prefix(tokenizer)
         self.cache = PieceCache()
+        self.later = ReadLater()
 
     @classmethod
     def from_dir(
@@ -150,7 +159,12 @@ class EngineTokenizer:
         if self.max_chars is not None:
             text = text[: self.max_chars]
         budget = ColdBudget(cold_chars) if cold_chars is not None else None
-        return TokenPieces(self._pieces(text, special, budget), len(text))
+        reader = partial(self._pieces, text, special)
+        return TokenPieces(self.later.reading((text, special), reader, budget), len(text))
+
+    def read_later(self, chars: int) -> int:
+        """Read on, up to ``chars`` of new text, the prompts budgets stopped (``ReadLater``)."""
+        return self.later.read(chars)
 
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True

@@ -62,6 +62,7 @@ from extproc.transport.held import HeldRequests
 from extproc.transport.kv_feeds import KVEventFeeds
 from extproc.transport.overload import Ages, watch_overload
 from extproc.transport.prometheus import GatewayCollector, start_metrics_server
+from extproc.transport.read_later import read_later
 from extproc.transport.runtime import RuntimeLayer
 from extproc.transport.servicer import (
     AccessLog,
@@ -254,6 +255,10 @@ class Service:
             self._tasks.append(asyncio.create_task(self.dns.run(), name="dns"))
         if self.kv_feeds is not None:
             self._tasks.append(asyncio.create_task(self.kv_feeds.run(), name="kv-events"))
+        engine = self.admission.engine
+        if engine is not None:
+            reading = read_later(engine.tokenizer, self.overload)
+            self._tasks.append(asyncio.create_task(reading, name="read-later"))
         self.failed = asyncio.get_running_loop().create_future()
         for task in self._tasks:
             task.add_done_callback(self._background_ended)

@@ -13,6 +13,7 @@ from extproc.core.prompt import (
     count_tokens,
     render_chat,
 )
+from extproc.fleet.pieces import PIECE_CHARS
 
 # Characters that make every kind of piece and its edges: letters, digits, punctuation,
 # runs of spaces and newlines, tabs, non-ASCII, and the template's own markers.
@@ -66,3 +67,19 @@ def test_the_builtin_tokenizer_read_in_pieces_gives_the_whole_prompts_ids() -> N
             assert len(read) > 1 and sum(chars for _, chars in read) == pieces.chars
             assert [i for ids, _ in read for i in ids] == tokenizer.body_ids(body)
     assert tokenizer.body_pieces({"prompt": [1, 2]}) is None
+
+
+def test_the_builtin_tokenizer_reads_later_what_a_budget_left_unread() -> None:
+    tokenizer = BuiltinTokenizer()
+    text = " ".join(f"kaloto{n} the generation" for n in range(800))
+    body = {"prompt": text}
+    first = tokenizer.body_pieces(body)
+    assert first is not None
+    assert sum(chars for _, chars in first.pieces) < len(text)
+    while tokenizer.read_later(PIECE_CHARS):
+        pass
+    misses = tokenizer.cache.misses
+    again = tokenizer.body_pieces(body)
+    assert again is not None
+    assert [i for ids, _ in again.pieces for i in ids] == tokenizer.body_ids(body)
+    assert tokenizer.cache.misses == misses

@@ -5,8 +5,17 @@ from __future__ import annotations
 import itertools
 import random
 from array import array
+from collections.abc import Iterator, Sequence
+from functools import partial
 
-from extproc.fleet.pieces import ColdBudget, PieceCache, text_pieces
+from extproc.fleet.pieces import (
+    PIECE_CHARS,
+    ColdBudget,
+    PieceCache,
+    Reader,
+    ReadLater,
+    text_pieces,
+)
 
 
 def test_pieces_cover_the_text_and_are_cut_only_where_a_word_starts() -> None:
@@ -67,3 +76,65 @@ def test_a_spent_budget_tokenizes_nothing_more_but_cached_pieces_still_come() ->
     assert budget.stopped
     assert cache.ids("known", tokenize, budget) is not None  # cached: free
     assert cache.ids("second", tokenize) is not None  # no budget: always
+
+
+def _reader(cache: PieceCache, text: str, calls: list[str]) -> Reader:
+    def tokenize(piece: str) -> list[int]:
+        calls.append(piece)
+        return [ord(c) for c in piece]
+
+    return partial(cache.pieces, text, tokenize)
+
+
+def test_a_prompt_its_budget_stopped_is_read_on_later_a_budget_at_a_time() -> None:
+    """What one request's budget left unread is tokenized by ``ReadLater.read`` within the
+    characters it is given, and then comes from the cache: the next request reads it
+    whole within the same budget."""
+    cache, later = PieceCache(), ReadLater()
+    calls: list[str] = []
+    text = " ".join(f"word{n:05d}" for n in range(600))  # 6,600 chars: 13 pieces
+    reader = _reader(cache, text, calls)
+    budget = ColdBudget(1024)
+    first = list(later.reading("p", reader, budget))
+    assert budget.stopped and len(later) == 1
+    assert sum(chars for _, chars in first) < len(text)
+    read_by_request = len(calls)
+    spent = later.read(1024)
+    assert 1024 <= spent < 1024 + 2 * PIECE_CHARS
+    assert len(later) == 1  # not done yet
+    while later.read(1024):
+        pass
+    assert len(later) == 0
+    assert "".join(calls) == text  # every piece tokenized once, in order
+    assert len(calls) > read_by_request
+    budget = ColdBudget(1024)
+    again = list(later.reading("p", reader, budget))
+    assert sum(chars for _, chars in again) == len(text) and not budget.stopped
+    assert len(later) == 0
+
+
+def test_prompts_read_to_the_end_leave_and_the_longest_waiting_goes_past_the_limit() -> None:
+    cache, later = PieceCache(), ReadLater(limit=2)
+    calls: list[str] = []
+    for name in ("a", "b", "c"):
+        text = " ".join(f"{name}{n:05d}" for n in range(300))
+        list(later.reading(name, _reader(cache, text, calls), ColdBudget(1)))
+    assert len(later) == 2  # "a" forgotten
+    calls.clear()
+    while later.read(100_000):
+        pass
+    assert len(later) == 0 and {piece.strip()[0] for piece in calls} == {"b", "c"}
+    list(later.reading("d", _reader(cache, "short", calls), ColdBudget(1)))
+    assert len(later) == 0  # read whole: nothing left to read later
+    assert later.read(1000) == 0
+
+
+def test_a_prompt_the_tokenizer_fails_on_is_dropped() -> None:
+    later = ReadLater()
+
+    def failing(budget: ColdBudget | None) -> Iterator[tuple[Sequence[int], int]]:
+        raise ValueError("odd text")
+        yield  # a generator
+
+    later.add("bad", failing)
+    assert later.read(1000) == 0 and len(later) == 0

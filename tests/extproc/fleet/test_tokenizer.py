@@ -79,6 +79,31 @@ def test_one_request_tokenizes_at_most_its_budget_of_new_text(
     assert read == whole
 
 
+def test_what_a_budget_left_unread_is_read_later_and_the_next_request_reads_it_whole(
+    tokenizer: EngineTokenizer, tiny_tokenizer: Path
+) -> None:
+    """The rest of a prompt one request's budget stopped is read between requests
+    (``read_later``): the next request with it reads all of it from the cache, within its
+    budget, and gets the ids of the whole."""
+    plain = Tokenizer.from_file(str(tiny_tokenizer / "tokenizer.json"))
+    text = " ".join(f"mineral{n} the gen" for n in range(1500))
+    body = {"prompt": text, "add_special_tokens": False}
+    first = tokenizer.body_pieces(body)
+    assert first is not None
+    read = [i for ids, _ in first.pieces for i in ids]
+    whole = plain.encode(text, add_special_tokens=False).ids
+    assert len(read) < len(whole) and len(tokenizer.later) == 1
+    rounds = 0
+    while tokenizer.read_later(PIECE_CHARS):
+        rounds += 1
+    assert rounds >= (len(text) - 2 * COLD_CHARS) // (2 * PIECE_CHARS)  # a piece or so each
+    misses = tokenizer.cache.misses
+    again = tokenizer.body_pieces(body)
+    assert again is not None
+    assert [i for ids, _ in again.pieces for i in ids] == whole
+    assert tokenizer.cache.misses == misses and len(tokenizer.later) == 0
+
+
 def test_a_tokenizer_whose_ids_change_where_text_is_cut_reads_it_whole(
     tiny_tokenizer: Path,
 ) -> None:

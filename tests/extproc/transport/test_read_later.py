@@ -1,0 +1,44 @@
+"""The loop that reads on, between requests, what budgets left unread
+(extproc.transport.read_later), with the simulator's tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+from extproc.core.overload import OverloadControl
+from extproc.core.prompt import BuiltinTokenizer
+from extproc.transport.read_later import read_later
+
+TEXT = " ".join(f"kaloto{n} the generation" for n in range(800))
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.002)
+
+
+async def test_waiting_prompts_are_read_a_piece_a_period_and_not_while_overloaded() -> None:
+    tokenizer = BuiltinTokenizer()
+    pieces = tokenizer.body_pieces({"prompt": TEXT})
+    assert pieces is not None
+    list(pieces.pieces)
+    assert len(tokenizer.later) == 1
+    overload = OverloadControl()
+    overload.behind = True  # overloaded: requests first
+    task = asyncio.create_task(read_later(tokenizer, overload, period_s=0.001))
+    try:
+        misses = tokenizer.cache.misses
+        await asyncio.sleep(0.05)
+        assert tokenizer.cache.misses == misses and len(tokenizer.later) == 1
+        overload.behind = False
+        await _until(lambda: len(tokenizer.later) == 0)
+        assert tokenizer.cache.misses > misses + 2  # several pieces, one per period
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task

@@ -54,7 +54,7 @@ def text_pieces(
         yield start, stop
 
 
-COLD_CHARS = 1024
+COLD_CHARS = 512
 """At most this much text that is not in the cache is tokenized for one request's match
 (two pieces, ~0.5 ms here; the first piece always is). A long prefix an engine holds that
 this process never read (another replica sent it, or only its first pieces were read when

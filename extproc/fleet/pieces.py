@@ -55,15 +55,15 @@ def text_pieces(
 
 
 COLD_CHARS = 512
-"""At most this much text that is not in the cache is tokenized for one request's match
-(two pieces, ~0.5 ms here; the first piece always is). A long prefix an engine holds that
-this process never read (another replica sent it, or only its first pieces were read when
-it was new) reads as ended there, so engines holding that far tie (the picker breaks the
-tie with the approximate index, then load), and the rest of it is read between requests
-(``ReadLater``), so the next request that meets it finds it whole. Without that second
-part 1 KiB cost `prefix-kv-bound` 3-7 points of hit rate in two runs of four (its system
-prompts are 6-8 KiB, read a KiB per request) and the budget was 8 KiB, ~3-6 ms for the
-request that first met such a prompt (loadtests/bench/README.md)."""
+"""At most this much text that is not in the cache is tokenized for one request's match:
+one piece (the first piece is always read), ~0.2-0.4 ms here. A longer prefix an engine
+holds that this process never read (another replica sent it, or it was new when first
+sent) reads as ended there, so engines holding that far tie (the picker breaks the tie with
+the approximate index, then load), and the rest of it is read between requests
+(``ReadLater``), so the next request that meets it finds it whole. Without that second part
+a budget of 1 KiB cost `prefix-kv-bound` 3-7 points of hit rate in two runs of four (its
+system prompts are 6-8 KiB, read a KiB per request) and the budget was 8 KiB: 3-6 ms for
+the request that first met such a prompt (loadtests/bench/README.md)."""
 
 
 class ColdBudget:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,17 +18,60 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+LOWEST_PORT = 10_000
+"""Ports handed out for servers start here (below, the well-known and registered ones a
+machine's own services tend to use)."""
+
+_handed_out: deque[int] = deque(maxlen=4096)
+"""Ports this process handed out lately: a server may not have bound its port yet when the
+next one is asked for."""
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on ``host``."""
+    """A TCP port that is free right now on ``host``, for a server about to be started.
+
+    Taken below the kernel's ephemeral range when it can be: the kernel gives ports of
+    that range to outgoing connections (each scrape, each proxied request), so a port found
+    free there can be taken by one before the server binds it. It happened: a benchmark
+    arm's simulator failed with "Address already in use" on its KV events port. Not one
+    handed out lately by this process, nor one any socket holds (a bind without
+    ``SO_REUSEADDR`` fails while a connection on it lingers)."""
+    low, _ = _ephemeral_range()
+    if low - LOWEST_PORT >= 1_000:
+        for _ in range(200):
+            port = random.randrange(LOWEST_PORT, low)
+            if port not in _handed_out and _bindable(host, port):
+                _handed_out.append(port)
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    _handed_out.append(port)
+    return port
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel gives outgoing connections (Linux's defaults if unreadable)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass

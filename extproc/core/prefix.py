@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from extproc.fleet.pieces import TokenPieces
+from extproc.fleet.pieces import PieceCache, ReadLater, TokenPieces
 
 if TYPE_CHECKING:  # the service loads it only when precise routing is configured
     from extproc.core.blockhash import BlockHasher, BlockKeys
@@ -67,6 +67,11 @@ def prefix_blocks(
 class PromptTokenizer(Protocol):
     """The engines' tokenizer: ``extproc.fleet.tokenizer.EngineTokenizer`` (a model's own
     files) or ``extproc.core.prompt.BuiltinTokenizer`` (fairlane's simulated engines)."""
+
+    cache: PieceCache
+    """Token ids of the pieces read lately (its hits and misses are the service's metrics)."""
+    later: ReadLater
+    """Prompts a budget stopped, to be read on between requests."""
 
     def body_ids(self, body: Mapping[str, Any]) -> list[int] | None:
         """The prompt's ids; None when the body has no single text prompt."""

@@ -338,6 +338,24 @@ class GatewayCollector(Collector):
                 for kind in KV_STREAM_COUNTERS:
                     stream.add_metric([*labels, kind], getattr(subscriber, kind))
         yield from (live, blocks, stream)
+        engine = self.admission.engine
+        if engine is not None:
+            tokenizer = engine.tokenizer
+            yield _counter(
+                "fairlane_prompt_pieces",
+                "Pieces of prompts read for precise matching, by whether their token ids were "
+                "cached (hit) or tokenized (miss), by requests and by the read-later loop.",
+                ["cache"],
+                [(("hit",), tokenizer.cache.hits), (("miss",), tokenizer.cache.misses)],
+            )
+            waiting = GaugeMetricFamily(
+                "fairlane_prompts_read_later",
+                "Prompts whose reading one request's budget of new text stopped, waiting to "
+                "be read on between requests (a backlog that grows means the loop does not "
+                "keep up, or the service is overloaded and reads none).",
+            )
+            waiting.add_metric([], len(tokenizer.later))
+            yield waiting
 
     def _outcomes(self) -> Iterable[Metric]:
         stats = self.stats

@@ -141,6 +141,23 @@ async def test_blocks_cached_for_traffic_elsewhere_draw_the_request(stack: Stack
         if name == "fairlane_prefix_matches_total" and ("index", "precise") in labels
     )
     assert precise >= 2
+    # Each request tokenized one piece of the ~3.5 KB system prompt it had never read (its
+    # budget, COLD_CHARS), and the rest waited to be read between requests: all of it is
+    # read soon after, seven pieces or so per prompt.
+    await until(
+        lambda: _metric(stack, "fairlane_prompts_read_later") == 0,
+        "the prompts' unread rest read between requests",
+        every_s=0.05,
+    )
+    assert _metric(stack, "fairlane_prompt_pieces_total", ("cache", "miss")) >= 12
+
+
+def _metric(stack: Stack, name: str, label: tuple[str, str] | None = None) -> float:
+    return sum(
+        value
+        for (found, labels), value in service_metrics(stack).items()
+        if found == name and (label is None or label in labels)
+    )
 
 
 async def test_an_engine_restarted_empty_is_forgotten(stack: Stack) -> None:

@@ -133,6 +133,8 @@ class CountingTokenizer:
 
     def __init__(self, tokenizer: PromptTokenizer) -> None:
         self.tokenizer = tokenizer
+        self.cache = tokenizer.cache
+        self.later = tokenizer.later
         self.read = 0
 
     def body_ids(self, body: Mapping[str, Any]) -> list[int] | None:

@@ -22,15 +22,20 @@ READ_LATER_PERIOD_S = 0.005
 """One piece every 5 ms at most: ~100 KB of prompt text a second, a few per cent of a core
 with the tiny model's tokenizer, only while prompts wait."""
 
+IDLE_PERIOD_S = 0.05
+"""How often to look while nothing waits (a prompt starts being read within this)."""
+
 
 async def read_later(
     tokenizer: PromptTokenizer,
     overload: OverloadControl,
     period_s: float = READ_LATER_PERIOD_S,
     chars: int = PIECE_CHARS,
+    idle_s: float = IDLE_PERIOD_S,
 ) -> None:
-    """Forever: every ``period_s``, tokenize up to ``chars`` of the waiting prompts."""
+    """Forever: every ``period_s`` while prompts wait (``idle_s`` while none do), tokenize
+    up to ``chars`` of them."""
     while True:
-        await asyncio.sleep(period_s)
+        await asyncio.sleep(period_s if len(tokenizer.later) else idle_s)
         if not overload.overloaded:
             tokenizer.read_later(chars)

@@ -30,7 +30,7 @@ async def test_waiting_prompts_are_read_a_piece_a_period_and_not_while_overloade
     assert len(tokenizer.later) == 1
     overload = OverloadControl()
     overload.behind = True  # overloaded: requests first
-    task = asyncio.create_task(read_later(tokenizer, overload, period_s=0.001))
+    task = asyncio.create_task(read_later(tokenizer, overload, period_s=0.001, idle_s=0.001))
     try:
         misses = tokenizer.cache.misses
         await asyncio.sleep(0.05)

@@ -141,7 +141,7 @@ class BuiltinTokenizer:
             return None
         budget = ColdBudget(cold_chars) if cold_chars is not None else None
         reader = partial(self.cache.pieces, text, tokenize)
-        return TokenPieces(self.later.reading(text, reader, budget), len(text))
+        return TokenPieces(self.later.reading(text, reader, budget, len(text)), len(text))
 
     def read_later(self, chars: int) -> int:
         """Read on, up to ``chars`` of new text, the prompts budgets stopped (``ReadLater``)."""

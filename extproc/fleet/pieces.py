@@ -156,6 +156,14 @@ READ_LATER_PROMPTS = 256
 """Prompts waiting to be read on; past it the longest-waiting one is forgotten (a prompt
 matched once in a burst of new ones may never come back)."""
 
+READ_LATER_CHARS = 8 * 1024 * 1024
+"""Characters of prompt text held while waiting, at most (the longest-waiting go first)."""
+
+READ_LATER_WALKS = 8
+"""Prompts one ``ReadLater.read`` looks at, at most: a prompt the requests have read
+meanwhile is walked piece by piece through the cache before it is found whole, and a call
+must stay short whatever waits."""
+
 
 class ReadLater:
     """Prompts whose reading one request's ``COLD_CHARS`` stopped, read on a piece at a
@@ -168,49 +176,60 @@ class ReadLater:
     bookkeeping and tokenizing, no I/O: the transport decides when.
     """
 
-    __slots__ = ("_limit", "_waiting")
+    __slots__ = ("_held", "_limit", "_limit_chars", "_waiting")
 
-    def __init__(self, limit: int = READ_LATER_PROMPTS) -> None:
-        self._waiting: OrderedDict[object, Reader] = OrderedDict()
+    def __init__(self, limit: int = READ_LATER_PROMPTS, chars: int = READ_LATER_CHARS) -> None:
+        self._waiting: OrderedDict[object, tuple[Reader, int]] = OrderedDict()
         self._limit = limit
+        self._limit_chars = chars
+        self._held = 0
 
     def __len__(self) -> int:
         return len(self._waiting)
 
     def reading(
-        self, key: object, reader: Reader, budget: ColdBudget | None
+        self, key: object, reader: Reader, budget: ColdBudget | None, size: int
     ) -> Iterator[tuple[Sequence[int], int]]:
-        """``reader(budget)``'s pieces; when ``budget`` stops them, the prompt (``key``)
-        waits here to be read on."""
+        """``reader(budget)``'s pieces; when ``budget`` stops them, the prompt (``key``, of
+        ``size`` characters) waits here to be read on."""
         yield from reader(budget)
         if budget is not None and budget.stopped:
-            self.add(key, reader)
+            self.add(key, reader, size)
 
-    def add(self, key: object, reader: Reader) -> None:
-        """Read the prompt ``key`` names on later, with ``reader``; the longest-waiting one
-        goes when ``READ_LATER_PROMPTS`` wait."""
+    def add(self, key: object, reader: Reader, size: int) -> None:
+        """Read the prompt ``key`` names (``size`` characters) on later, with ``reader``;
+        the longest-waiting ones go past ``READ_LATER_PROMPTS`` or ``READ_LATER_CHARS``."""
         waiting = self._waiting
-        waiting[key] = reader
-        while len(waiting) > self._limit:
-            waiting.popitem(last=False)
+        if key in waiting:
+            return
+        waiting[key] = (reader, size)
+        self._held += size
+        while len(waiting) > self._limit or self._held > self._limit_chars:
+            self._drop(next(iter(waiting)))
 
     def read(self, chars: int) -> int:
         """Tokenize up to ``chars`` of new text (at least one piece if any waits), from the
-        longest-waiting prompt on; the characters tokenized. A prompt read to its end
-        leaves the queue."""
+        longest-waiting prompt on, looking at ``READ_LATER_WALKS`` prompts at most; the
+        characters tokenized. A prompt read to its end leaves the queue."""
         spent = 0
         waiting = self._waiting
-        while waiting and spent < chars:
-            key, reader = next(iter(waiting.items()))
+        for _ in range(READ_LATER_WALKS):
+            if not waiting or spent >= chars:
+                break
+            key, (reader, _) = next(iter(waiting.items()))
             budget = ColdBudget(chars - spent)
             try:
                 for _ in reader(budget):
                     pass
             except Exception:  # the tokenizer failed on odd text: as the request's read did
-                del waiting[key]
+                self._drop(key)
                 continue
             spent += (chars - spent) - budget.left
             if budget.stopped:
                 break
-            del waiting[key]
+            self._drop(key)
         return spent
+
+    def _drop(self, key: object) -> None:
+        _, size = self._waiting.pop(key)
+        self._held -= size

@@ -160,7 +160,8 @@ class EngineTokenizer:
             text = text[: self.max_chars]
         budget = ColdBudget(cold_chars) if cold_chars is not None else None
         reader = partial(self._pieces, text, special)
-        return TokenPieces(self.later.reading((text, special), reader, budget), len(text))
+        pieces = self.later.reading((text, special), reader, budget, len(text))
+        return TokenPieces(pieces, len(text))
 
     def read_later(self, chars: int) -> int:
         """Read on, up to ``chars`` of new text, the prompts budgets stopped (``ReadLater``)."""

@@ -10,6 +10,7 @@ from functools import partial
 
 from extproc.fleet.pieces import (
     PIECE_CHARS,
+    READ_LATER_WALKS,
     ColdBudget,
     PieceCache,
     Reader,
@@ -95,7 +96,7 @@ def test_a_prompt_its_budget_stopped_is_read_on_later_a_budget_at_a_time() -> No
     text = " ".join(f"word{n:05d}" for n in range(600))  # 6,600 chars: 13 pieces
     reader = _reader(cache, text, calls)
     budget = ColdBudget(1024)
-    first = list(later.reading("p", reader, budget))
+    first = list(later.reading("p", reader, budget, len(text)))
     assert budget.stopped and len(later) == 1
     assert sum(chars for _, chars in first) < len(text)
     read_by_request = len(calls)
@@ -108,7 +109,7 @@ def test_a_prompt_its_budget_stopped_is_read_on_later_a_budget_at_a_time() -> No
     assert "".join(calls) == text  # every piece tokenized once, in order
     assert len(calls) > read_by_request
     budget = ColdBudget(1024)
-    again = list(later.reading("p", reader, budget))
+    again = list(later.reading("p", reader, budget, len(text)))
     assert sum(chars for _, chars in again) == len(text) and not budget.stopped
     assert len(later) == 0
 
@@ -118,13 +119,13 @@ def test_prompts_read_to_the_end_leave_and_the_longest_waiting_goes_past_the_lim
     calls: list[str] = []
     for name in ("a", "b", "c"):
         text = " ".join(f"{name}{n:05d}" for n in range(300))
-        list(later.reading(name, _reader(cache, text, calls), ColdBudget(1)))
+        list(later.reading(name, _reader(cache, text, calls), ColdBudget(1), len(text)))
     assert len(later) == 2  # "a" forgotten
     calls.clear()
     while later.read(100_000):
         pass
     assert len(later) == 0 and {piece.strip()[0] for piece in calls} == {"b", "c"}
-    list(later.reading("d", _reader(cache, "short", calls), ColdBudget(1)))
+    list(later.reading("d", _reader(cache, "short", calls), ColdBudget(1), 5))
     assert len(later) == 0  # read whole: nothing left to read later
     assert later.read(1000) == 0
 
@@ -136,5 +137,21 @@ def test_a_prompt_the_tokenizer_fails_on_is_dropped() -> None:
         raise ValueError("odd text")
         yield  # a generator
 
-    later.add("bad", failing)
+    later.add("bad", failing, 10)
     assert later.read(1000) == 0 and len(later) == 0
+
+
+def test_the_text_held_waiting_is_bounded_and_one_read_looks_at_few_prompts() -> None:
+    cache = PieceCache()
+    calls: list[str] = []
+    later = ReadLater(chars=10_000)
+    texts = [" ".join(f"t{n}w{i:04d}" for i in range(500)) for n in range(6)]  # ~4.5k chars
+    for n, text in enumerate(texts):
+        list(later.reading(n, _reader(cache, text, calls), ColdBudget(1), len(text)))
+    assert len(later) == 2  # 4 x 4.5k chars: the oldest went
+    for text in texts:  # the requests read them whole meanwhile: nothing left to tokenize
+        list(cache.pieces(text, lambda piece: [len(piece)]))
+    many = ReadLater()
+    for n in range(20):
+        many.add(n, _reader(cache, texts[n % 6], calls), len(texts[n % 6]))
+    assert many.read(1000) == 0 and len(many) == 20 - READ_LATER_WALKS

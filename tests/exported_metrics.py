@@ -17,9 +17,12 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.core.blockhash import BlockHasher
 from extproc.core.decisions import Forward, Respond
 from extproc.core.events import Completion
 from extproc.core.peers import PeerView, ReplicaReport
+from extproc.core.prefix import EngineHashing
+from extproc.core.prompt import BuiltinTokenizer
 from extproc.fleet.discovery import DnsBackendSpec
 from extproc.fleet.kv_events import KVBlockIndex
 from extproc.fleet.kv_subscriber import KVEventSubscriber
@@ -132,6 +135,8 @@ def _drive() -> str:
         local.kv_index.live = True
         feeds = KVEventFeeds(gateway.admission.pool)
         feeds.subscribers[local.address] = KVEventSubscriber("tcp://127.0.0.1:1", local.kv_index)
+        # Precise matching with a tokenizer (the simulator's), so its families are too.
+        gateway.admission.engine = EngineHashing(BuiltinTokenizer(), BlockHasher())
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(

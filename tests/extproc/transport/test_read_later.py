@@ -4,22 +4,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import pytest
 
 from extproc.core.overload import OverloadControl
 from extproc.core.prompt import BuiltinTokenizer
 from extproc.transport.read_later import read_later
+from tests.polling import until
 
 TEXT = " ".join(f"kaloto{n} the generation" for n in range(800))
-
-
-async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.002)
 
 
 async def test_waiting_prompts_are_read_a_piece_a_period_and_not_while_overloaded() -> None:
@@ -36,7 +29,7 @@ async def test_waiting_prompts_are_read_a_piece_a_period_and_not_while_overloade
         await asyncio.sleep(0.05)
         assert tokenizer.cache.misses == misses and len(tokenizer.later) == 1
         overload.behind = False
-        await _until(lambda: len(tokenizer.later) == 0)
+        await until(lambda: len(tokenizer.later) == 0, "the waiting prompt read", 5.0, 0.002)
         assert tokenizer.cache.misses > misses + 2  # several pieces, one per period
     finally:
         task.cancel()

@@ -48,8 +48,9 @@ MAX_PROMPT_CHARS = 32 * 1024
 """Longer prompts are cut before tokenizing: only their head decides prefix affinity, and
 the work a prompt can cause stays bounded (here about 8-12k tokens, 11-20 ms of CPU to
 read all of it uncached, which one request never does: ``COLD_CHARS``; the read-later
-loop does, a piece at a time between requests; ``loadtests/bench/tokenize_cost.py``). Blocks past the cut are not matched; the cut may
-change the last few tokens before it, so the block holding it may not match either."""
+loop does, a piece at a time between requests; ``loadtests/bench/tokenize_cost.py``).
+Blocks past the cut are not matched; the cut may change the last few tokens before it, so
+the block holding it may not match either."""
 
 
 class TokenizerError(ValueError):

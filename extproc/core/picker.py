@@ -144,8 +144,7 @@ def _sent_past_the_read(
         keys = prompt.keys(backend.block_size)
         if keys is None or not keys.cut_short:
             continue
-        blocks = prompt.blocks(backend.block_size)
-        sent[i] = backend.prefix_cache.match(blocks) / len(blocks) if blocks else 0.0
+        sent[i] = _sent_share(backend, prompt)
     return sent
 
 
@@ -158,6 +157,12 @@ def _share(backend: Backend, prompt: PromptBlocks | None) -> float:
     if keys is not None:  # the engine's own truth, read only as far as it holds the prompt
         held = backend.precise_prefix(keys)
         return held / keys.total() if held else 0.0
+    return _sent_share(backend, prompt)
+
+
+def _sent_share(backend: Backend, prompt: PromptBlocks) -> float:
+    """The share of the prompt's leading blocks this gateway sent ``backend`` lately (the
+    approximate index)."""
     blocks = prompt.blocks(backend.block_size)
     if not blocks:
         return 0.0

@@ -71,7 +71,8 @@ class PromptTokenizer(Protocol):
     cache: PieceCache
     """Token ids of the pieces read lately (its hits and misses are the service's metrics)."""
     later: ReadLater
-    """Prompts a budget stopped, to be read on between requests."""
+    """Prompts a budget stopped, read on between requests by the transport
+    (``extproc.transport.read_later``)."""
 
     def body_ids(self, body: Mapping[str, Any]) -> list[int] | None:
         """The prompt's ids; None when the body has no single text prompt."""
@@ -81,12 +82,6 @@ class PromptTokenizer(Protocol):
         """The same ids piece by piece, each tokenized when it is read; they may end early,
         before ``TokenPieces.chars`` are read, where reading on would cost too much
         (``extproc.fleet.pieces.COLD_CHARS``)."""
-        ...
-
-    def read_later(self, chars: int) -> int:
-        """Tokenize up to ``chars`` of what budgets left unread of recent prompts, so they
-        are whole when they come back (``extproc.fleet.pieces.ReadLater``); the characters
-        tokenized. The transport calls it between requests."""
         ...
 
 

@@ -143,10 +143,6 @@ class BuiltinTokenizer:
         reader = partial(self.cache.pieces, text, tokenize)
         return TokenPieces(self.later.reading(text, reader, budget, len(text)), len(text))
 
-    def read_later(self, chars: int) -> int:
-        """Read on, up to ``chars`` of new text, the prompts budgets stopped (``ReadLater``)."""
-        return self.later.read(chars)
-
 
 def _body_text(body: Mapping[str, Any]) -> str | None:
     messages = body.get("messages")

@@ -164,10 +164,6 @@ class EngineTokenizer:
         pieces = self.later.reading((text, special), reader, budget, len(text))
         return TokenPieces(pieces, len(text))
 
-    def read_later(self, chars: int) -> int:
-        """Read on, up to ``chars`` of new text, the prompts budgets stopped (``ReadLater``)."""
-        return self.later.read(chars)
-
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> str:

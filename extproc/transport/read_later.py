@@ -38,4 +38,4 @@ async def read_later(
     while True:
         await asyncio.sleep(period_s if len(tokenizer.later) else idle_s)
         if not overload.overloaded:
-            tokenizer.read_later(chars)
+            tokenizer.later.read(chars)

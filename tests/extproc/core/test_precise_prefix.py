@@ -152,9 +152,6 @@ class CountingTokenizer:
 
         return TokenPieces(counted(), pieces.chars)
 
-    def read_later(self, chars: int) -> int:
-        return self.tokenizer.read_later(chars)
-
 
 def long_chat(document: str, question: str) -> dict[str, Any]:
     return {

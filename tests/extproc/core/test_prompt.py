@@ -76,7 +76,7 @@ def test_the_builtin_tokenizer_reads_later_what_a_budget_left_unread() -> None:
     first = tokenizer.body_pieces(body)
     assert first is not None
     assert sum(chars for _, chars in first.pieces) < len(text)
-    while tokenizer.read_later(PIECE_CHARS):
+    while tokenizer.later.read(PIECE_CHARS):
         pass
     misses = tokenizer.cache.misses
     again = tokenizer.body_pieces(body)

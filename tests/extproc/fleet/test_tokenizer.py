@@ -83,7 +83,7 @@ def test_what_a_budget_left_unread_is_read_later_and_the_next_request_reads_it_w
     tokenizer: EngineTokenizer, tiny_tokenizer: Path
 ) -> None:
     """The rest of a prompt one request's budget stopped is read between requests
-    (``read_later``): the next request with it reads all of it from the cache, within its
+    (``later.read``): the next request with it reads all of it from the cache, within its
     budget, and gets the ids of the whole."""
     plain = Tokenizer.from_file(str(tiny_tokenizer / "tokenizer.json"))
     text = " ".join(f"mineral{n} the gen" for n in range(1500))
@@ -94,7 +94,7 @@ def test_what_a_budget_left_unread_is_read_later_and_the_next_request_reads_it_w
     whole = plain.encode(text, add_special_tokens=False).ids
     assert len(read) < len(whole) and len(tokenizer.later) == 1
     rounds = 0
-    while tokenizer.read_later(PIECE_CHARS):
+    while tokenizer.later.read(PIECE_CHARS):
         rounds += 1
     assert rounds >= (len(text) - 2 * COLD_CHARS) // (2 * PIECE_CHARS)  # a piece or so each
     misses = tokenizer.cache.misses

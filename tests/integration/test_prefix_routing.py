@@ -52,11 +52,18 @@ def service_metrics(stack: Stack) -> Samples:
         return parse_samples(r.read().decode())
 
 
+def metric(stack: Stack, name: str, **labels: str) -> float:
+    """The sum of the service's ``name`` samples whose labels include ``labels`` (0: none)."""
+    wanted = set(labels.items())
+    return sum(
+        value
+        for (sample, found), value in service_metrics(stack).items()
+        if sample == name and wanted <= found
+    )
+
+
 def gauge(stack: Stack, name: str, backend: str) -> float:
-    for (sample, labels), value in service_metrics(stack).items():
-        if sample == name and ("backend", backend) in labels:
-            return value
-    return 0.0
+    return metric(stack, name, backend=backend)
 
 
 def conversation(system: str, question: str) -> dict[str, Any]:
@@ -135,29 +142,16 @@ async def test_blocks_cached_for_traffic_elsewhere_draw_the_request(stack: Stack
             question = f"through the gateway to {backend.port}"
             await send(session, stack.url, conversation(system, question))
             assert served_by(stack, question) == backend.address
-    precise = sum(
-        value
-        for (name, labels), value in service_metrics(stack).items()
-        if name == "fairlane_prefix_matches_total" and ("index", "precise") in labels
-    )
-    assert precise >= 2
+    assert metric(stack, "fairlane_prefix_matches_total", index="precise") >= 2
     # Each request tokenized one piece of the ~3.5 KB system prompt it had never read (its
     # budget, COLD_CHARS), and the rest waited to be read between requests: all of it is
     # read soon after, seven pieces or so per prompt.
     await until(
-        lambda: _metric(stack, "fairlane_prompts_read_later") == 0,
+        lambda: metric(stack, "fairlane_prompts_read_later") == 0,
         "the prompts' unread rest read between requests",
         every_s=0.05,
     )
-    assert _metric(stack, "fairlane_prompt_pieces_total", ("cache", "miss")) >= 12
-
-
-def _metric(stack: Stack, name: str, label: tuple[str, str] | None = None) -> float:
-    return sum(
-        value
-        for (found, labels), value in service_metrics(stack).items()
-        if found == name and (label is None or label in labels)
-    )
+    assert metric(stack, "fairlane_prompt_pieces_total", cache="miss") >= 12
 
 
 async def test_an_engine_restarted_empty_is_forgotten(stack: Stack) -> None:
@@ -194,14 +188,7 @@ async def test_an_engine_restarted_empty_is_forgotten(stack: Stack) -> None:
 
 
 def _restarts(stack: Stack, address: str) -> float:
-    for (name, labels), value in service_metrics(stack).items():
-        if (
-            name == "fairlane_kv_events_total"
-            and ("backend", address) in labels
-            and ("kind", "restarts") in labels
-        ):
-            return value
-    return 0.0
+    return metric(stack, "fairlane_kv_events_total", backend=address, kind="restarts")
 
 
 @pytest.fixture(scope="module")

@@ -171,7 +171,7 @@ def start_arm(
             service_args=(
                 "--state-period-ms",
                 f"{state_period_ms(scenario.speedup):g}",
-                *(("--tokenizer", BUILTIN_TOKENIZER) if precise else ()),
+                *(("--tokenizer", scenario.tokenizer or BUILTIN_TOKENIZER) if precise else ()),
             ),
         )
         stack = Stack(config, group).start()

@@ -19,20 +19,24 @@ import signal
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from extproc.envoy.params import EnvoyConfigError
-from extproc.fleet.backend import BackendSpec, parse_backend
+from extproc.fleet.backend import BackendSpec
 from extproc.ops.processes import NotReady, ProcessGroup
 from extproc.policy import load_policy
 from loadtests.bench import cpu, report
 from loadtests.bench.arms import start_arm
 from loadtests.bench.cachestats import window_hit_rate
 from loadtests.bench.client import RequestRecord, run_load
+from loadtests.bench.external import (
+    BackendError,
+    check_precise,
+    external_backends,
+    reset_prefix_caches,
+)
 from loadtests.bench.replica_flows import placement, read_replica_flows
 from loadtests.bench.results import ArmResult, BenchResults
 from loadtests.bench.scenario import (
@@ -81,6 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model", default=None, help="the model name to send (overrides the scenario's model)"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="the precise arms' tokenizer with --backend: the engines' model directory "
+        "(default: the simulators' own)",
     )
     parser.add_argument(
         "--replicas",
@@ -169,11 +180,15 @@ def run_arm(
 
 
 def scenario_json(
-    scenario: Scenario, external: tuple[BackendSpec, ...] = (), policy_file: Path | None = None
+    scenario: Scenario,
+    external: tuple[BackendSpec, ...] = (),
+    policy_file: Path | None = None,
+    caches_kept: dict[str, list[str]] | None = None,
 ) -> dict[str, Any]:
     """The scenario as run (overrides applied), for ``results.json`` and the report:
     ``policy`` is the file named, ``policy_scale`` what its durations were divided by
-    (null: used as written) and ``policy_file`` the file the gateway read."""
+    (null: used as written), ``policy_file`` the file the gateway read, and with
+    ``--backend`` the engines whose prefix cache an arm started on (``caches_kept``)."""
     return {
         "name": scenario.name,
         "description": scenario.description,
@@ -191,6 +206,7 @@ def scenario_json(
             "flags": list(scenario.backends.flags),
             "overrides": {str(i): list(f) for i, f in scenario.backends.overrides},
             "external": [b.url for b in external],
+            "prefix_caches_kept": caches_kept or {},
         },
         "policy": os.path.relpath(scenario.policy),
         "policy_scale": scenario.policy_scale,
@@ -208,6 +224,12 @@ def _shown(path: Path) -> str:
     return str(path.resolve()) if relative.startswith("..") else relative
 
 
+KEPT_WHY = (
+    "the arm starts on the cache the arms before it warmed (a vLLM serves "
+    "POST /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1)"
+)
+
+
 def bench(scenario: Scenario, out: Path, external: tuple[BackendSpec, ...] = ()) -> BenchResults:
     """Run every arm and write the report; the results (also written to ``out``).
     ``external``: existing backends (``--backend``) instead of simulated ones."""
@@ -216,7 +238,13 @@ def bench(scenario: Scenario, out: Path, external: tuple[BackendSpec, ...] = ())
     failed: dict[str, str] = {}
     # ``policy: default``: the rescaled copy, written once next to the report.
     policy_file = scenario.policy_file(out)
+    caches_kept: dict[str, list[str]] = {}
     for arm in scenario.arms:
+        if external:
+            kept = reset_prefix_caches(external)
+            if kept:
+                caches_kept[arm.name] = kept
+                _log(f"{arm.name}: prefix cache not emptied on {', '.join(kept)}: {KEPT_WHY}")
         try:
             records[arm.name], arms[arm.name] = run_arm(
                 scenario, arm.name, out / "logs" / arm.name, external, policy_file
@@ -230,7 +258,7 @@ def bench(scenario: Scenario, out: Path, external: tuple[BackendSpec, ...] = ())
     summaries = {name: arm.summary for name, arm in arms.items()}
     targets = evaluate(scenario.targets, summaries, weights)
     results = BenchResults(
-        scenario=scenario_json(scenario, external, policy_file),
+        scenario=scenario_json(scenario, external, policy_file, caches_kept),
         arms=arms,
         failed_arms=failed,
         targets=[mark_suspect(t, arms) for t in targets],
@@ -298,8 +326,10 @@ def run(args: argparse.Namespace) -> int:
             model=args.model,
             replicas=args.replicas,
             shared_state=args.shared_state,
+            tokenizer=args.tokenizer,
         )
         external = external_backends(args.backend)
+        check_precise(scenario, external)
     except (ScenarioError, BackendError) as exc:
         print(f"fairlane bench: {exc}", file=sys.stderr)
         return 1
@@ -347,29 +377,6 @@ def policy_note(scenario: Scenario, written_for: float) -> str | None:
             "scrape intervals mean different simulated times (see loadtests/bench/README.md)"
         )
     return None
-
-
-class BackendError(ValueError):
-    """A ``--backend`` that cannot be used; the message names it."""
-
-
-def external_backends(urls: list[str], timeout: float = 5.0) -> tuple[BackendSpec, ...]:
-    """``--backend`` URLs as backends, each checked to answer ``/health`` now: a typo or a
-    stopped engine fails here, naming the URL, not as a run of failed requests."""
-    specs = []
-    for url in urls:
-        try:
-            spec = parse_backend(url)
-        except ValueError as exc:
-            raise BackendError(f"--backend: {exc}") from None
-        try:
-            with urllib.request.urlopen(f"{spec.url}/health", timeout=timeout) as response:
-                if response.status != 200:
-                    raise BackendError(f"--backend {url}: /health answered {response.status}")
-        except (urllib.error.URLError, OSError) as exc:
-            raise BackendError(f"--backend {url}: not reachable ({exc})") from None
-        specs.append(spec)
-    return tuple(specs)
 
 
 def _run_des(args: argparse.Namespace, document: Document) -> int:

@@ -109,6 +109,19 @@ def policy_text(sc: Mapping[str, Any]) -> str:
     )
 
 
+def caches_text(sc: Mapping[str, Any]) -> str:
+    """Whether each arm on existing engines started on empty prefix caches."""
+    kept = sc["backends"].get("prefix_caches_kept") or {}
+    if not kept:
+        return "Their prefix caches were emptied before every arm (`POST /reset_prefix_cache`)."
+    arms = "; ".join(f"{arm}: {', '.join(urls)}" for arm, urls in kept.items())
+    return (
+        f"**Prefix caches not emptied** before these arms ({arms}): each started on the cache "
+        "the arms before it warmed (vLLM serves `POST /reset_prefix_cache` only with "
+        "`VLLM_SERVER_DEV_MODE=1`)."
+    )
+
+
 def fleet_line(sc: Mapping[str, Any]) -> str:
     """What the arms ran against: the simulated fleet (engines switched to fcfs or priority
     per arm), or existing engines given with ``--backend`` (their policy is their own)."""
@@ -121,7 +134,7 @@ def fleet_line(sc: Mapping[str, Any]) -> str:
             "arm runs on it, and fairlane's injected priority orders requests inside the "
             "engines only if they run `--scheduling-policy priority`. FIFO: Envoy round-robin "
             "to them; least-request / random: Envoy's LEAST_REQUEST / RANDOM; fairlane: the "
-            f"gateway with {policy_text(sc)} (scraping their /metrics)."
+            f"gateway with {policy_text(sc)} (scraping their /metrics). {caches_text(sc)}"
         )
     return (
         f"- fleet: {sc['backends']['count']} simulated backend(s), profile "

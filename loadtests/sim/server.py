@@ -224,6 +224,7 @@ class SimServer:
         else:
             app.router.add_get("/metrics", self.faulty_metrics_handler)
         app.router.add_get("/version", self.version)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -260,6 +261,13 @@ class SimServer:
 
     async def version(self, _: web.Request) -> web.Response:
         return web.Response(body=dumps({"version": VLLM_VERSION}), content_type="application/json")
+
+    async def reset_prefix_cache(self, _: web.Request) -> web.Response:
+        """vLLM's dev route (``VLLM_SERVER_DEV_MODE=1``): forget every cached block, refused
+        (``success: false``) while a request holds one; ``AllBlocksCleared`` goes out with
+        the next step's events, as vLLM's does. The bench empties caches between arms."""
+        success = self.engine.pool.reset()
+        return web.Response(body=dumps({"success": success}), content_type="application/json")
 
     async def models(self, _: web.Request) -> web.Response:
         body = models_body(self.config.served, self.config.model, self.max_model_len)

@@ -211,13 +211,16 @@ class Scenario:
     model: str = "sim-llama-8b"
     path: Path | None = None
     policy_rescaled: bool = False
+    """``policy: default``: the gateway reads ``policy`` with every duration divided by the
+    run's ``speedup``, so the shipped policy means on the simulated fleet what it means on
+    real engines, at whatever ``--speedup`` the run uses."""
     replicas: int = 1
     """Service replicas of every fairlane arm (``--replicas``): above 1 they share state
     in a local Redis; ``shared_state`` puts even one replica on Redis."""
     shared_state: bool = False
-    """``policy: default``: the gateway reads ``policy`` with every duration divided by the
-    run's ``speedup``, so the shipped policy means on the simulated fleet what it means on
-    real engines, at whatever ``--speedup`` the run uses."""
+    tokenizer: str | None = None
+    """The precise arms' tokenizer (``--tokenizer``: a model directory, the engines');
+    None: the simulators' own (``builtin``)."""
 
     @property
     def wall_duration_s(self) -> float:
@@ -262,6 +265,7 @@ class Scenario:
         model: str | None = None,
         replicas: int | None = None,
         shared_state: bool = False,
+        tokenizer: str | None = None,
     ) -> Scenario:
         """A copy with command-line overrides applied (and checked)."""
         where = str(self.path or self.name)
@@ -289,6 +293,10 @@ class Scenario:
                         f"{where}: --speedup {speedup:g}: the default policy rescaled for it "
                         "is not valid:\n" + "\n".join(problems)
                     )
+        if tokenizer is not None:
+            if not tokenizer.strip():
+                raise ScenarioError(f"{where}: --tokenizer must not be empty")
+            changes["tokenizer"] = tokenizer
         if model is not None:
             if not model.strip():
                 raise ScenarioError(f"{where}: --model must not be empty")

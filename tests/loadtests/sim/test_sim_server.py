@@ -374,3 +374,31 @@ async def test_api_key_guards_the_v1_paths_as_vllm_does() -> None:
                     assert r.status == 200, path
     finally:
         await runner.cleanup()
+
+
+async def test_reset_prefix_cache_forgets_cached_blocks_and_waits_for_running_ones(
+    sim: Sim,
+) -> None:
+    """vLLM's dev route: refused while a request holds blocks, then every cached block is
+    forgotten (the same prompt again finds nothing), as the bench needs between arms."""
+    prompt = [{"role": "user", "content": "a long shared system prompt " * 40}]
+    body = {"model": "tiny", "messages": prompt, "max_tokens": 100_000, "stream": True}
+    resp = await sim.session.post(sim.base + "/v1/chat/completions", json=body)
+    await resp.content.readuntil(b"\n\n")  # running: it holds its blocks
+    assert await sim.post("/reset_prefix_cache", b"") == (200, {"success": False})
+    resp.close()
+    short = {"model": "tiny", "messages": prompt, "max_tokens": 2}
+    for _ in range(100):  # the abort frees the blocks within a step
+        status, answer = await sim.post("/reset_prefix_cache", b"")
+        if answer["success"]:
+            break
+        await asyncio.sleep(0.02)
+    assert (status, answer) == (200, {"success": True})
+    assert (await sim.post("/v1/chat/completions", short))[0] == 200
+    hits = metric(await sim.metrics(), "vllm:prefix_cache_hits_total")
+    assert (await sim.post("/v1/chat/completions", short))[0] == 200
+    again = metric(await sim.metrics(), "vllm:prefix_cache_hits_total")
+    assert again > hits  # cached: the second request found the first's blocks
+    assert (await sim.post("/reset_prefix_cache", b"")) == (200, {"success": True})
+    assert (await sim.post("/v1/chat/completions", short))[0] == 200
+    assert metric(await sim.metrics(), "vllm:prefix_cache_hits_total") == again  # forgotten

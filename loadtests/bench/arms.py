@@ -75,8 +75,11 @@ class RunningArm:
     pids: dict[str, int] = field(default_factory=dict)
     backend_urls: tuple[str, ...] = ()
     """The simulators' base URLs (their /metrics give the prefix-cache counters)."""
-    replica_metrics: dict[str, str] = field(default_factory=dict)
-    """Replica id -> its ``/metrics`` URL (replica arms only: which replica decided what)."""
+    service_metrics: dict[str, str] = field(default_factory=dict)
+    """Each service process (replica id, or its name) -> its ``/metrics`` URL (what the
+    gateway counted: ``loadtests.bench.gateway_metrics``); empty for Envoy-only arms."""
+    replicated: bool = False
+    """The service runs as replicas sharing state (which replica decided what matters)."""
 
 
 def sim_argv(
@@ -156,7 +159,8 @@ def start_arm(
     backends = external or start_simulators(
         scenario, group, SCHEDULING[arm.kind], arm.balanced, kv_events=precise
     )
-    replica_metrics: dict[str, str] = {}
+    service_metrics: dict[str, str] = {}
+    replicated = False
     if arm.kind in ENVOY_ONLY_KINDS:
         url = _start_envoy_only(backends, group, arm.kind)
     else:
@@ -176,12 +180,14 @@ def start_arm(
         )
         stack = Stack(config, group).start()
         url = stack.url
-        if stack.services is not None and stack.services.replicated:
-            replica_metrics = {
+        if stack.services is not None:
+            replicated = stack.services.replicated
+            service_metrics = {
                 p.replica_id or p.child.name: p.metrics_url for p in stack.services.processes
             }
     pids = {child.name: child.popen.pid for child in group.children}
-    return RunningArm(arm.name, url, pids, tuple(b.url for b in backends), replica_metrics)
+    backend_urls = tuple(b.url for b in backends)
+    return RunningArm(arm.name, url, pids, backend_urls, service_metrics, replicated)
 
 
 def envoy_only_bootstrap(params: EnvoyParams, kind: str) -> dict[str, Any]:

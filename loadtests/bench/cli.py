@@ -37,7 +37,8 @@ from loadtests.bench.external import (
     external_backends,
     reset_prefix_caches,
 )
-from loadtests.bench.replica_flows import placement, read_replica_flows
+from loadtests.bench.gateway_metrics import prefix_matches, scrape_all
+from loadtests.bench.replica_flows import placement, replica_flows
 from loadtests.bench.results import ArmResult, BenchResults
 from loadtests.bench.scenario import (
     Document,
@@ -148,7 +149,9 @@ def run_arm(
         )
         group.check_alive(f"arm {arm.name}")
         after = cpu.sample(running.pids)
-        replicas = read_replica_flows(running.replica_metrics)
+        gateway = scrape_all(running.service_metrics)
+    replicas = replica_flows(gateway) if running.replicated else {}
+    matches = prefix_matches(gateway.values())
     records, capped = load.records, load.capped
     usage = cpu.usage(before, after)
     usage.loop_lag_max_s, usage.machine_peak = load.loop_lag_max_s, load.machine_peak
@@ -176,6 +179,7 @@ def run_arm(
         cpu=usage,
         summary=summary,
         replica_flows=replicas,
+        prefix_matches=matches,
     )
 
 

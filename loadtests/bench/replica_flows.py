@@ -9,10 +9,9 @@ processes stop) from ``fairlane_flow_requests_total``, summed over tiers.
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Mapping
 
-from prometheus_client.parser import text_string_to_metric_families
+from loadtests.bench.gateway_metrics import samples
 
 FLOW_REQUESTS = "fairlane_flow_requests_total"
 
@@ -23,25 +22,15 @@ ReplicaFlows = dict[str, dict[str, int]]
 def flow_counts(exposition: str) -> dict[str, int]:
     """Admitted requests per flow in one replica's ``/metrics`` text, summed over tiers."""
     counts: dict[str, int] = {}
-    for family in text_string_to_metric_families(exposition):
-        for sample in family.samples:
-            if sample.name == FLOW_REQUESTS:
-                flow = sample.labels.get("flow", "")
-                counts[flow] = counts.get(flow, 0) + int(sample.value)
+    for sample in samples(exposition, FLOW_REQUESTS):
+        flow = sample.labels.get("flow", "")
+        counts[flow] = counts.get(flow, 0) + int(sample.value)
     return counts
 
 
-def read_replica_flows(metrics_urls: Mapping[str, str], timeout_s: float = 5.0) -> ReplicaFlows:
-    """Each replica's flow counts; a replica that does not answer is left out (it died, and
-    the arm fails on that anyway)."""
-    flows: ReplicaFlows = {}
-    for replica, url in metrics_urls.items():
-        try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as response:
-                flows[replica] = flow_counts(response.read().decode())
-        except OSError:
-            continue
-    return flows
+def replica_flows(expositions: Mapping[str, str]) -> ReplicaFlows:
+    """Each replica's flow counts, from its exposition (``gateway_metrics.scrape_all``)."""
+    return {replica: flow_counts(text) for replica, text in expositions.items()}
 
 
 def placement(flows: ReplicaFlows) -> str:

@@ -93,6 +93,12 @@ def _per_backend_text(arm: ArmResult, key: str) -> str:
     return " / ".join(fmt(r.get(key)) for r in rows) or "-"
 
 
+def _matches_text(arm: ArmResult) -> str:
+    """``precise 1,520 / approximate 12``: which index found a grant's prefix on its engine
+    (grants that matched nothing are not counted)."""
+    return " / ".join(f"{index} {count:,}" for index, count in arm.prefix_matches.items()) or "-"
+
+
 def _fleet_text(arm: ArmResult) -> str:
     return "balanced" if arm.balanced else "as configured"
 
@@ -250,6 +256,14 @@ def _total_lines(results: BenchResults) -> list[str]:
         ],
         ["fleet", *(_fleet_text(arms[n]) for n in names)],
     ]
+    if any(arms[n].prefix_matches for n in names):
+        rows.insert(
+            -1,
+            [
+                "grants matched, by prefix index (whole arm)",
+                *(_matches_text(arms[n]) for n in names),
+            ],
+        )
     return ["", "## Total (the whole fleet)", "", *_table(["", *names], rows)]
 
 

@@ -139,6 +139,9 @@ class ArmResult:
     replica_flows: ReplicaFlows = field(default_factory=dict)
     """Replica arms: which replica admitted how many of each flow's requests
     (``replica_flows``); empty for one service or none."""
+    prefix_matches: dict[str, int] = field(default_factory=dict)
+    """Fairlane arms: grants by the prefix index that matched them (``precise`` /
+    ``approximate``), over the whole arm, from the gateway's own counter."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -151,6 +154,7 @@ class ArmResult:
             "cpu": self.cpu.to_json(),
             "summary": self.summary.to_json(),
             "replica_flows": {r: dict(c) for r, c in self.replica_flows.items()},
+            "prefix_matches": dict(self.prefix_matches),
         }
 
     @classmethod
@@ -165,6 +169,7 @@ class ArmResult:
             cpu=CpuUsage.from_json(data["cpu"]),
             summary=ArmSummary.from_json(data["summary"]),
             replica_flows={r: dict(c) for r, c in data.get("replica_flows", {}).items()},
+            prefix_matches=dict(data.get("prefix_matches", {})),
         )
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from extproc.fleet.backend import KVEventPorts
 from extproc.ops.cli import main
 from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
 from extproc.policy import load_policy
@@ -97,6 +98,58 @@ def test_default_policy_against_existing_backends(
     for name, arm in data["arms"].items():
         assert arm["summary"]["by_tier"]["interactive"]["ok"] > 0, name
     assert "durations divided by 1" in (out / "report.md").read_text()
+
+
+@pytest.fixture
+def engines_with_kv_events(tmp_path: Path) -> Iterator[list[str]]:
+    """Two real-time simulators publishing vLLM's KV events (hashed with their builtin
+    tokenizer), shaped as ``prefix-vllm-cpu``'s engines; ``--backend`` URLs with ports."""
+    urls = []
+    with ProcessGroup(tmp_path / "engines") as group:
+        for i in range(2):
+            port, events = free_port(), KVEventPorts(free_port(), free_port())
+            argv = [sys.executable, "-m", "extproc", "sim", "--port", str(port)]
+            argv += ["--model", "tiny", "--max-num-seqs", "4", "--num-gpu-blocks", "160"]
+            argv += ["--block-size", "32", "--kv-events-config", events.engine_config()]
+            child = group.start(f"engine-{i}", argv)
+            wait_http_ready(f"http://127.0.0.1:{port}/health", child, timeout=30)
+            urls.append(
+                f"http://127.0.0.1:{port}#kv-events={events.port},kv-replay={events.replay_port}"
+            )
+        yield urls
+
+
+def test_a_precise_arm_follows_existing_engines_events(
+    engines_with_kv_events: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``prefix-vllm-cpu`` as against real engines: the precise arm follows the engines' own
+    events with the tokenizer named (here the simulators'), every arm starts on emptied
+    caches, and the report counts which index matched the grants."""
+    out = tmp_path / "out"
+    args = ["bench", "prefix-vllm-cpu", "--arms", "precise,approximate", "--duration", "12"]
+    args += ["--tokenizer", "builtin", "--out", str(out)]
+    for url in engines_with_kv_events:
+        args += ["--backend", url]
+    assert main(args) == 0, _log_tails(out, "precise")
+    capsys.readouterr()
+    data = json.loads((out / "results.json").read_text())
+    assert data["scenario"]["backends"]["prefix_caches_kept"] == {}
+    precise, approximate = data["arms"]["precise"], data["arms"]["approximate"]
+    assert precise["prefix_matches"].get("precise", 0) > 0, precise["prefix_matches"]
+    assert set(approximate["prefix_matches"]) == {"approximate"}
+    report = (out / "report.md").read_text()
+    assert "grants matched, by prefix index" in report
+    assert "prefix caches were emptied before every arm" in report
+
+
+def test_a_precise_arm_on_engines_without_events_is_refused(
+    engines: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", "prefix-vllm-cpu", "--tokenizer", "builtin"]
+    for url in engines:
+        args += ["--backend", url]
+    assert main(args) == 1
+    assert "follows the engines' KV events" in capsys.readouterr().err
 
 
 def _log_tails(out: Path, arm: str) -> str:

@@ -195,7 +195,10 @@ class Service:
         self.kv_feeds: KVEventFeeds | None = None
         publishing = [b.kv_events for b in config.backends]
         publishing += [d.kv_events for d in config.dns_backends]
-        if any(publishing):
+        if any(publishing) and config.tokenizer is not None:
+            # Without the engines' tokenizer no prompt can be hashed to match the events:
+            # following them would only cost CPU (a replay of the engines' whole buffer at
+            # start), so they are not followed (``engine_hashing`` warns).
             self.kv_feeds = KVEventFeeds(self.pool)
         self.state: SharedState | None = None
         if config.state_url is not None:
@@ -336,7 +339,7 @@ def engine_hashing(config: ServiceConfig) -> EngineHashing | None:
         if with_events:
             log.warning(
                 "backends %s publish KV events, but no --tokenizer names the model's "
-                "tokenizer: their prefix affinity stays approximate",
+                "tokenizer: their events are not followed, prefix affinity stays approximate",
                 ", ".join(with_events),
             )
         return None

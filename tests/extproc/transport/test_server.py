@@ -8,9 +8,18 @@ from pathlib import Path
 
 import pytest
 
+from extproc.fleet.backend import BackendSpec, KVEventPorts
 from extproc.ops import cli
 from extproc.policy import PolicyStore, parse_policy
-from extproc.transport.server import fleet_from_args, record_failure, stop_within, watch_policy
+from extproc.transport.server import (
+    BUILTIN_TOKENIZER,
+    Service,
+    ServiceConfig,
+    fleet_from_args,
+    record_failure,
+    stop_within,
+    watch_policy,
+)
 from tests.extproc.policy.test_policy import MINIMAL, many_tenants, rewrite
 
 
@@ -126,3 +135,12 @@ def test_a_malformed_dns_backend_or_server_stops_the_command_saying_why() -> Non
         cli.main(["serve", "--backend", "dns://vllm:8000", "--dns-server", "vllm:53"])
     with pytest.raises(SystemExit, match="--dns-interval must be > 0"):
         cli.main(["serve", "--backend", "dns://vllm:8000", "--dns-interval", "0"])
+
+
+def test_engines_events_are_followed_only_with_a_tokenizer_to_match_them() -> None:
+    """Without the engines' tokenizer no prompt can be hashed their way: following their
+    events would only cost CPU (a replay of each engine's buffer at start)."""
+    engine = BackendSpec("127.0.0.1", 8701, kv_events=KVEventPorts(5517, 5518))
+    assert Service(ServiceConfig(backends=(engine,))).kv_feeds is None
+    config = ServiceConfig(backends=(engine,), tokenizer=BUILTIN_TOKENIZER)
+    assert Service(config).kv_feeds is not None

@@ -109,7 +109,7 @@ def engines_with_kv_events(tmp_path: Path) -> Iterator[list[str]]:
         for i in range(2):
             port, events = free_port(), KVEventPorts(free_port(), free_port())
             argv = [sys.executable, "-m", "extproc", "sim", "--port", str(port)]
-            argv += ["--model", "tiny", "--max-num-seqs", "4", "--num-gpu-blocks", "160"]
+            argv += ["--model", "tiny", "--max-num-seqs", "4", "--num-gpu-blocks", "96"]
             argv += ["--block-size", "32", "--kv-events-config", events.engine_config()]
             child = group.start(f"engine-{i}", argv)
             wait_http_ready(f"http://127.0.0.1:{port}/health", child, timeout=30)

@@ -13,7 +13,7 @@ import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from extproc.ops.processes import Child, NotReady, free_port, wait_http_ready
@@ -50,10 +50,14 @@ def setup_problem(cache: Path) -> str | None:
 
 @contextlib.contextmanager
 def running(
-    engine_args: Sequence[str], log_dir: Path, model_name: str = "tiny"
+    engine_args: Sequence[str],
+    log_dir: Path,
+    model_name: str = "tiny",
+    extra_env: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[str, Child]]:
-    """Start the real vLLM with ``engine_args`` on a free loopback port; yield its base URL
-    and process; stop it (and its engine core and worker) on the way out, also on failure."""
+    """Start the real vLLM with ``engine_args`` (and ``extra_env``, e.g. vLLM's dev mode) on
+    a free loopback port; yield its base URL and process; stop it (and its engine core and
+    worker) on the way out, also on failure."""
     cache = cache_dir()
     problem = setup_problem(cache)
     if problem is not None:
@@ -89,7 +93,7 @@ def running(
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **env},
+            env={**os.environ, **env, **(extra_env or {})},
         )
     child = Child("vllm", popen, log_path)
     try:

@@ -150,6 +150,11 @@ class Admission:
         self.prefix_index: Counter[tuple[str, str]] = Counter()
         """Grants per backend by which index matched their prefix: ``precise`` (the
         engine's KV events) or ``approximate`` (what was sent there)."""
+        self.prefix_tokens: Counter[tuple[str, str]] = Counter()
+        """Prompt tokens per backend and index that the index said the chosen engine holds,
+        at grant: set against the engine's own ``vllm:prefix_cache_hits_total`` it shows
+        whether the index is right (a tokenizer that hashes differently from the engine's
+        predicts nearly nothing while the engine still finds the prompts cached)."""
         self.engine: EngineHashing | None = None
         """The engines' tokenizer and hash chain (``fairlane serve --tokenizer``): set, the
         picker matches prompts against what engines with KV events report holding."""
@@ -542,12 +547,12 @@ class Admission:
         blocks = prompt.blocks(backend.block_size)
         keys = prompt.keys(backend.block_size) if backend.kv_index is not None else None
         held = backend.precise_prefix(keys) if keys is not None else None
+        index = "precise"
         if held is None:
-            held = backend.prefix_cache.match(blocks)
-            self.prefix_index[(backend.address, "approximate")] += 1
-        else:
-            self.prefix_index[(backend.address, "precise")] += 1
+            held, index = backend.prefix_cache.match(blocks), "approximate"
         shared_tokens = held * backend.block_size
+        self.prefix_index[(backend.address, index)] += 1
+        self.prefix_tokens[(backend.address, index)] += shared_tokens
         if keys is not None and keys.known:
             backend.expect_blocks(keys.known)  # as far as matching read them: see BlockKeys
         backend.prefix_cache.record(blocks)  # kept warm: the fallback when events stop
@@ -698,8 +703,9 @@ class Admission:
         self._preemptible_runs_s.pop(address, None)
         for key in [k for k in self.picks if k[0] == address]:
             del self.picks[key]
-        for index_key in [k for k in self.prefix_index if k[0] == address]:
-            del self.prefix_index[index_key]
+        for counts in (self.prefix_index, self.prefix_tokens):
+            for index_key in [k for k in counts if k[0] == address]:
+                del counts[index_key]
         self._sample.forget()
         return self.dispatch()
 

@@ -306,6 +306,15 @@ class GatewayCollector(Collector):
             ["backend", "index"],
             self.admission.prefix_index.items(),
         )
+        yield _counter(
+            "fairlane_prefix_predicted_tokens",
+            "Prompt tokens the prefix index said the chosen backend holds, at grant, per "
+            "backend and index: compare with the engine's vllm:prefix_cache_hits_total (far "
+            "fewer predicted than hit: the index is wrong, e.g. a --tokenizer other than the "
+            "engine's model).",
+            ["backend", "index"],
+            self.admission.prefix_tokens.items(),
+        )
         live = GaugeMetricFamily(
             "fairlane_backend_kv_events_live",
             "1 while the backend's KV event index is complete (the picker trusts it), 0 "

@@ -143,6 +143,12 @@ def state_period_ms(speedup: float) -> float:
     return max(2.0, PERIOD_S * 1000 / max(1.0, speedup))
 
 
+def precise_flags(scenario: Scenario) -> tuple[str, ...]:
+    """The service flags of a precise arm: the engines' tokenizer (the simulators' own unless
+    ``--tokenizer`` names one) and their hash settings."""
+    return ("--tokenizer", scenario.tokenizer or BUILTIN_TOKENIZER, *scenario.kv_hash_flags)
+
+
 def start_arm(
     scenario: Scenario,
     arm: Arm,
@@ -175,7 +181,7 @@ def start_arm(
             service_args=(
                 "--state-period-ms",
                 f"{state_period_ms(scenario.speedup):g}",
-                *(("--tokenizer", scenario.tokenizer or BUILTIN_TOKENIZER) if precise else ()),
+                *(precise_flags(scenario) if precise else ()),
             ),
         )
         stack = Stack(config, group).start()

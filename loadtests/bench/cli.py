@@ -27,6 +27,7 @@ from extproc.envoy.params import EnvoyConfigError
 from extproc.fleet.backend import BackendSpec
 from extproc.ops.processes import NotReady, ProcessGroup
 from extproc.policy import load_policy
+from extproc.transport.server import add_kv_event_arguments, kv_event_arguments
 from loadtests.bench import cpu, report
 from loadtests.bench.arms import start_arm
 from loadtests.bench.cachestats import window_hit_rate
@@ -37,7 +38,7 @@ from loadtests.bench.external import (
     external_backends,
     reset_prefix_caches,
 )
-from loadtests.bench.gateway_metrics import prefix_matches, scrape_all
+from loadtests.bench.gateway_metrics import predicted_tokens, prefix_matches, scrape_all
 from loadtests.bench.replica_flows import placement, replica_flows
 from loadtests.bench.results import ArmResult, BenchResults
 from loadtests.bench.scenario import (
@@ -88,13 +89,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default=None, help="the model name to send (overrides the scenario's model)"
     )
     parser.add_argument(
-        "--tokenizer",
-        default=None,
-        metavar="DIR",
-        help="the precise arms' tokenizer with --backend: the engines' model directory "
-        "(default: the simulators' own)",
-    )
-    parser.add_argument(
         "--replicas",
         type=int,
         default=None,
@@ -107,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="put the service's state in a local Redis even with one replica (to weigh "
         "shared against in-process state)",
     )
+    # The precise arms' matching, as `fairlane serve` takes it: with --backend, the engines'
+    # tokenizer and hash settings (simulators: their builtin tokenizer, vLLM's defaults).
+    add_kv_event_arguments(parser)
 
 
 def raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -151,7 +148,8 @@ def run_arm(
         after = cpu.sample(running.pids)
         gateway = scrape_all(running.service_metrics)
     replicas = replica_flows(gateway) if running.replicated else {}
-    matches = prefix_matches(gateway.values())
+    texts = list(gateway.values())
+    matches, predicted = prefix_matches(texts), predicted_tokens(texts)
     records, capped = load.records, load.capped
     usage = cpu.usage(before, after)
     usage.loop_lag_max_s, usage.machine_peak = load.loop_lag_max_s, load.machine_peak
@@ -180,6 +178,7 @@ def run_arm(
         summary=summary,
         replica_flows=replicas,
         prefix_matches=matches,
+        prefix_predicted_tokens=predicted,
     )
 
 
@@ -331,6 +330,13 @@ def run(args: argparse.Namespace) -> int:
             replicas=args.replicas,
             shared_state=args.shared_state,
             tokenizer=args.tokenizer,
+            kv_hash_flags=kv_event_arguments(
+                argparse.Namespace(
+                    tokenizer=None,
+                    prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+                    kv_hash_seed=args.kv_hash_seed,
+                )
+            ),
         )
         external = external_backends(args.backend)
         check_precise(scenario, external)

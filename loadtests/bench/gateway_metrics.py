@@ -3,10 +3,12 @@ stop: the counters that explain an arm's figures but that the client cannot see.
 
 - which replica admitted which flow (``fairlane_flow_requests_total``; see
   :mod:`loadtests.bench.replica_flows`);
-- which prefix index matched the grants (``fairlane_prefix_matches_total{index}``): an arm
-  meant to route on the engines' KV events that matched its grants approximately (events
-  not followed, a tokenizer that hashes differently) looks like any other arm in the
-  client's figures, and only this count tells.
+- which prefix index judged the grants (``fairlane_prefix_matches_total{index}``, one per
+  grant, whatever it found) and how many prompt tokens it said the chosen engines held
+  (``fairlane_prefix_predicted_tokens_total{index}``): an arm meant to route on the engines'
+  KV events whose index was not live (events not followed), or whose predictions fall far
+  short of the engines' own hits (a tokenizer that hashes differently), looks like any
+  other arm in the client's figures, and only these counts tell.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 PREFIX_MATCHES = "fairlane_prefix_matches_total"
+PREDICTED_TOKENS = "fairlane_prefix_predicted_tokens_total"
 
 
 def scrape_all(metrics_urls: Mapping[str, str], timeout_s: float = 5.0) -> dict[str, str]:
@@ -41,12 +44,22 @@ def samples(exposition: str, name: str) -> Iterator[Sample]:
                 yield sample
 
 
-def prefix_matches(expositions: Iterable[str]) -> dict[str, int]:
-    """Grants by the index that matched their prompt (``precise`` / ``approximate``), summed
-    over backends and processes; empty where no grant matched anything."""
+def by_index(expositions: Iterable[str], name: str) -> dict[str, int]:
+    """Counter ``name`` by its ``index`` label (``precise`` / ``approximate``), summed over
+    backends and processes; an index with nothing counted is left out."""
     counts: dict[str, int] = {}
     for text in expositions:
-        for sample in samples(text, PREFIX_MATCHES):
+        for sample in samples(text, name):
             index = sample.labels.get("index", "")
             counts[index] = counts.get(index, 0) + int(sample.value)
     return {index: n for index, n in sorted(counts.items()) if n}
+
+
+def prefix_matches(expositions: Iterable[str]) -> dict[str, int]:
+    """Grants by the prefix index that judged them."""
+    return by_index(expositions, PREFIX_MATCHES)
+
+
+def predicted_tokens(expositions: Iterable[str]) -> dict[str, int]:
+    """Prompt tokens each index said the chosen engines held."""
+    return by_index(expositions, PREDICTED_TOKENS)

@@ -93,10 +93,10 @@ def _per_backend_text(arm: ArmResult, key: str) -> str:
     return " / ".join(fmt(r.get(key)) for r in rows) or "-"
 
 
-def _matches_text(arm: ArmResult) -> str:
-    """``precise 1,520 / approximate 12``: which index found a grant's prefix on its engine
-    (grants that matched nothing are not counted)."""
-    return " / ".join(f"{index} {count:,}" for index, count in arm.prefix_matches.items()) or "-"
+def _by_index(counts: Mapping[str, int]) -> str:
+    """``precise 1,520 / approximate 12``: a gateway counter by prefix index (the grants it
+    judged, or the tokens it predicted the engines hold; ``-`` for none)."""
+    return " / ".join(f"{index} {count:,}" for index, count in counts.items()) or "-"
 
 
 def _fleet_text(arm: ArmResult) -> str:
@@ -257,13 +257,16 @@ def _total_lines(results: BenchResults) -> list[str]:
         ["fleet", *(_fleet_text(arms[n]) for n in names)],
     ]
     if any(arms[n].prefix_matches for n in names):
-        rows.insert(
-            -1,
+        rows[-1:-1] = [
             [
-                "grants matched, by prefix index (whole arm)",
-                *(_matches_text(arms[n]) for n in names),
+                "grants by prefix index (whole arm)",
+                *(_by_index(arms[n].prefix_matches) for n in names),
             ],
-        )
+            [
+                "prompt tokens the index predicted cached (whole arm)",
+                *(_by_index(arms[n].prefix_predicted_tokens) for n in names),
+            ],
+        ]
     return ["", "## Total (the whole fleet)", "", *_table(["", *names], rows)]
 
 

@@ -140,8 +140,10 @@ class ArmResult:
     """Replica arms: which replica admitted how many of each flow's requests
     (``replica_flows``); empty for one service or none."""
     prefix_matches: dict[str, int] = field(default_factory=dict)
-    """Fairlane arms: grants by the prefix index that matched them (``precise`` /
+    """Fairlane arms: grants by the prefix index that judged them (``precise`` /
     ``approximate``), over the whole arm, from the gateway's own counter."""
+    prefix_predicted_tokens: dict[str, int] = field(default_factory=dict)
+    """Fairlane arms: prompt tokens each index said the chosen engines held, whole arm."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -155,6 +157,7 @@ class ArmResult:
             "summary": self.summary.to_json(),
             "replica_flows": {r: dict(c) for r, c in self.replica_flows.items()},
             "prefix_matches": dict(self.prefix_matches),
+            "prefix_predicted_tokens": dict(self.prefix_predicted_tokens),
         }
 
     @classmethod
@@ -170,6 +173,7 @@ class ArmResult:
             summary=ArmSummary.from_json(data["summary"]),
             replica_flows={r: dict(c) for r, c in data.get("replica_flows", {}).items()},
             prefix_matches=dict(data.get("prefix_matches", {})),
+            prefix_predicted_tokens=dict(data.get("prefix_predicted_tokens", {})),
         )
 
 

@@ -221,6 +221,10 @@ class Scenario:
     tokenizer: str | None = None
     """The precise arms' tokenizer (``--tokenizer``: a model directory, the engines');
     None: the simulators' own (``builtin``)."""
+    kv_hash_flags: tuple[str, ...] = ()
+    """The engines' hash settings for the precise arms' service (``--kv-hash-seed``,
+    ``--prefix-caching-hash-algo``, as ``fairlane serve`` takes them); empty: vLLM's
+    defaults, which the simulators use."""
 
     @property
     def wall_duration_s(self) -> float:
@@ -266,6 +270,7 @@ class Scenario:
         replicas: int | None = None,
         shared_state: bool = False,
         tokenizer: str | None = None,
+        kv_hash_flags: tuple[str, ...] = (),
     ) -> Scenario:
         """A copy with command-line overrides applied (and checked)."""
         where = str(self.path or self.name)
@@ -297,6 +302,8 @@ class Scenario:
             if not tokenizer.strip():
                 raise ScenarioError(f"{where}: --tokenizer must not be empty")
             changes["tokenizer"] = tokenizer
+        if kv_hash_flags:
+            changes["kv_hash_flags"] = tuple(kv_hash_flags)
         if model is not None:
             if not model.strip():
                 raise ScenarioError(f"{where}: --model must not be empty")

@@ -73,10 +73,15 @@ def test_the_engine_that_holds_the_prefix_gets_the_request(engine: EngineHashing
     admission, pool, _ = setup(engine)
     second = pool.backends[1]
     holds(second, engine, chat("an earlier question"))
+    keys = PromptBlocks("", "", chat("a new question"), engine).keys(second.block_size)
+    assert keys is not None
+    held = second.precise_prefix(keys)
+    assert held  # the system prompt's blocks, held since the earlier question
     submit(admission, "q", request(chat("a new question")))
     assert admission.backend_of("q") is second
     assert admission.picks[(second.address, "prefix")] == 1
     assert admission.prefix_index[(second.address, "precise")] == 1
+    assert admission.prefix_tokens[(second.address, "precise")] == held * second.block_size
 
 
 def test_a_burst_follows_the_first_before_the_engine_confirms(engine: EngineHashing) -> None:

@@ -586,9 +586,14 @@ def add_kv_event_arguments(parser: argparse.ArgumentParser) -> None:
 def kv_event_arguments(args: argparse.Namespace) -> tuple[str, ...]:
     """``add_kv_event_arguments``' values as ``fairlane serve`` flags (``fairlane up``
     passes them on)."""
+    tokenizer = () if args.tokenizer is None else ("--tokenizer", str(args.tokenizer))
+    return (*tokenizer, *kv_hash_arguments(args))
+
+
+def kv_hash_arguments(args: argparse.Namespace) -> tuple[str, ...]:
+    """The engines' hash settings among ``add_kv_event_arguments``' values, as ``fairlane
+    serve`` flags (empty for vLLM's defaults)."""
     flags: list[str] = []
-    if args.tokenizer is not None:
-        flags += ["--tokenizer", str(args.tokenizer)]
     if args.prefix_caching_hash_algo != "sha256":
         flags += ["--prefix-caching-hash-algo", args.prefix_caching_hash_algo]
     if args.kv_hash_seed is not None:

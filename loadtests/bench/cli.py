@@ -27,7 +27,7 @@ from extproc.envoy.params import EnvoyConfigError
 from extproc.fleet.backend import BackendSpec
 from extproc.ops.processes import NotReady, ProcessGroup
 from extproc.policy import load_policy
-from extproc.transport.server import add_kv_event_arguments, kv_event_arguments
+from extproc.transport.server import add_kv_event_arguments, kv_hash_arguments
 from loadtests.bench import cpu, report
 from loadtests.bench.arms import start_arm
 from loadtests.bench.cachestats import window_hit_rate
@@ -330,13 +330,7 @@ def run(args: argparse.Namespace) -> int:
             replicas=args.replicas,
             shared_state=args.shared_state,
             tokenizer=args.tokenizer,
-            kv_hash_flags=kv_event_arguments(
-                argparse.Namespace(
-                    tokenizer=None,
-                    prefix_caching_hash_algo=args.prefix_caching_hash_algo,
-                    kv_hash_seed=args.kv_hash_seed,
-                )
-            ),
+            kv_hash_flags=kv_hash_arguments(args),
         )
         external = external_backends(args.backend)
         check_precise(scenario, external)

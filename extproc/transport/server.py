@@ -195,10 +195,10 @@ class Service:
         self.kv_feeds: KVEventFeeds | None = None
         publishing = [b.kv_events for b in config.backends]
         publishing += [d.kv_events for d in config.dns_backends]
-        if any(publishing) and config.tokenizer is not None:
-            # Without the engines' tokenizer no prompt can be hashed to match the events:
-            # following them would only cost CPU (a replay of the engines' whole buffer at
-            # start), so they are not followed (``engine_hashing`` warns).
+        if any(publishing) and self.admission.engine is not None:
+            # Without the engines' hashing (no --tokenizer) no prompt can be matched against
+            # the events: following them would only cost CPU (a replay of the engines' whole
+            # buffer at start), so they are not followed (``engine_hashing`` warns).
             self.kv_feeds = KVEventFeeds(self.pool)
         self.state: SharedState | None = None
         if config.state_url is not None:

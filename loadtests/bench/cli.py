@@ -33,6 +33,7 @@ from loadtests.bench.arms import start_arm
 from loadtests.bench.cachestats import window_hit_rate
 from loadtests.bench.client import RequestRecord, run_load
 from loadtests.bench.external import (
+    RESET_NEEDS,
     BackendError,
     check_precise,
     external_backends,
@@ -227,12 +228,6 @@ def _shown(path: Path) -> str:
     return str(path.resolve()) if relative.startswith("..") else relative
 
 
-KEPT_WHY = (
-    "the arm starts on the cache the arms before it warmed (a vLLM serves "
-    "POST /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1)"
-)
-
-
 def bench(scenario: Scenario, out: Path, external: tuple[BackendSpec, ...] = ()) -> BenchResults:
     """Run every arm and write the report; the results (also written to ``out``).
     ``external``: existing backends (``--backend``) instead of simulated ones."""
@@ -247,7 +242,10 @@ def bench(scenario: Scenario, out: Path, external: tuple[BackendSpec, ...] = ())
             kept = reset_prefix_caches(external)
             if kept:
                 caches_kept[arm.name] = kept
-                _log(f"{arm.name}: prefix cache not emptied on {', '.join(kept)}: {KEPT_WHY}")
+                _log(
+                    f"{arm.name}: prefix cache not emptied on {', '.join(kept)}: the arm "
+                    f"starts on the cache the arms before it warmed ({RESET_NEEDS})"
+                )
         try:
             records[arm.name], arms[arm.name] = run_arm(
                 scenario, arm.name, out / "logs" / arm.name, external, policy_file

@@ -15,10 +15,13 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from extproc.fleet.backend import BackendSpec, parse_backend
 from loadtests.bench.scenario import Scenario
+
+RESET_NEEDS = "vLLM serves `POST /reset_prefix_cache` only with `VLLM_SERVER_DEV_MODE=1`"
+"""Why an engine's prefix cache may carry over from one arm to the next."""
 
 RESET_WAIT_S = 30.0
 """How long to retry a reset vLLM refuses because a request still holds blocks (the previous
@@ -69,19 +72,15 @@ def check_precise(scenario: Scenario, external: Sequence[BackendSpec]) -> None:
         )
 
 
-def reset_prefix_caches(
-    backends: Sequence[BackendSpec],
-    wait_s: float = RESET_WAIT_S,
-    clock: Callable[[], float] = time.monotonic,
-) -> list[str]:
+def reset_prefix_caches(backends: Sequence[BackendSpec], wait_s: float = RESET_WAIT_S) -> list[str]:
     """Empty every engine's prefix cache; the URLs of those that could not be (no such route,
     or still refusing after ``wait_s``), for the report to say their cache carried over."""
     kept = []
     for backend in backends:
-        deadline = clock() + wait_s
+        deadline = time.monotonic() + wait_s
         while True:
             answer = _reset(backend.url)
-            if answer is not False or clock() >= deadline:
+            if answer is not False or time.monotonic() >= deadline:
                 break
             time.sleep(0.5)  # a request still holds blocks: vLLM refuses until it leaves
         if answer is not True:

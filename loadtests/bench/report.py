@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.bench.client import RequestRecord
+from loadtests.bench.external import RESET_NEEDS
 from loadtests.bench.replica_flows import placement
 from loadtests.bench.results import ArmResult, BenchResults, Figures
 
@@ -123,8 +124,7 @@ def caches_text(sc: Mapping[str, Any]) -> str:
     arms = "; ".join(f"{arm}: {', '.join(urls)}" for arm, urls in kept.items())
     return (
         f"**Prefix caches not emptied** before these arms ({arms}): each started on the cache "
-        "the arms before it warmed (vLLM serves `POST /reset_prefix_cache` only with "
-        "`VLLM_SERVER_DEV_MODE=1`)."
+        f"the arms before it warmed ({RESET_NEEDS})."
     )
 
 

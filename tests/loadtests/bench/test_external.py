@@ -16,6 +16,7 @@ import pytest
 
 from extproc.fleet.backend import BackendSpec, KVEventPorts
 from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready
+from loadtests.bench.cachestats import parse_prefix_counters
 from loadtests.bench.external import BackendError, check_precise, reset_prefix_caches
 from loadtests.bench.scenario import load_scenario
 
@@ -55,12 +56,7 @@ def _hits_after_a_request(url: str) -> float:
     request.add_header("Content-Type", "application/json")
     urllib.request.urlopen(request, timeout=10).read()
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:prefix_cache_hits_total")
-    )
+        return parse_prefix_counters(response.read().decode()).hits
 
 
 def test_reset_empties_each_engines_prefix_cache(engine: BackendSpec) -> None:

@@ -481,13 +481,19 @@ class Admission:
             return None
         stale = self.policy.backpressure.stale_after_s
         now = self._clock()
+        # The gate counts the engine's waiting requests this one would wait behind there:
+        # those sent with a smaller (or equal) vLLM priority than the band's next request's.
+        head = self.scheduler.head_entry(band)
+        priority = self._vllm_priority(head.payload, tier) if head is not None else None
 
         def admits(b: Backend) -> bool:
             return (
                 b.fleet_in_flight < limit
                 and b.healthy
                 and (not seat_bound or queue is None or b.free_seats() > -queue)
-                and (tier is None or passes(tier.gate, b, now, stale, rank, reserved_above))
+                and (
+                    tier is None or passes(tier.gate, b, now, stale, rank, reserved_above, priority)
+                )
             )
 
         backends = self.pool.backends
@@ -527,8 +533,7 @@ class Admission:
     def _grant(self, entry: Entry, where: Placement) -> Grant:
         request: RequestClass = entry.payload
         user = (request.tenant.name, request.user)
-        base = where.tier.priority if where.tier is not None else request.tier.priority
-        priority = vllm_priority(base, self._pending[user])
+        priority = self._vllm_priority(request, where.tier)
         prompt = PromptBlocks(request.prompt_text, request.model or "", request.body, self.engine)
         fleet = self.pool.backends
         pick = choose(
@@ -558,7 +563,9 @@ class Admission:
         backend.prefix_cache.record(blocks)  # kept warm: the fallback when events stop
         self.picks[(backend.address, pick.reason)] += 1
         kv_tokens = max(0, entry.input_tokens - shared_tokens) + self._expected_output(entry)
-        backend.note_grant(entry.input_tokens + entry.output_tokens_estimate, where.rank, kv_tokens)
+        backend.note_grant(
+            entry.input_tokens + entry.output_tokens_estimate, where.rank, kv_tokens, priority
+        )
         self._pending[user] += 1
         self._in_flight_by_rank[where.rank] += 1
         now = self._clock()
@@ -574,6 +581,12 @@ class Admission:
             backend, user, entry, where.rank, now, grant, kv_tokens
         )
         return grant
+
+    def _vllm_priority(self, request: RequestClass, tier: Tier | None) -> int:
+        """The vLLM priority ``request`` goes with now, acting as ``tier`` (its own when
+        None): the tier's base plus its user's requests in flight."""
+        base = tier.priority if tier is not None else request.tier.priority
+        return vllm_priority(base, self._pending[(request.tenant.name, request.user)])
 
     def _expected_output(self, entry: Entry) -> int:
         """The output a request of ``entry``'s band will generate, for the KV it commits:
@@ -815,7 +828,7 @@ class Admission:
         if record is None:
             return None
         self._cancellable.discard(request_id)
-        record.backend.note_completion(record.rank, record.kv_tokens)
+        record.backend.note_completion(record.rank, record.kv_tokens, record.grant.priority)
         self._sample.freed(record.backend)
         self._pending[record.user] -= 1
         if self._pending[record.user] <= 0:

@@ -58,19 +58,25 @@ def passes(
     stale_after_s: float,
     rank: int | None = None,
     final_kv: bool = False,
+    priority: int | None = None,
 ) -> bool:
     """Whether ``backend`` may take one more request of the tier ``gate`` belongs to now.
 
     ``now`` is on the pool's clock (``BackendPool.clock``, monotonic by default), the clock
     that stamped ``backend.metrics.scraped_at``. With the tier's ``rank``, ``max_waiting``
     counts only the waiting requests it would wait behind (``Backend.waiting_ahead_of``):
-    vLLM's priority queue lets it pass the less urgent ones.
+    vLLM's priority queue lets it pass the less urgent ones, judged by the request's own
+    vLLM ``priority`` where given.
     """
     metrics = backend.metrics
     if not backend.healthy or metrics is None or now - metrics.scraped_at > stale_after_s:
         return False
     if gate.max_waiting is not None:
-        waiting = backend.effective_waiting() if rank is None else backend.waiting_ahead_of(rank)
+        waiting = (
+            backend.effective_waiting()
+            if rank is None
+            else backend.waiting_ahead_of(rank, priority)
+        )
         if waiting >= max(gate.max_waiting, 1):
             return False
     kv_bound = gate.max_kv_cache_usage

@@ -543,14 +543,25 @@ class FairScheduler:
         """Whose turn it is in the band: the backlogged flow with the lowest counter, its
         counter, and what popping it now would charge it (None when nothing waits).
         Replicas compare theirs."""
+        top = self._top(band)
+        if top is None:
+            return None
+        name, flow, entry = top
+        cost = self._fairness.cost(entry.input_tokens, entry.output_tokens_estimate, entry.weight)
+        return Head(name, flow.counter, cost, flow.fresh)
+
+    def head_entry(self, band: str) -> Entry | None:
+        """The request ``pop`` would take from ``band`` next (None when nothing waits)."""
+        top = self._top(band)
+        return top[2] if top is not None else None
+
+    def _top(self, band: str) -> tuple[str, _Flow, Entry] | None:
         state = self._bands.get(band)
         top = state.peek() if state is not None else None
         if top is None or state is None:
             return None
         name, flow = top
-        entry = state.entries[next(iter(flow.queue))]
-        cost = self._fairness.cost(entry.input_tokens, entry.output_tokens_estimate, entry.weight)
-        return Head(name, flow.counter, cost, flow.fresh)
+        return name, flow, state.entries[next(iter(flow.queue))]
 
     def raise_floor(self, band: str, floor: float) -> None:
         """Start the band's next busy period at ``floor`` rather than 0, so flows that arrive

@@ -355,6 +355,7 @@ class Backend:
         "granted_total",
         "health_ok",
         "in_flight",
+        "in_flight_by_priority",
         "in_flight_by_rank",
         "itl_s",
         "kv_committed_tokens",
@@ -384,6 +385,9 @@ class Backend:
         self.scrape_error: str | None = None  # why the last scrape failed (the poller's word)
         self.in_flight = 0
         self.in_flight_by_rank: Counter[int] = Counter()
+        self.in_flight_by_priority: Counter[int] = Counter()
+        """This replica's requests in flight here by the vLLM priority they were sent with
+        (``waiting_ahead_of``); the others' are known by rank only."""
         self.peer_in_flight = 0
         self.peer_in_flight_by_rank: Counter[int] = Counter()
         # The others' requests in flight here when the last scrape was taken: what they
@@ -466,35 +470,54 @@ class Backend:
         self.peer_in_flight = sum(by_rank.values())
         self.peer_kv_tokens_total = kv_tokens_total
 
-    def note_grant(self, kv_tokens: int = 0, rank: int = 0, committed_tokens: int = 0) -> None:
+    def note_grant(
+        self,
+        kv_tokens: int = 0,
+        rank: int = 0,
+        committed_tokens: int = 0,
+        priority: int | None = None,
+    ) -> None:
         """Admission sent one request here: count it in flight and as not yet scraped, with
         the ``kv_tokens`` (prompt plus expected output) it will hold in the KV cache and the
         ``rank`` (tier, lower = more urgent) it runs as. ``committed_tokens`` is what it will
         hold at its end beyond what the cache already shares with it (``final_kv_usage``);
-        the same number goes back with ``note_completion``."""
+        the same number goes back with ``note_completion``, and so does the vLLM
+        ``priority`` it was sent with."""
         self.kv_committed_tokens += committed_tokens
         self.in_flight += 1
         self.in_flight_by_rank[rank] += 1
+        if priority is not None:
+            self.in_flight_by_priority[priority] += 1
         self.granted_since_scrape += 1
         self.kv_tokens_since_scrape += kv_tokens
         self.granted_total += 1
         self.kv_tokens_total += kv_tokens
 
-    def waiting_ahead_of(self, rank: int) -> float:
-        """The engine's waiting requests that a request of ``rank`` would wait behind.
+    def waiting_ahead_of(self, rank: int, priority: int | None = None) -> float:
+        """The engine's waiting requests that a request of ``rank`` (sent with the vLLM
+        ``priority``, when known) would wait behind.
 
         vLLM with priority scheduling orders its waiting queue by priority, so the requests
-        this gateway sent as less urgent ranks never hold a more urgent one back: they are
-        taken off the queue count (as many as are in flight here, since the gateway cannot
-        see which of its requests the engine has seated). Under a batch flood the engine's
+        this gateway sent as less urgent never hold a more urgent one back: they are taken
+        off the queue count (as many as are in flight here, since the gateway cannot see
+        which of its requests the engine has seated). Under a batch flood the engine's
         queue is often a few batch requests waiting for the step's token budget; counting
-        them would hold chat in the gateway while vLLM would have seated it first.
+        them would hold chat in the gateway while vLLM would have seated it first. Within
+        a tier the same holds for the continuous priority: a light user's first request
+        passes a power user's queued fifth one in vLLM (``extproc.core.priority``), so it
+        need not wait here for the power user's requests to leave the engine's queue.
         """
-        return max(0.0, self.effective_waiting() - self._behind(rank))
+        return max(0.0, self.effective_waiting() - self._behind(rank, priority))
 
-    def _behind(self, rank: int) -> int:
-        """Requests in flight here, from every replica, of ranks less urgent than ``rank``."""
-        behind = sum(n for r, n in self.in_flight_by_rank.items() if r > rank)
+    def _behind(self, rank: int, priority: int | None = None) -> int:
+        """Requests in flight here, from every replica, less urgent than a request of
+        ``rank``: this replica's by their vLLM priority (larger numbers run later; an equal
+        one arrived first, so it is ahead) when ``priority`` is given, else by rank; the
+        other replicas' by rank, all they report."""
+        if priority is None:
+            behind = sum(n for r, n in self.in_flight_by_rank.items() if r > rank)
+        else:
+            behind = sum(n for p, n in self.in_flight_by_priority.items() if p > priority)
         return behind + sum(n for r, n in self.peer_in_flight_by_rank.items() if r > rank)
 
     def queue_room(self, max_waiting: int, rank: int, most: int) -> int:
@@ -552,12 +575,20 @@ class Backend:
             return None
         return metrics.num_gpu_blocks * metrics.block_size
 
-    def note_completion(self, rank: int = 0, committed_tokens: int = 0) -> None:
+    def note_completion(
+        self, rank: int = 0, committed_tokens: int = 0, priority: int | None = None
+    ) -> None:
         """A request sent here finished: its seat is free before the next scrape shows it,
         and the KV it was granted (``note_grant``'s ``committed_tokens``) with it."""
         self.kv_committed_tokens -= committed_tokens
         self.in_flight -= 1
         self.in_flight_by_rank[rank] -= 1
+        if priority is not None:
+            left = self.in_flight_by_priority[priority] - 1
+            if left > 0:
+                self.in_flight_by_priority[priority] = left
+            else:  # one key per priority in use, not per priority ever sent
+                del self.in_flight_by_priority[priority]
         self.completed_since_scrape += 1
         self.completed_total += 1
 

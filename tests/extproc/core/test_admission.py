@@ -185,6 +185,26 @@ def test_gate_holds_requests_while_the_engine_queue_is_long() -> None:
     assert ticket.granted
 
 
+def test_a_light_user_passes_a_power_users_queue_in_the_engine() -> None:
+    """A power user has four api requests on a 2-seat engine, two of them waiting there
+    (the api gate's bound). A light user's first request goes at once: vLLM seats it
+    before the power user's queued ones (a lower continuous priority), so holding it
+    here would only add a completion's wait. The power user's fifth waits here."""
+    api = with_gate(API, Gate(max_waiting=2))
+    admission, pool, clock = make_admission(limit=100, seats=2, tiers=(INTERACTIVE, api, BATCH))
+    backend = pool.backends[0]
+    heavy = []
+    for i in range(4):
+        heavy.append(submit(admission, f"p{i}", Request(api, user="power")))
+        scraped(backend, clock, waiting=max(0, i - 1))  # two seated, then two waiting
+    assert [t.granted_now().priority for t in heavy] == [10, 11, 12, 13]
+    other = dataclasses.replace(TENANT, name="light")  # its own flow in the fair queue
+    light = submit(admission, "light", Request(api, user="light", tenant=other))
+    assert light.granted and light.granted_now().priority == 10
+    fifth = submit(admission, "p4", Request(api, user="power"))
+    assert not fifth.granted
+
+
 def test_batch_waits_for_an_empty_engine_queue_while_interactive_goes() -> None:
     interactive = with_gate(INTERACTIVE, Gate(max_waiting=3))
     batch = with_gate(BATCH, Gate(max_waiting=0))

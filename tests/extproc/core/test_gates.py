@@ -1,3 +1,5 @@
+from collections import Counter
+
 import pytest
 
 from extproc.core.gates import LISTED, passes, unusable_metrics, unusable_since
@@ -149,6 +151,46 @@ def test_chat_waits_behind_no_batch_request_in_a_priority_queue() -> None:
     assert not passes(chat, b, NOW, STALE)  # without a rank: every waiting request counts
     assert not passes(Gate(max_waiting=0, max_kv_cache_usage=None), b, NOW, STALE, rank=2)
     assert b.waiting_ahead_of(0) == 0 and b.waiting_ahead_of(2) == b.effective_waiting()
+
+
+def test_a_light_users_first_request_passes_a_power_users_queued_ones() -> None:
+    """Same tier: a power user's requests went with priorities 10-15 (its pending count
+    added to the tier's base), two of them wait in vLLM. A light user's first request
+    (priority 10) runs before them there, so the api gate (at most 2 waiting) lets it
+    through; the power user's next (priority 16) waits behind all of them, and so does
+    another user's request of priority 10: it arrives after the one already sent with 10."""
+    b = backend(waiting=2)
+    for priority in range(10, 16):
+        b.note_grant(rank=1, priority=priority)
+    b.granted_since_scrape = 0
+    api = Gate(max_waiting=2, max_kv_cache_usage=None)
+    assert passes(api, b, NOW, STALE, rank=1, priority=10)
+    assert not passes(api, b, NOW, STALE, rank=1, priority=16)
+    assert not passes(api, b, NOW, STALE, rank=1)  # by rank alone: all six are api's
+    assert b.waiting_ahead_of(1, 10) == 0 and b.waiting_ahead_of(1, 16) == 2
+    assert b.waiting_ahead_of(1, 14) == 1
+
+
+def test_a_finished_request_leaves_the_priority_count() -> None:
+    b = backend(waiting=2)
+    b.note_grant(rank=1, priority=12)
+    b.note_grant(rank=1, priority=12)
+    b.granted_since_scrape = 0
+    assert b.waiting_ahead_of(1, 10) == 0
+    b.note_completion(1, priority=12)
+    assert b.waiting_ahead_of(1, 10) == b.effective_waiting() - 1
+    b.note_completion(1, priority=12)
+    assert b.in_flight_by_priority == {}  # no key left per priority once unused
+    assert b.waiting_ahead_of(1, 10) == b.effective_waiting()
+
+
+def test_another_replicas_requests_count_by_rank() -> None:
+    """Other replicas report their requests in flight by rank only: the same tier's count
+    as ahead whatever this request's priority, less urgent tiers' as behind."""
+    b = backend(waiting=3)
+    b.note_peers(Counter({1: 2, 2: 1}))
+    b.peer_in_flight_at_scrape = 3  # the scrape (waiting=3) came after their grants
+    assert b.waiting_ahead_of(1, 10) == 2
 
 
 def test_no_usable_metrics_names_each_backend_and_why() -> None:

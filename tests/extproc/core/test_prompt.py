@@ -11,6 +11,7 @@ from extproc.core.prompt import (
     _CountCache,
     chat_text_and_tokens,
     count_tokens,
+    pieces,
     render_chat,
 )
 from extproc.fleet.pieces import PIECE_CHARS
@@ -30,6 +31,13 @@ def _message(rng: random.Random) -> dict[str, Any]:
         (_text(rng), None, [{"text": _text(rng)} for _ in range(rng.randint(0, 3))])
     )
     return {"role": rng.choice(("system", "user", " x\n", "")), "content": content}
+
+
+def test_the_count_is_the_number_of_pieces() -> None:
+    rng = random.Random(3)
+    for _ in range(500):
+        text = _text(rng)
+        assert count_tokens(text) == len(pieces(text)), text
 
 
 def test_counting_message_by_message_equals_counting_the_whole_chat() -> None:

@@ -22,7 +22,7 @@ from yaml.representer import SafeRepresenter
 
 T = TypeVar("T")
 
-_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_LOADER = yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader
 """libyaml's parser where PyYAML was built with it (its wheels are): the same node tree,
 lines included, 2.8 x faster than PyYAML's own; a 100,000-tenant policy (6 MB) composes
 in 12.6 s instead of 35.4 s."""

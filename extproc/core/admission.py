@@ -481,10 +481,12 @@ class Admission:
             return None
         stale = self.policy.backpressure.stale_after_s
         now = self._clock()
-        # The gate counts the engine's waiting requests this one would wait behind there:
+        # A queue gate counts the engine's waiting requests this one would wait behind there:
         # those sent with a smaller (or equal) vLLM priority than the band's next request's.
-        head = self.scheduler.head_entry(band)
-        priority = self._vllm_priority(head.payload, tier) if head is not None else None
+        priority = None
+        if tier is not None and tier.gate.max_waiting is not None:
+            head = self.scheduler.head_entry(band)
+            priority = self._vllm_priority(head.payload, tier) if head is not None else None
 
         def admits(b: Backend) -> bool:
             return (

@@ -56,7 +56,7 @@ from extproc.core.peers import (
 from extproc.core.picker import PickReason, choose
 from extproc.core.preemption import LEND_MAX_SEATS, Cancellable
 from extproc.core.prefix import EngineHashing, PromptBlocks
-from extproc.core.priority import vllm_priority
+from extproc.core.priority import UserOffsets, vllm_priority
 from extproc.core.reservations import Demand, Reservation, headroom, reserved_seats
 from extproc.core.sampling import LARGE_FLEET, FleetSample
 from extproc.core.scheduler import BandConfig, Entry, FairnessConfig, FairScheduler, QueueFull
@@ -99,6 +99,8 @@ class InFlight:
     kv_tokens: int = 0
     """What it was granted to hold in its backend's KV cache at its end
     (``Backend.note_grant``'s ``committed_tokens``)."""
+    offset: int = 0
+    """Its user's offset from the tier's base priority (``extproc.core.priority``)."""
 
 
 OUTPUT_SHARE_SMOOTHING = 16
@@ -142,7 +144,7 @@ class Admission:
         self.scheduler = FairScheduler(clock=pool.clock)
         self._rng = rng or random.Random()
         self._in_flight: dict[str, InFlight] = {}
-        self._pending: Counter[tuple[str, str]] = Counter()
+        self._users = UserOffsets()
         self._in_flight_by_rank: Counter[int] = Counter()
         self._demand = Demand()
         self._last_arrival: dict[str, float] = {}
@@ -535,6 +537,7 @@ class Admission:
     def _grant(self, entry: Entry, where: Placement) -> Grant:
         request: RequestClass = entry.payload
         user = (request.tenant.name, request.user)
+        offset = self._users.next(user)
         priority = self._vllm_priority(request, where.tier)
         prompt = PromptBlocks(request.prompt_text, request.model or "", request.body, self.engine)
         fleet = self.pool.backends
@@ -568,7 +571,7 @@ class Admission:
         backend.note_grant(
             entry.input_tokens + entry.output_tokens_estimate, where.rank, kv_tokens, priority
         )
-        self._pending[user] += 1
+        self._users.granted(user, offset)
         self._in_flight_by_rank[where.rank] += 1
         now = self._clock()
         self._demand.change(where.rank, +1, now, self._windows.get(where.rank, 0.0))
@@ -580,15 +583,15 @@ class Admission:
             entry.flow,
         )
         self._in_flight[entry.request_id] = InFlight(
-            backend, user, entry, where.rank, now, grant, kv_tokens
+            backend, user, entry, where.rank, now, grant, kv_tokens, offset
         )
         return grant
 
     def _vllm_priority(self, request: RequestClass, tier: Tier | None) -> int:
         """The vLLM priority ``request`` goes with now, acting as ``tier`` (its own when
-        None): the tier's base plus its user's requests in flight."""
+        None): the tier's base plus its user's offset (``extproc.core.priority``)."""
         base = tier.priority if tier is not None else request.tier.priority
-        return vllm_priority(base, self._pending[(request.tenant.name, request.user)])
+        return vllm_priority(base, self._users.next((request.tenant.name, request.user)))
 
     def _expected_output(self, entry: Entry) -> int:
         """The output a request of ``entry``'s band will generate, for the KV it commits:
@@ -832,9 +835,7 @@ class Admission:
         self._cancellable.discard(request_id)
         record.backend.note_completion(record.rank, record.kv_tokens, record.grant.priority)
         self._sample.freed(record.backend)
-        self._pending[record.user] -= 1
-        if self._pending[record.user] <= 0:
-            del self._pending[record.user]
+        self._users.finished(record.user, record.offset)
         self._in_flight_by_rank[record.rank] -= 1
         self._demand.change(record.rank, -1, self._clock(), self._windows.get(record.rank, 0.0))
         if output_tokens is not None:

@@ -121,6 +121,18 @@ def test_continuous_priority_counts_the_users_pending_requests() -> None:
     assert submit(admission, "a4", Request(API, user="power")).granted_now().priority == 13
 
 
+def test_a_users_next_request_does_not_overtake_its_own_earlier_ones() -> None:
+    # vLLM runs lower numbers first and never ages a waiting request: ranked by the count in
+    # flight alone, a4 would go at 11 ahead of a3 (13), which may still wait in the engine.
+    admission, _, _ = make_admission(limit=10)
+    for i in range(4):
+        submit(admission, f"a{i}", Request(API, user="power"))
+    for i in range(3):
+        admission.release(f"a{i}")
+    assert submit(admission, "a4", Request(API, user="power")).granted_now().priority == 13
+    assert submit(admission, "b", Request(API, user="casual")).granted_now().priority == 10
+
+
 def test_full_queue_is_a_429_with_retry_after() -> None:
     admission, _, _ = make_admission(limit=1)
     submit(admission, "running", Request(API))

@@ -6,7 +6,7 @@ from extproc.fleet.backend import COOL_OFF_S, FAILURES_TO_COOL_OFF, Backend, Bac
 from extproc.policy import Routing
 from tests.extproc.factories import FakeClock, scraped
 
-ROUTING = Routing()  # queue 1, kv 1, prefix 2, region 0.5, sticky margin 0.25
+ROUTING = Routing(sticky_margin=0.25)  # queue 1, kv 1, prefix 2, region 0.5
 SLOTS = 4
 SYSTEM = "You are the support assistant of ACME. Answer briefly and politely. " * 30
 

@@ -144,6 +144,7 @@ def run_arm(
             running.url,
             tuple(f"{u}/metrics" for u in running.backend_urls),
             healthy=lambda: all(child.alive() for child in group.children),
+            backend_urls=running.backend_urls,
         )
         group.check_alive(f"arm {arm.name}")
         after = cpu.sample(running.pids)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import re
 import time
@@ -122,6 +123,7 @@ class LoadRun:
         base_url: str,
         metrics_urls: tuple[str, ...] = (),
         healthy: Callable[[], bool] | None = None,
+        backend_urls: tuple[str, ...] = (),
     ) -> None:
         self.scenario = scenario
         self.arm = arm
@@ -130,6 +132,10 @@ class LoadRun:
         self.priorities = tier_priorities(scenario.policy) if kind == "vllm-priority" else None
         """Tier -> vLLM priority, sent in each body where no gateway sets it."""
         self.url = base_url.rstrip("/") + CHAT_PATH
+        if not backend_urls and any(g.direct for g in groups):
+            raise ValueError("a direct group needs the backends' URLs to send to")
+        self.direct_urls = itertools.cycle([u.rstrip("/") + CHAT_PATH for u in backend_urls])
+        """Where a ``direct`` group's requests go, in turn: the backends themselves."""
         self.speedup = scenario.speedup
         self.records: list[RequestRecord] = []
         self.capped = False
@@ -305,7 +311,8 @@ class LoadRun:
         )
         self.records.append(record)
         try:
-            async with session.post(self.url, json=body, headers=headers) as resp:
+            url = next(self.direct_urls) if group.direct else self.url
+            async with session.post(url, json=body, headers=headers) as resp:
                 record.status = resp.status
                 queue_ms = resp.headers.get(QUEUE_HEADER)
                 if queue_ms:
@@ -388,10 +395,12 @@ def run_load(
     base_url: str,
     metrics_urls: tuple[str, ...] = (),
     healthy: Callable[[], bool] | None = None,
+    backend_urls: tuple[str, ...] = (),
 ) -> LoadRun:
     """Run the workload to completion (bounded). The run holds the records, whether the cap
     was hit, the client's health figures (event-loop stalls, the machine's peak) and the
-    backends' prefix-cache counters over the measured window (``metrics_urls``)."""
-    load = LoadRun(scenario, arm, groups, base_url, metrics_urls, healthy)
+    backends' prefix-cache counters over the measured window (``metrics_urls``).
+    ``backend_urls``: where ``direct`` groups send, bypassing the gateway."""
+    load = LoadRun(scenario, arm, groups, base_url, metrics_urls, healthy, backend_urls)
     asyncio.run(load.run())
     return load

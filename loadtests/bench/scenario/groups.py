@@ -35,6 +35,7 @@ GROUP_FIELDS = (
     "user",
     "user_header",
     "shared_prefix",
+    "direct",
 )
 DIST_FIELDS = ("dist", "value", "min", "max", "median", "sigma")
 SHARED_PREFIX_FIELDS = ("system_prompts", "system_tokens", "turns")
@@ -85,6 +86,7 @@ def read_group(reader: FieldReader, field: Field) -> tuple[Group, Section] | Non
     user = reader.get(raw, "user", text, "a non-empty string", None)
     user_header = reader.get(raw, "user_header", text, "a header name", "x-user-id")
     shared = _shared_prefix(reader, raw, has_rate)
+    direct = reader.get(raw, "direct", boolean, "true or false", False)
     if len(reader.errors) > errors_before:
         return None
     assert prompt is not None and max_tokens is not None
@@ -104,6 +106,7 @@ def read_group(reader: FieldReader, field: Field) -> tuple[Group, Section] | Non
         user=user,
         user_header=user_header.lower(),
         shared_prefix=shared,
+        direct=direct,
     )
     return group, raw
 

@@ -131,6 +131,9 @@ class Group:
     user_header: str = "x-user-id"
     shared_prefix: SharedPrefix | None = None
     """Multi-turn conversations over shared system prompts (else one random-word message)."""
+    direct: bool = False
+    """Sent straight to the backends, in turn, in every arm: traffic the arm's gateway never
+    sees (another gateway in front of the same engines, a pipeline calling them itself)."""
 
     @property
     def closed_loop(self) -> bool:

@@ -102,6 +102,8 @@ def unsupported(scenario: Scenario) -> list[str]:
             problems.append(f"group {group.name}: shared_prefix conversations")
         if group.user is not None:
             problems.append(f"group {group.name}: a user header")
+        if group.direct:
+            problems.append(f"group {group.name}: sent straight to the backends (direct)")
     return problems
 
 

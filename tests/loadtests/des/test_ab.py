@@ -3,6 +3,7 @@ bench's own requests, policy and engine flags, summarised by the bench's statist
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,10 @@ def test_a_slower_step_and_a_longer_path_make_the_answers_later(tmp_path: Path) 
 def test_what_the_simulation_cannot_carry_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ScenarioError, match="shared_prefix"):
         simulate_arm(load_scenario("shared-prefix"), tmp_path)
+
+
+def test_traffic_that_bypasses_the_gateway_is_refused(tmp_path: Path) -> None:
+    scenario = load_scenario("smoke")
+    group = dataclasses.replace(scenario.groups[0], direct=True)
+    with pytest.raises(ScenarioError, match="direct"):
+        simulate_arm(dataclasses.replace(scenario, groups=(group, *scenario.groups[1:])), tmp_path)

@@ -538,7 +538,7 @@ class Admission:
         request: RequestClass = entry.payload
         user = (request.tenant.name, request.user)
         offset = self._users.next(user)
-        priority = self._vllm_priority(request, where.tier)
+        priority = vllm_priority(self._tier_base(request, where.tier), offset)
         prompt = PromptBlocks(request.prompt_text, request.model or "", request.body, self.engine)
         fleet = self.pool.backends
         pick = choose(
@@ -588,10 +588,15 @@ class Admission:
         return grant
 
     def _vllm_priority(self, request: RequestClass, tier: Tier | None) -> int:
-        """The vLLM priority ``request`` goes with now, acting as ``tier`` (its own when
+        """The vLLM priority ``request`` would go with now, acting as ``tier`` (its own when
         None): the tier's base plus its user's offset (``extproc.core.priority``)."""
-        base = tier.priority if tier is not None else request.tier.priority
-        return vllm_priority(base, self._users.next((request.tenant.name, request.user)))
+        user = (request.tenant.name, request.user)
+        return vllm_priority(self._tier_base(request, tier), self._users.next(user))
+
+    @staticmethod
+    def _tier_base(request: RequestClass, tier: Tier | None) -> int:
+        """The base vLLM priority of ``tier``, or of ``request``'s own tier when None."""
+        return tier.priority if tier is not None else request.tier.priority
 
     def _expected_output(self, entry: Entry) -> int:
         """The output a request of ``entry``'s band will generate, for the KV it commits:

@@ -142,9 +142,8 @@ def run_arm(
             arm.name,
             scenario.groups_of(arm),
             running.url,
-            tuple(f"{u}/metrics" for u in running.backend_urls),
+            running.backend_urls,
             healthy=lambda: all(child.alive() for child in group.children),
-            backend_urls=running.backend_urls,
         )
         group.check_alive(f"arm {arm.name}")
         after = cpu.sample(running.pids)

@@ -121,9 +121,8 @@ class LoadRun:
         arm: str,
         groups: tuple[Group, ...],
         base_url: str,
-        metrics_urls: tuple[str, ...] = (),
-        healthy: Callable[[], bool] | None = None,
         backend_urls: tuple[str, ...] = (),
+        healthy: Callable[[], bool] | None = None,
     ) -> None:
         self.scenario = scenario
         self.arm = arm
@@ -148,7 +147,8 @@ class LoadRun:
         sends late and reads late, and every latency around it grows by that much."""
         self.machine_peak = 0.0
         """Busiest one-second interval of the whole machine, as a fraction of its cores."""
-        self.metrics_urls = metrics_urls
+        self.metrics_urls = tuple(f"{u.rstrip('/')}/metrics" for u in backend_urls)
+        """Each backend's ``/metrics``, for its prefix-cache counters."""
         self.healthy = healthy
         """Polled every monitor tick: False (a process of the arm died) ends the run early,
         without the drain, instead of playing the rest of the load into a dead gateway."""
@@ -393,14 +393,13 @@ def run_load(
     arm: str,
     groups: tuple[Group, ...],
     base_url: str,
-    metrics_urls: tuple[str, ...] = (),
-    healthy: Callable[[], bool] | None = None,
     backend_urls: tuple[str, ...] = (),
+    healthy: Callable[[], bool] | None = None,
 ) -> LoadRun:
     """Run the workload to completion (bounded). The run holds the records, whether the cap
     was hit, the client's health figures (event-loop stalls, the machine's peak) and the
-    backends' prefix-cache counters over the measured window (``metrics_urls``).
-    ``backend_urls``: where ``direct`` groups send, bypassing the gateway."""
-    load = LoadRun(scenario, arm, groups, base_url, metrics_urls, healthy, backend_urls)
+    backends' prefix-cache counters over the measured window (read from each of
+    ``backend_urls``, where ``direct`` groups also send, bypassing the gateway)."""
+    load = LoadRun(scenario, arm, groups, base_url, backend_urls, healthy)
     asyncio.run(load.run())
     return load

@@ -527,11 +527,16 @@ class Admission:
             # Grants each candidate takes before its seats and the queue allowed are full.
             seats = sum(max(0, math.ceil(b.free_seats() + queue)) for b in candidates)
             room = min(admissible, seats)
-        elif queue is not None and self.peers.waiting_in(band):
+        elif queue is not None and self.peers.reports:
             # Bound by the engines' queues (the gate) and the cap: room that every replica
-            # sees at once after a scrape, taken in turns like seats (``peers.turn``; only
-            # counted while another replica waits in the band, the only time a turn binds).
-            room = sum(b.queue_room(queue, rank, limit - b.fleet_in_flight) for b in candidates)
+            # sees at once after a scrape, taken in turns like seats (``peers.turn``) while
+            # another replica waits in the band, and shared with the replicas whose demand
+            # no report shows yet (``peers.unseen``); unbounded when neither binds.
+            unseen = self.peers.unseen(self.scheduler.oldest_wait_s(band), now)
+            if unseen or self.peers.waiting_in(band):
+                room = sum(
+                    b.queue_room(queue, rank, limit - b.fleet_in_flight, unseen) for b in candidates
+                )
         return Placement(candidates, tier, rank, room)
 
     def _grant(self, entry: Entry, where: Placement) -> Grant:

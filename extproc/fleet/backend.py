@@ -520,15 +520,23 @@ class Backend:
             behind = sum(n for p, n in self.in_flight_by_priority.items() if p > priority)
         return behind + sum(n for r, n in self.peer_in_flight_by_rank.items() if r > rank)
 
-    def queue_room(self, max_waiting: int, rank: int, most: int) -> int:
+    def queue_room(self, max_waiting: int, rank: int, most: int, unseen: int = 0) -> int:
         """How many more requests of ``rank`` this engine's queue gate (``max_waiting``)
         lets through now, at most ``most``: each counts into ``effective_waiting`` as
         ``passes`` would see it after the ones before it. Replicas take that room in turns
-        (``extproc.core.peers.turn``) rather than each taking all of it."""
+        (``extproc.core.peers.turn``) rather than each taking all of it.
+
+        ``unseen`` other replicas may be taking the same room with demand no report shows
+        yet (``PeerView.unseen``): each is counted as granting here what this replica has
+        since the scrape and would now, so N replicas that see demand at once share the
+        gate's room instead of each filling it."""
         bound = max(max_waiting, 1)
         behind = self._behind(rank)
         room = 0
-        while room < most and self.effective_waiting(extra=room) - behind < bound:
+        while room < most:
+            guessed = unseen * (self.granted_since_scrape + room)
+            if self.effective_waiting(extra=room + guessed) - behind >= bound:
+                break
             room += 1
         return room
 

@@ -302,6 +302,35 @@ def test_room_a_queue_gate_leaves_after_a_scrape_goes_first_to_the_replicas_ahea
     assert [t.granted for t in tickets] == [True, True, False]
 
 
+def test_unseen_counts_the_replicas_whose_report_predates_our_request() -> None:
+    merged = PeerView.merge(
+        [ReplicaReport("r2", age_s=0.03), ReplicaReport("r3", age_s=0.005)], read_at=1000.0
+    )
+    # our request arrived 10 ms ago: r2 wrote 30 ms ago, before it; r3 5 ms ago, after
+    assert merged.unseen(waited_s=0.01, now=1000.0) == 1
+    assert merged.unseen(waited_s=0.01, now=1000.01) == 2  # 10 ms later, neither is newer
+    assert merged.unseen(waited_s=1.0, now=1000.0) == 0
+    assert PeerView().unseen(waited_s=0.0, now=1000.0) == 0  # alone
+
+
+def test_replicas_that_see_demand_at_once_share_the_gates_room() -> None:
+    """Demand that reaches every replica at once finds each with a view that shows nobody
+    waiting: each took the whole room of the engines' queue gates (measured on
+    ``power-user-x5`` with three replicas: 10 grants in the first 0.15 simulated seconds
+    where one process made 4). Until a report written after our request arrived says what
+    the others do, each is counted as doing what we do."""
+    admission, pool, clock = make_admission(limit=16, tiers=(INTERACTIVE, QUEUED, BATCH))
+    before = [ReplicaReport("r2", age_s=0.02), ReplicaReport("r3", age_s=0.02)]
+    admission.apply_peers(PeerView.merge(before, read_at=clock()))
+    scraped(pool.backends[0], clock)  # an idle engine: its gate lets two through
+    tickets = [submit(admission, f"a{i}", Request(QUEUED)) for i in range(3)]
+    assert [t.granted for t in tickets] == [True, False, False]
+    clock.now += 0.02  # the next exchange: both wrote after our requests came, none waits
+    after = [ReplicaReport("r2", age_s=0.005), ReplicaReport("r3", age_s=0.005)]
+    grants = admission.apply_peers(PeerView.merge(after, read_at=clock()))
+    assert [g.request_id for g in grants] == ["a1"]  # the gate's second place, ours after all
+
+
 def test_without_a_seat_for_us_we_leave_it_to_the_replica_ahead() -> None:
     admission, _, clock = make_admission(limit=1, tiers=(INTERACTIVE, API, SEATED))
     ahead = ReplicaReport("r2", {BACKEND: {2: 1}}, waiting={"batch": PeerBand(1, 0.3)})

@@ -101,6 +101,20 @@ def test_the_other_replicas_grants_since_the_scrape_count_in_the_engines_queue()
     assert backend.effective_waiting() == 0 and backend.busy_seats() == 3
 
 
+def test_queue_room_counts_each_unseen_replica_as_granting_what_this_one_does() -> None:
+    """Replicas whose demand no report shows yet (``PeerView.unseen``) are counted as
+    sending what this one sends: two of them and an idle engine whose gate lets two wait
+    leave this replica one, where alone it would take both."""
+    backend = Backend(BackendSpec("127.0.0.1", 1))
+    backend.record_scrape(EngineMetrics(0.0, 0.0, 0.1, 0.0, 0, 0.0), granted_before=0)
+    assert backend.queue_room(2, rank=10, most=16) == 2
+    assert backend.queue_room(2, rank=10, most=16, unseen=2) == 1
+    assert backend.queue_room(2, rank=10, most=16, unseen=1) == 1  # 1 + 1 of theirs = 2
+    backend.note_grant(rank=10)
+    assert backend.queue_room(2, rank=10, most=16, unseen=2) == 0  # 1 + 2 x 1 guessed
+    assert backend.queue_room(2, rank=10, most=16) == 1
+
+
 def test_a_replica_alone_counts_only_its_own_grants() -> None:
     backend = Backend(BackendSpec("127.0.0.1", 1))
     backend.record_scrape(EngineMetrics(0.0, 1.0, 0.5, 1.0, 10, 0.0), granted_before=0)

@@ -527,14 +527,18 @@ class Backend:
         (``extproc.core.peers.turn``) rather than each taking all of it.
 
         ``unseen`` other replicas may be taking the same room with demand no report shows
-        yet (``PeerView.unseen``): each is counted as granting here what this replica has
-        since the scrape and would now, so N replicas that see demand at once share the
-        gate's room instead of each filling it."""
+        yet (``PeerView.unseen``): each is counted as adding to the engine's queue what this
+        replica has since the scrape (its grants less its completions) and would now, so N
+        replicas that see demand at once share the gate's room instead of each filling it.
+        Net of completions, because a replica whose requests arrive one at a time at a
+        steady rate sees every one of them fresh: counting its grants alone would hold all
+        but the first per scrape for an exchange."""
         bound = max(max_waiting, 1)
         behind = self._behind(rank)
+        own = max(0, self.granted_since_scrape - self.completed_since_scrape)
         room = 0
         while room < most:
-            guessed = unseen * (self.granted_since_scrape + room)
+            guessed = unseen * (own + room)
             if self.effective_waiting(extra=room + guessed) - behind >= bound:
                 break
             room += 1

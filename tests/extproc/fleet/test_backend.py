@@ -113,6 +113,9 @@ def test_queue_room_counts_each_unseen_replica_as_granting_what_this_one_does() 
     backend.note_grant(rank=10)
     assert backend.queue_room(2, rank=10, most=16, unseen=2) == 0  # 1 + 2 x 1 guessed
     assert backend.queue_room(2, rank=10, most=16) == 1
+    # net of completions: at a steady rate each grant finds the seat a completion freed
+    backend.note_completion(rank=10)
+    assert backend.queue_room(2, rank=10, most=16, unseen=2) == 1
 
 
 def test_a_replica_alone_counts_only_its_own_grants() -> None:

@@ -242,12 +242,13 @@ class PeerView:
         Demand that reaches every replica at once (the load starts, a burst fans out after
         an idle spell) found each of them with a view that showed nobody waiting, and each
         took all the room of the engines' queue gates: on ``power-user-x5`` with three
-        replicas, the two heavy tenants' replicas granted 8 and 10 requests in the first
-        0.15 simulated seconds where one process granted 4, and every request being as long,
-        the fleet kept the bunched phases that start gave it for the whole run (a light
-        tenant's request waited for the next bunch of completions). ``Backend.queue_room``
-        counts each unseen replica as granting what this one does, until a report written
-        after the arrival shows what it really does: one exchange period."""
+        replicas, the two heavy tenants' replicas granted 10 requests between them in the
+        first 0.15 simulated seconds where one process granted 4, and every request being
+        as long, the fleet kept the bunched phases that start gave it for the whole run (a
+        light tenant's request waited for the next bunch of completions).
+        ``Backend.queue_room`` counts each unseen replica as adding to an engine's queue
+        what this one adds, until a report written after the arrival shows what it really
+        does: one exchange period."""
         since_read = max(0.0, now - self.read_at)
         return sum(1 for report in self.reports if report.age_s + since_read > waited_s)
 

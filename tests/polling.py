@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 
 async def until(
@@ -18,6 +18,20 @@ async def until(
     never for a lucky sleep."""
     started = time.monotonic()
     while not condition():
+        assert time.monotonic() - started < timeout_s, f"not within {timeout_s:g} s: {what}"
+        await asyncio.sleep(every_s)
+    return time.monotonic() - started
+
+
+async def until_awaited(
+    condition: Callable[[], Awaitable[object]],
+    what: str = "the condition",
+    timeout_s: float = 10.0,
+    every_s: float = 0.05,
+) -> float:
+    """``until`` for a condition that must be awaited (a metric read over HTTP)."""
+    started = time.monotonic()
+    while not await condition():
         assert time.monotonic() - started < timeout_s, f"not within {timeout_s:g} s: {what}"
         await asyncio.sleep(every_s)
     return time.monotonic() - started

@@ -13,6 +13,7 @@ import pytest
 
 from extproc.ops.up import Stack
 from tests.integration.conftest import TEST_POLICY, auth, backend_requests, chat, start_stack
+from tests.polling import until_awaited
 
 pytestmark = pytest.mark.integration
 
@@ -41,6 +42,16 @@ async def metric(stack: Stack, name: str, **labels: str) -> float:
         if line.startswith(f"{name}{{{want}}}") or (not labels and line.startswith(name + " ")):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+async def metric_reaches(stack: Stack, value: float, name: str, **labels: str) -> None:
+    """Until the gateway's ``name`` metric reads ``value``: the state a test needs before it
+    goes on, polled rather than slept for."""
+
+    async def reached() -> bool:
+        return await metric(stack, name, **labels) == value
+
+    await until_awaited(reached, f"{name}{labels} == {value:g}")
 
 
 async def wait_idle(stack: Stack, timeout: float = 20) -> None:
@@ -227,7 +238,7 @@ async def test_held_request_is_released_when_capacity_frees(stack: Stack) -> Non
 async def test_full_queue_is_429_with_retry_after(stack: Stack) -> None:
     filler = await fill_the_fleet(stack)
     held = asyncio.create_task(post(stack, chat(), auth("sk-api-demo")))  # fills api's queue of 1
-    await asyncio.sleep(0.3)
+    await metric_reaches(stack, 1, "fairlane_queue_depth", tier="api")
     status, headers, body = await post(stack, chat(), auth("sk-api-demo"))
     assert status == 429, body
     assert int(headers["retry-after"]) >= 1
@@ -251,8 +262,7 @@ async def test_client_disconnect_while_held_leaves_the_queue(stack: Stack) -> No
     before = len(backend_requests(stack))
     with pytest.raises(asyncio.TimeoutError):
         await post(stack, chat(), {**auth("sk-chat-demo"), "x-user-id": "leaver"}, timeout=0.5)
-    await asyncio.sleep(0.2)
-    assert await metric(stack, "fairlane_queue_depth", tier="interactive") == 0
+    await metric_reaches(stack, 0, "fairlane_queue_depth", tier="interactive")
     await filler
     await asyncio.sleep(0.3)
     seen_users = [r["headers"].get("x-user-id") for r in backend_requests(stack)[before:]]
@@ -308,8 +318,7 @@ async def test_interactive_overtakes_a_queued_batch_backlog(stack: Stack) -> Non
         )
         for i in range(3)
     ]
-    await asyncio.sleep(0.3)
-    assert await metric(stack, "fairlane_queue_depth", tier="batch") == 3
+    await metric_reaches(stack, 3, "fairlane_queue_depth", tier="batch")
     status, headers, _ = await post(stack, chat(), {**auth("sk-chat-demo"), "x-user-id": "human"})
     assert status == 200 and headers["x-fairlane-tier"] == "interactive"
     await asyncio.gather(filler, *backlog)

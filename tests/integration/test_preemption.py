@@ -86,7 +86,12 @@ async def _seat_taken_by_batch(
     request goes first, so the long one waits inside vLLM until the seat is learned."""
     if not await _learned_one_seat(stack):
         teacher = asyncio.create_task(post(stack, chat(max_tokens=40), auth("sk-batch-demo")))
-        await asyncio.sleep(0.2)
+
+        async def teacher_running() -> bool:
+            return await _engine_gauge(stack, "vllm:num_requests_running") >= 1
+
+        # on the seat before the long one is sent, or the long one would take it first
+        await _until("the short request to run on the engine", teacher_running)
     else:
         teacher = None
     body = chat(max_tokens=BATCH_TOKENS, stream=stream)
@@ -106,7 +111,13 @@ async def _seat_taken_by_batch(
         return engine == (1, 0)
 
     await _until("the long batch request to run alone on the engine", running_alone)
-    await asyncio.sleep(0.3)  # its stream is kept open once its forward is sent
+    if not stream:  # the gateway can cancel it once its forward is sent, and says so
+        url = f"http://127.0.0.1:{stack.metrics_port}/metrics"
+
+        async def cancellable() -> bool:
+            return await _sum_of(url, "fairlane_backend_cancellable{") == 1
+
+        await _until("the gateway to count the batch request as cancellable", cancellable)
     return task
 
 

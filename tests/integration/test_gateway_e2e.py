@@ -44,46 +44,42 @@ async def metric(stack: Stack, name: str, **labels: str) -> float:
     return 0.0
 
 
-async def metric_reaches(stack: Stack, value: float, name: str, **labels: str) -> None:
+async def metric_reaches(
+    stack: Stack, value: float, name: str, timeout_s: float = 10.0, **labels: str
+) -> None:
     """Until the gateway's ``name`` metric reads ``value``: the state a test needs before it
     goes on, polled rather than slept for."""
 
     async def reached() -> bool:
         return await metric(stack, name, **labels) == value
 
-    await until_awaited(reached, f"{name}{labels} == {value:g}")
+    await until_awaited(reached, f"{name}{labels} == {value:g}", timeout_s)
+
+
+async def in_flight_reaches(stack: Stack, value: float, timeout_s: float = 10.0) -> None:
+    """Until the (only) backend has ``value`` requests released to it and not finished."""
+    backend = stack.backends[0]
+    await metric_reaches(
+        stack,
+        value,
+        "fairlane_backend_in_flight",
+        timeout_s,
+        backend=backend.address,
+        region=backend.region,
+    )
 
 
 async def wait_idle(stack: Stack, timeout: float = 20) -> None:
     """Until the gateway has nothing in flight (earlier tests' long requests finished)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        backend = stack.backends[0]
-        busy = await metric(
-            stack, "fairlane_backend_in_flight", backend=backend.address, region=backend.region
-        )
-        if busy == 0:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("gateway still busy")
+    await in_flight_reaches(stack, 0, timeout)
 
 
 async def fill_the_fleet(stack: Stack) -> asyncio.Task[tuple[int, dict[str, str], bytes]]:
     """Occupy the only backend slot with a ~3 s batch request; return its task."""
     await wait_idle(stack)
     task = asyncio.create_task(post(stack, chat(max_tokens=60), auth("sk-batch-demo")))
-    deadline = time.monotonic() + 10
-    backend = stack.backends[0]
-    while time.monotonic() < deadline:
-        if (
-            await metric(
-                stack, "fairlane_backend_in_flight", backend=backend.address, region=backend.region
-            )
-            == 1
-        ):
-            return task
-        await asyncio.sleep(0.05)
-    raise AssertionError("the filler request was never admitted")
+    await in_flight_reaches(stack, 1)  # the filler admitted
+    return task
 
 
 def error_of(body: bytes) -> dict[str, Any]:

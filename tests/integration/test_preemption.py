@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import aiohttp
 import pytest
@@ -21,6 +21,7 @@ import pytest
 from extproc.ops.up import Stack
 from tests.integration.conftest import SIM_ARGS, TEST_POLICY, auth, chat, start_stack
 from tests.integration.test_gateway_e2e import error_of, post
+from tests.polling import until_awaited
 
 pytestmark = pytest.mark.integration
 
@@ -69,11 +70,10 @@ async def _sum_of(url: str, name: str, label: str = "") -> float:
     )
 
 
-async def _until(what: str, condition: object, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
+async def _until(
+    what: str, condition: Callable[[], Awaitable[object]], timeout_s: float = 20
+) -> None:
+    await until_awaited(condition, what, timeout_s)
 
 
 async def _seat_taken_by_batch(

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from tests.integration.conftest import auth, chat, start_stack
-from tests.integration.test_gateway_e2e import metric_reaches
+from tests.integration.test_gateway_e2e import in_flight_reaches, metric_reaches
 
 pytestmark = pytest.mark.integration
 
@@ -42,14 +42,7 @@ async def test_sigterm_drains_then_answers_held_requests_503(tmp_path: Path) -> 
         timeout = aiohttp.ClientTimeout(total=60)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             long_one = asyncio.create_task(post(session, url, "sk-batch-demo", LONG_TOKENS))
-            backend = stack.backends[0]
-            await metric_reaches(  # admitted: the only slot is taken
-                stack,
-                1,
-                "fairlane_backend_in_flight",
-                backend=backend.address,
-                region=backend.region,
-            )
+            await in_flight_reaches(stack, 1)  # admitted: the only slot is taken
             held = asyncio.create_task(post(session, url, "sk-chat-demo", 4))
             await metric_reaches(stack, 1, "fairlane_queue_depth", tier="interactive")
             assert not held.done()

@@ -3,7 +3,8 @@
 ``fairlane up``, ``fairlane bench`` and the integration tests all start several servers
 (Envoy, the service, simulators). A ``ProcessGroup`` owns them: each child runs in its own
 session with its output in a log file, ``stop()`` sends SIGTERM then SIGKILL, and the group
-is a context manager so a failing test or a Ctrl-C still stops everything.
+is a context manager so a failing test or a Ctrl-C still stops everything. ``restart()``
+starts a child that died again, with the same command, in its place in the group.
 """
 
 from __future__ import annotations
@@ -79,6 +80,13 @@ class Child:
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
+    argv: tuple[str, ...] = ()
+    """The command it was started with; with ``env``, ``cwd`` and ``logged``, what
+    :meth:`ProcessGroup.restart` starts again."""
+    env: Mapping[str, str] | None = None
+    """The variables set on top of this process's environment (not the whole of it)."""
+    cwd: Path | None = None
+    logged: bool = True
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -161,7 +169,44 @@ class ProcessGroup:
         cwd: Path | None = None,
         log: bool = True,
     ) -> Child:
-        log_path = self.log_dir / f"{name}.log"
+        child = self._spawn(name, argv, env, cwd, log, self.log_dir / f"{name}.log")
+        self.children.append(child)
+        return child
+
+    def restart(self, child: Child) -> Child:
+        """Start the command of ``child``, which has exited, again (same argv, environment
+        and working directory) and put the new process in its place in ``children``.
+
+        Its output goes to a new log, ``NAME.1.log``, then ``NAME.2.log``...: the dead
+        process's log, which says why it died, stays as it was."""
+        if child.alive():
+            raise RuntimeError(f"{child.label} (pid {child.popen.pid}) is still running")
+        if not child.argv:
+            raise ValueError(f"{child.label} was not started by a ProcessGroup: no command")
+        index = next((i for i, c in enumerate(self.children) if c is child), None)
+        if index is None:
+            raise ValueError(f"{child.label} (pid {child.popen.pid}) is not in this group")
+        new = self._spawn(
+            child.name, child.argv, child.env, child.cwd, child.logged, self._next_log(child.name)
+        )
+        self.children[index] = new
+        return new
+
+    def _next_log(self, name: str) -> Path:
+        generation = 1
+        while (self.log_dir / f"{name}.{generation}.log").exists():
+            generation += 1
+        return self.log_dir / f"{name}.{generation}.log"
+
+    def _spawn(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None,
+        cwd: Path | None,
+        log: bool,
+        log_path: Path,
+    ) -> Child:
         full_env = dict(os.environ)
         if env:
             full_env.update(env)
@@ -179,9 +224,9 @@ class ProcessGroup:
         finally:
             if log:
                 out.close()  # type: ignore[union-attr]
-        child = Child(name, popen, log_path)
-        self.children.append(child)
-        return child
+        return Child(
+            name, popen, log_path, tuple(argv), None if env is None else dict(env), cwd, log
+        )
 
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM every child (newest first), then SIGKILL whatever is left."""
@@ -248,6 +293,13 @@ def wait_http_ready(url: str, child: Child | None = None, timeout: float = 30.0)
     raise NotReady(f"{url} not ready after {timeout:.0f}s ({last_error}){tail}")
 
 
+def port_open(port: int, timeout: float = 0.5) -> bool:
+    """Whether something accepts TCP connections on 127.0.0.1:``port`` now (one try)."""
+    with socket.socket() as s:
+        s.settimeout(timeout)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def wait_port_open(port: int, child: Child | None = None, timeout: float = 30.0) -> None:
     """Wait until something accepts TCP connections on 127.0.0.1:``port``."""
     deadline = time.monotonic() + timeout
@@ -257,9 +309,7 @@ def wait_port_open(port: int, child: Child | None = None, timeout: float = 30.0)
                 f"{child.name} exited with {child.popen.returncode} before port {port} opened:\n"
                 f"{child.log_tail()}"
             )
-        with socket.socket() as s:
-            s.settimeout(0.5)
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
+        if port_open(port):
+            return
         time.sleep(0.05)
     raise NotReady(f"port {port} not open after {timeout:.0f}s")

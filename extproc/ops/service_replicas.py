@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from extproc.fleet.backend import BackendSpec, backend_argument
@@ -65,6 +65,19 @@ class Services:
             if process.replica_id == replica_id:
                 return process
         raise KeyError(f"no replica {replica_id!r}")
+
+    def holding(self, child: Child) -> ServiceProcess | None:
+        """The service process that ``child`` is (or was), if it is one."""
+        return next((p for p in self.processes if p.child is child), None)
+
+    def replacing(self, old: Child, new: Child) -> Services:
+        """These services with ``new`` running where ``old`` did (same ports: a restart)."""
+        if self.holding(old) is None:
+            raise ValueError(f"{old.label} is not one of the service processes")
+        return replace(
+            self,
+            processes=tuple(replace(p, child=new) if p.child is old else p for p in self.processes),
+        )
 
 
 def service_argv(

@@ -2,13 +2,16 @@
 
 With ``--replicas N`` the service is N active-active replicas sharing their state in a local
 Redis (:mod:`extproc.ops.service_replicas`), and Envoy spreads requests over them and moves
-off a dead one (extproc.envoy.replicas). A replica, or Redis, that dies is reported and the
-stack goes on: that is what the replicas are for; the stack stops when the last replica,
-Envoy or a simulator goes.
+off a dead one (extproc.envoy.replicas).
+
+A service process (the one, or a replica) that exits is restarted on the same ports, with
+back-off (:mod:`extproc.ops.supervisor`); until it is back Envoy answers new requests 503
+``gateway_unavailable`` with ``retry-after`` (the other replicas serve them, with replicas).
+Redis dying is reported and the stack goes on; Envoy or a simulator dying stops the stack.
 
 The same ``Stack`` is what the integration tests and benchmarks start, so what a user runs
 is what is tested. Every process lives in a ``ProcessGroup``: Ctrl-C, SIGTERM, a failed
-start or a child that dies stops all of them.
+start or a child that dies for good stops all of them.
 
 The children's output goes to log files, so what the user must see is printed by ``up``
 itself: where everything is, and each backend's seats as the service learns them
@@ -39,11 +42,13 @@ from extproc.ops.processes import (
     ensure_port_free,
     exit_text,
     free_port,
+    port_open,
     wait_http_ready,
 )
 from extproc.ops.redis_server import require_redis_server
 from extproc.ops.seat_watch import SeatCount, SeatWatch
 from extproc.ops.service_replicas import ServiceProcess, Services, start_services
+from extproc.ops.supervisor import Action, Role, Supervisor, action_for, restart_line
 from extproc.policy import DEFAULT_POLICY_PATH, load_policy
 from extproc.transport.server import (
     BUILTIN_TOKENIZER,
@@ -235,16 +240,27 @@ class Stack:
                 os.killpg(child.popen.pid, sig)
         child.popen.wait(10)
 
-    def survivable(self, child: Child) -> bool:
-        """Whether the stack goes on without ``child``: a replica while another one runs,
-        or the replicas' Redis (they schedule alone until it is back)."""
+    def role(self, child: Child) -> Role:
+        """What ``child`` is to the stack: a service process (restarted when it exits), the
+        replicas' Redis (the stack goes on without it) or Envoy or a simulator."""
         services = self.services
-        if services is None or not services.replicated:
-            return False
-        if child is services.redis:
-            return True
-        replicas = [p.child for p in services.processes]
-        return any(child is c for c in replicas) and any(c.alive() for c in replicas)
+        if services is not None and services.holding(child) is not None:
+            return Role.SERVICE
+        if services is not None and services.redis is not None and child is services.redis:
+            return Role.SHARED_STATE
+        return Role.ESSENTIAL
+
+    def restart_service(self, child: Child) -> ServiceProcess:
+        """Start the service process ``child`` was, which has exited, again: same command,
+        so the same gRPC and metrics ports; its output goes to a new log. Returns at once
+        (the new process opens its ports in its own time)."""
+        if self.services is None or self.services.holding(child) is None:
+            raise ValueError(f"{child.label} is not one of the service processes")
+        new = self.group.restart(child)
+        self.services = self.services.replacing(child, new)
+        process = self.services.holding(new)
+        assert process is not None
+        return process
 
     def _check_fixed_ports(self) -> None:
         """The ports a user fixed must be free now: a clear "port N (Envoy's listener,
@@ -414,9 +430,9 @@ def run(args: argparse.Namespace) -> int:
             _print_banner(
                 stack, seats.first(), curl_lines(stack.url, policy, served_model(stack.backends))
             )
-            reported: list[Child] = []
-            while (fatal := _watch(stack, reported)) is None:
-                time.sleep(0.5)
+            watch = Watch(stack)
+            while (fatal := watch.tick()) is None:
+                time.sleep(watch.sleep_s())
                 seats.metrics_url = _live_metrics_url(stack) or seats.metrics_url
                 for line in seats.poll():
                     print(f"fairlane: {line}", flush=True)
@@ -433,27 +449,88 @@ def run(args: argparse.Namespace) -> int:
             return 1
 
 
-def _watch(stack: Stack, reported: list[Child]) -> Child | None:
-    """The first child whose death stops the stack, if one died; a replica (while another
-    runs) or the replicas' Redis is reported once and the stack goes on."""
-    for child in stack.group.children:
-        if child.alive() or any(child is seen for seen in reported):
-            continue
-        if not stack.survivable(child):
-            return child
-        reported.append(child)
-        after = (
-            "the replicas schedule alone until it is back"
-            if stack.services is not None and child is stack.services.redis
-            else "the other replicas carry on"
+WATCH_TICK_S = 0.25
+"""How often ``up`` looks for a child that exited (at most; sooner when a restart is due)."""
+
+
+class Watch:
+    """``up``'s watch over its children, one :meth:`tick` at a time: a service process
+    that exited is restarted when :class:`~extproc.ops.supervisor.Supervisor` says (one
+    line each), Redis reported once, anything else ends the watch."""
+
+    def __init__(self, stack: Stack, supervisor: Supervisor | None = None) -> None:
+        self.stack = stack
+        self.supervisor = supervisor or Supervisor()
+        self.reported: list[Child] = []
+        self.starting: dict[str, tuple[ServiceProcess, float]] = {}
+        """Restarted service processes whose gRPC port is not open yet, and when each
+        exited."""
+        self._exited_at: dict[str, float] = {}
+        for process in stack.service_processes:
+            self.supervisor.started(process.child.name)
+
+    def tick(self) -> Child | None:
+        """The first child whose exit stops the stack, if one exited; else None, having
+        restarted what was due and reported the rest."""
+        for child in self.stack.group.children:
+            if child.alive() or any(child is seen for seen in self.reported):
+                continue
+            if self.supervisor.waiting(child.name):
+                continue
+            action = action_for(self.stack.role(child))
+            if action is Action.STOP:
+                return child
+            if action is Action.REPORT:
+                self._report(child)
+            else:
+                self._schedule(child)
+        for due in self.supervisor.due():
+            self._restart(due.name)
+        for name, (process, exited_at) in list(self.starting.items()):
+            if not process.child.alive():
+                del self.starting[name]  # found dead on the next tick, and restarted
+            elif port_open(process.port, timeout=0.05):
+                del self.starting[name]
+                child, away_s = process.child, self.supervisor.clock() - exited_at
+                _say(
+                    f"fairlane: {child.label} is serving again (pid {child.popen.pid}, "
+                    f"{away_s:.1f} s after it exited; log: {child.log_path})"
+                )
+        return None
+
+    def sleep_s(self) -> float:
+        """How long to sleep before the next tick."""
+        due = self.supervisor.next_due_in()
+        return WATCH_TICK_S if due is None else min(WATCH_TICK_S, due)
+
+    def _schedule(self, child: Child) -> None:
+        restart = self.supervisor.exited(child.name)
+        self._exited_at[child.name] = self.supervisor.clock()
+        services = self.stack.services
+        others = (
+            services is not None
+            and services.replicated
+            and any(p.child.alive() for p in services.processes if p.child is not child)
         )
-        print(
-            f"fairlane: {child.name} exited ({exit_text(child.popen.returncode)}); {after} "
-            f"(log: {child.log_path})",
-            file=sys.stderr,
-            flush=True,
+        how = exit_text(child.popen.returncode)
+        _say(restart_line(child.label, how, restart, child.log_path, others))
+
+    def _restart(self, name: str) -> None:
+        dead = next(c for c in self.stack.group.children if c.name == name)
+        process = self.stack.restart_service(dead)
+        self.supervisor.started(name)
+        self.starting[name] = (process, self._exited_at.pop(name, self.supervisor.clock()))
+
+    def _report(self, child: Child) -> None:
+        self.reported.append(child)
+        _say(
+            f"fairlane: {child.name} exited ({exit_text(child.popen.returncode)}); the "
+            f"replicas schedule alone until it is back (log: {child.log_path})"
         )
-    return None
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _live_metrics_url(stack: Stack) -> str | None:

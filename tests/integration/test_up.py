@@ -181,8 +181,9 @@ def test_up_with_replicas_survives_a_dead_replica_and_stops_everything(
     processes: ProcessGroup,
 ) -> None:
     """``fairlane up --replicas 2``: a local Redis and two replicas, each printed with its
-    gRPC address and metrics; one SIGKILLed replica is reported and the other serves on;
-    SIGTERM stops every process, Redis included."""
+    gRPC address and metrics; one SIGKILLed replica is reported, the other serves on and
+    the dead one is restarted with its flags; SIGTERM stops every process, Redis and the
+    restarted replica included."""
     port = free_port()
     up = processes.start(
         "up", [sys.executable, "-m", "extproc", "up", "--port", str(port), "--replicas", "2"]
@@ -208,20 +209,26 @@ def test_up_with_replicas_survives_a_dead_replica_and_stops_everything(
     started = children_of(up.popen.pid)
     assert len(started) == 6  # two simulators, Redis, two replicas, Envoy
     (r2,) = [pid for pid in started if flag_value(command_line(pid), "--replica-id") == "r2"]
+    r2_argv = command_line(r2)
     os.kill(r2, signal.SIGKILL)
-    assert "the other replicas carry on" in wait_for_log(up, "service-r2 exited", timeout_s=10)
+    log = wait_for_log(up, "service-r2 exited", timeout_s=10)
+    assert "the other replicas carry on; restarting it in 0.5 s (restart 1;" in log, log
     # Until Envoy's health checks mark r2 down, a request may still reach it and get 503
-    # (test_replicas.py holds that to its target): wait for that, then r1 serves alone.
+    # (test_replicas.py holds that to its target): wait for that, then r1 (and the
+    # restarted r2) serve.
     deadline = time.monotonic() + 15
     while (statuses := [generate() for _ in range(4)]) != [200] * 4:
         assert set(statuses) <= {200, 503}, statuses
-        assert time.monotonic() < deadline, f"r1 never served alone: {statuses}"
+        assert time.monotonic() < deadline, f"the replicas never served again: {statuses}"
         time.sleep(0.2)
+    wait_for_log(up, "the service-r2 is serving again", timeout_s=15)
+    restarted = [p for p in children_of(up.popen.pid) if p not in started]
+    assert [command_line(p) for p in restarted] == [r2_argv]  # same ports, same flags
     assert up.alive()
 
     os.kill(up.popen.pid, signal.SIGTERM)
     assert up.popen.wait(timeout=20) == 0
     deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in started) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in [*started, *restarted]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [pid for pid in started if alive(pid)]
+    assert not [pid for pid in [*started, *restarted] if alive(pid)]

@@ -82,6 +82,16 @@ PER_TRY_TIMEOUT_HEADER = "x-envoy-upstream-rq-per-try-timeout-ms"
 HEDGE_ON_TIMEOUT_HEADER = "x-envoy-hedge-on-per-try-timeout"
 """``true``: on the per-try timeout, send a copy to the next listed endpoint."""
 
+# --------------------------------------------------------------------------- sizes
+
+EXTPROC_STREAM_HEADROOM = 1024
+"""Streams on the service's port beyond the held requests: in BUFFERED mode a stream stays
+open until the upstream's response headers arrive. Envoy's circuit breaker on the ext_proc
+cluster and the service's own stream limit are both held requests + this."""
+BUFFER_HEADROOM_BYTES = 1 << 20
+"""Over the policy's ``max_body_bytes``: Envoy's listener and cluster buffers, and the
+largest gRPC message the service accepts (the body, its headers and framing)."""
+
 # --------------------------------------------------------------------------- runtime (RTDS)
 
 RUNTIME_LAYER = "fairlane"

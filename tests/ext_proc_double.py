@@ -3,7 +3,7 @@
 The real service (``extproc/transport/servicer.py``) decides per request; a double answers what the
 test's own request headers tell it to, so a test can drive Envoy's routing, rejection and
 hold paths directly. This module holds what every double needs: the servicer, serving it on
-a loopback port with the real service's gRPC options, the headers phase (always "continue")
+a loopback port on the real service's gRPC server, the headers phase (always "continue")
 and header mutations. A subclass says how to answer the buffered body.
 """
 
@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
-from extproc.transport.server import grpc_options
+from extproc.transport.h2grpc import GrpcServer
+from extproc.transport.limits import ServerLimits
 
 
 def header_option(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -43,9 +43,9 @@ class ExtProcDouble:
 
         self.servicer = Servicer()
 
-    async def serve(self, port: int) -> grpc.aio.Server:
+    async def serve(self, port: int) -> GrpcServer:
         """Serve on 127.0.0.1:``port``; the caller stops the returned server."""
-        server = grpc.aio.server(options=grpc_options())
+        server = GrpcServer(ServerLimits())
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(self.servicer, server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()

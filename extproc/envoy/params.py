@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from extproc.fleet.backend import BackendSpec
 from extproc.fleet.discovery import DnsBackendSpec
+from extproc.wire import BUFFER_HEADROOM_BYTES, EXTPROC_STREAM_HEADROOM
 
 MiB = 1024 * 1024
 
@@ -20,11 +21,6 @@ MAX_MESSAGE_TIMEOUT_S = 3600.0
 # stream_idle_timeout = longest hold + this: a request released at its deadline still has
 # time to be forwarded and send response headers before the idle timer can fire.
 IDLE_MARGIN_S = 60.0
-# Streams that are not held also occupy the ext_proc cluster: in BUFFERED mode the stream
-# stays open until the upstream's response headers arrive (time to first byte).
-EXTPROC_STREAM_HEADROOM = 1024
-# Headroom over max_body_bytes for headers and framing in the listener/cluster buffers.
-BUFFER_HEADROOM_BYTES = 1 * MiB
 # Envoy's HTTP/2 defaults (since 1.36) for the stream/connection flow-control windows.
 H2_DEFAULT_STREAM_WINDOW = 16 * MiB
 H2_DEFAULT_CONNECTION_WINDOW = 24 * MiB

@@ -17,6 +17,12 @@ method is answered ``UNIMPLEMENTED``, a compressed or oversized message ``INTERN
 ``RESOURCE_EXHAUSTED``, a handler that raises ``INTERNAL``; none of them disturbs the other
 streams. A stream the client resets cancels its handler's task, as grpc.aio does: the
 servicers rely on that (a held request leaves its queue on ``CancelledError``).
+
+Safe by default against a hostile or broken client (``ServerLimits``; tests in
+``tests/extproc/transport/test_hostile_clients.py``): connections are capped, must finish
+their handshake in time and are closed when idle; a client that does not read its answers
+stops being read; each stream holds at most its receive window of unread input; draining
+sends GOAWAY at once.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any, cast
 
 from extproc.transport import http2
+from extproc.transport.limits import ServerLimits
 
 log = logging.getLogger("fairlane.h2grpc")
 
@@ -42,6 +49,9 @@ UNIMPLEMENTED = 12
 INTERNAL = 13
 UNAVAILABLE = 14
 RESOURCE_EXHAUSTED = 8
+
+WRITE_BUFFER_HIGH = 1 << 20
+"""Bytes written and not yet taken by the client past which its connection is not read."""
 
 RESPONSE_HEADER_BLOCK = http2.encode_headers(
     [(b":status", b"200"), (b"content-type", GRPC_CONTENT_TYPE)]
@@ -58,14 +68,22 @@ class GrpcServer:
     ``add_insecure_port`` binds at once and returns the port, ``start``, ``stop(grace)``.
     """
 
-    def __init__(self, max_message_bytes: int) -> None:
-        self.max_message_bytes = max_message_bytes
+    def __init__(self, limits: ServerLimits) -> None:
+        self.limits = limits
+        self.max_message_bytes = limits.max_message_bytes
+        self.framing_limits = http2.Limits(
+            max_concurrent_streams=limits.max_concurrent_streams,
+            stream_window=limits.stream_window_bytes,
+        )
         self._methods: dict[bytes, Any] = {}
         self._sockets: list[socket.socket] = []
         self._servers: list[asyncio.AbstractServer] = []
         self._connections: set[_Connection] = set()
         self._stopping = False
         self._stopped: asyncio.Event | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self.refused_connections = 0
+        """Connections closed at once because ``max_connections`` were open."""
 
     # -- registration, as grpc's generated add_*_to_server call it ---------------------
 
@@ -105,6 +123,21 @@ class GrpcServer:
             sock.listen(1024)
             server = await loop.create_server(lambda: _Connection(self), sock=sock)
             self._servers.append(server)
+        self._sweeper = loop.create_task(self._sweep(), name="grpc-connection-sweep")
+
+    async def _sweep(self) -> None:
+        """Close connections that never finished their handshake, and those idle too long.
+
+        One timer for all connections, so a request costs nothing here: a connection is idle
+        when it has had no stream since the previous sweeps for ``idle_timeout_s``."""
+        limits = self.limits
+        period = min(1.0, limits.handshake_timeout_s / 4, limits.idle_timeout_s / 4)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(period)
+            now = loop.time()
+            for connection in list(self._connections):
+                connection.sweep(now)
 
     async def stop(self, grace: float | None) -> None:
         """Refuse new streams at once; cancel what still runs after ``grace`` seconds.
@@ -116,7 +149,7 @@ class GrpcServer:
             for server in self._servers:
                 server.close()
             for connection in self._connections:
-                connection.refuse_new_streams()
+                connection.drain()
         if grace:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained(), grace)
@@ -127,6 +160,8 @@ class GrpcServer:
             connection.close()
         for server in self._servers:
             await server.wait_closed()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._stopped is not None:
             self._stopped.set()
 
@@ -142,6 +177,28 @@ class GrpcServer:
     def stopping(self) -> bool:
         return self._stopping
 
+    @property
+    def open_connections(self) -> int:
+        return len(self._connections)
+
+    @property
+    def open_streams(self) -> int:
+        """Streams open at the HTTP/2 level, those the handlers run and those ending."""
+        return sum(len(connection.http2.streams) for connection in self._connections)
+
+    def admit(self) -> bool:
+        """Whether one more connection may be served (``max_connections``)."""
+        if len(self._connections) < self.limits.max_connections:
+            return True
+        self.refused_connections += 1
+        if self.refused_connections == 1 or self.refused_connections % 1000 == 0:
+            log.warning(
+                "refused %d connections so far: %d open, the most allowed",
+                self.refused_connections,
+                len(self._connections),
+            )
+        return False
+
     def connected(self, connection: _Connection) -> None:
         self._connections.add(connection)
 
@@ -154,7 +211,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, server: GrpcServer) -> None:
         self.server = server
-        self.http2 = http2.ServerConnection(self)
+        self.http2 = http2.ServerConnection(self, server.framing_limits)
         self.streams: dict[int, _Stream] = {}
         self.blocked: set[_Stream] = set()
         """Streams with data that flow control holds back: a WINDOW_UPDATE for the whole
@@ -162,24 +219,64 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._flush_scheduled = False
         self._refusing = server.stopping
+        self.opened = 0
+        """Streams opened so far: the sweep tells an idle connection by it not moving."""
+        self._opened_at = 0.0
+        self._idle_mark: tuple[int, float] | None = None
+        """(``opened``, when) at the first sweep that found no stream open."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, only alike.
         self.transport = cast(asyncio.Transport, transport)
+        if not self.server.admit():
+            self.transport.abort()
+            self.transport = None
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
+        self._opened_at = asyncio.get_running_loop().time()
         self.server.connected(self)
         self.http2.initiate()
         self.transport.write(self.http2.take())
 
+    def pause_writing(self) -> None:
+        # The client reads less than it makes this side write (its own answers, or the
+        # acknowledgements of its pings and settings): read nothing more until it catches up.
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None:
+            self.transport.resume_reading()
+
+    def sweep(self, now: float) -> None:
+        """Close this connection if its handshake is overdue or it has been idle too long."""
+        limits = self.server.limits
+        if not self.http2.preface_seen:
+            if now - self._opened_at >= limits.handshake_timeout_s:
+                log.info("closing a gRPC connection that did not finish its handshake")
+                self.close()
+            return
+        if self.http2.streams:
+            self._idle_mark = None
+        elif self._idle_mark is None or self._idle_mark[0] != self.opened:
+            self._idle_mark = (self.opened, now)
+        elif now - self._idle_mark[1] >= limits.idle_timeout_s:
+            self.close()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.transport is None:
+            return  # refused at once (``admit``)
         self.server.disconnected(self)
         self.transport = None
         self.cancel_all()
 
     def data_received(self, data: bytes) -> None:
+        if self.transport is None:
+            return
         try:
             self.http2.receive(data)
         except http2.Http2Error as error:
@@ -203,6 +300,7 @@ class _Connection(asyncio.Protocol):
                 path = value
             elif name == b"content-type":
                 content_type = value
+        self.opened += 1
         if self._refusing:
             self.http2.reset(stream_id, http2.REFUSED_STREAM)
             return
@@ -267,6 +365,14 @@ class _Connection(asyncio.Protocol):
     def refuse_new_streams(self) -> None:
         self._refusing = True
 
+    def drain(self) -> None:
+        """The server stops: GOAWAY now, so the client opens no new stream here, and the
+        streams it has open may finish."""
+        self.refuse_new_streams()
+        if not self.http2.closed:
+            self.http2.goaway()
+            self.flush()
+
     def cancel_all(self) -> None:
         for stream in list(self.streams.values()):
             stream.cancel()
@@ -276,7 +382,9 @@ class _Connection(asyncio.Protocol):
             if not self.http2.closed:
                 self.http2.goaway()
             self.flush()
-            self.transport.close()
+            # What the client never read is dropped: a peer that stopped reading could
+            # otherwise keep the connection, and what it holds, forever.
+            self.transport.abort()
 
     def forget(self, stream_id: int) -> None:
         stream = self.streams.pop(stream_id, None)
@@ -298,6 +406,7 @@ class _Stream:
         "connection",
         "handler",
         "headers_sent",
+        "started",
         "stream_id",
         "task",
         "trailers",
@@ -317,6 +426,9 @@ class _Stream:
         self.headers_sent = False
         self.closed = False
         self.blocked = False
+        self.started = False
+        """Its handler's task has run: a task cancelled before that never runs its
+        ``finally``, so whoever cancels it must forget the stream."""
 
     # -- in ------------------------------------------------------------------------------
 
@@ -343,6 +455,8 @@ class _Stream:
                 self.fail(INTERNAL, f"undecodable message: {error}")
                 return
             self._inbox.append(message)
+        if not self._inbox:
+            self.connection.http2.acknowledge(self.stream_id)
         self._wake()
 
     def end_of_input(self) -> None:
@@ -366,11 +480,16 @@ class _Stream:
                 await self._waiter
             finally:
                 self._waiter = None
-        return self._inbox.popleft()
+        message = self._inbox.popleft()
+        if not self._inbox:  # all read: the client may send more
+            self.connection.http2.acknowledge(self.stream_id)
+            self.connection.flush_soon()
+        return message
 
     # -- the handler -------------------------------------------------------------------
 
     async def run(self) -> None:
+        self.started = True
         handler = self.handler
         serialize: Callable[[Any], bytes] = handler.response_serializer or bytes
         status, message = OK, ""
@@ -459,8 +578,11 @@ class _Stream:
         self.cancel()
 
     def cancel(self) -> None:
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
+        task = self.task
+        if task is not None and not task.done():
+            task.cancel()
+            if not self.started:  # its ``finally`` will never run
+                self._reset(http2.CANCEL)
         else:
             self._close()
 

@@ -10,18 +10,20 @@ HPACK decoding is the ``hpack`` package (h2's own decoder).
 
 Scope (RFC 9113, server side, cleartext with prior knowledge): the client's preface and
 SETTINGS, HEADERS with CONTINUATION, DATA, RST_STREAM, WINDOW_UPDATE, PING, GOAWAY; PRIORITY
-and unknown frame types are ignored; a PUSH_PROMISE, a frame too large, a bad preface or
-HPACK block, or a flow-control overflow is a connection error (``Http2Error``, the caller
-answers with GOAWAY and closes). Frames for a stream that is gone (reset or finished) are
-dropped, as frames still in flight after a reset must be. Outgoing header blocks are
-encoded without the dynamic table (``encode_headers``): what a gRPC server sends is a few
-short fixed fields. The caller owns stream semantics (which method, which handler); this
-module only frames.
+and unknown frame types are ignored. A protocol violation is a connection error
+(``Http2Error``: the caller sends the GOAWAY queued here and closes). What a hostile peer
+could make this side hold is bounded: streams by SETTINGS_MAX_CONCURRENT_STREAMS (enforced
+with REFUSED_STREAM), each stream's unread input by its receive window (given back only
+when the caller acknowledges, ``acknowledge``), frames that carry nothing and pings sent too
+often by ENHANCE_YOUR_CALM. The caller owns stream semantics (which method, which handler)
+and what the socket may buffer; this module only frames.
 """
 
 from __future__ import annotations
 
 import struct
+import time
+from collections.abc import Callable
 from typing import Protocol, cast
 
 import hpack
@@ -40,19 +42,30 @@ INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE, MAX_HEADER_LIST_SIZE = 4, 5, 6
 
 # error codes (section 7)
 NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR = 0x0, 0x1, 0x3, 0x6
-REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 0x7, 0x8, 0x9
+REFUSED_STREAM, CANCEL, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 0x7, 0x8, 0x9, 0xB
 
 MAX_WINDOW = (1 << 31) - 1
 DEFAULT_WINDOW = 65_535
 DEFAULT_FRAME_SIZE = 16_384
 TOP_UP_AFTER = 1 << 30
-"""Received bytes after which a receive window is given back: half of what is offered, so
-a sender never stalls, and a WINDOW_UPDATE per GiB rather than per frame."""
+"""Received bytes after which the connection's receive window is given back: half of what
+is offered, so a sender never stalls on the connection; each stream's own window is what
+bounds what it may send unread."""
+STREAM_WINDOW = 1 << 20
+"""Each stream's receive window (SETTINGS_INITIAL_WINDOW_SIZE): what a client may send that
+the handler has not read. Given back at half, so a large message flows at loopback speed."""
 
 MAX_HEADER_LIST_SIZE_BYTES = 64 << 10
 """The largest header list accepted (advertised in SETTINGS): gRPC metadata is small."""
 DECODED_BLOCKS = 64
 """Distinct header blocks remembered at most (a client sends a handful)."""
+MAX_IDLE_FRAMES = 100
+"""Frames in a row that carry nothing (empty DATA or CONTINUATION, PRIORITY, unknown types)
+before the connection is closed: a client doing work never sends more than a few."""
+PING_MIN_INTERVAL_S = 1.0
+MAX_PING_STRIKES = 10
+"""Pings closer together than the interval are strikes; past the last, the connection is
+closed (as grpc's server does, with its ``too_many_pings``). Envoy pings every 10 s."""
 
 _FRAME_HEADER = struct.Struct(">BHBBL")  # length (24 bits as 8 + 16), type, flags, stream
 _SETTING = struct.Struct(">HL")
@@ -117,7 +130,8 @@ def encode_headers(headers: list[tuple[bytes, bytes]]) -> bytes:
 
 
 class _Stream:
-    """What the framing keeps of an open stream: its send window and who has ended it."""
+    """What the framing keeps of an open stream: its send window, the input not yet given
+    back to the peer's window, and who has ended it."""
 
     __slots__ = ("received", "remote_closed", "window")
 
@@ -127,13 +141,46 @@ class _Stream:
         self.remote_closed = False
 
 
+class Limits:
+    """What one connection lets a peer make it hold (see the module docstring)."""
+
+    __slots__ = (
+        "max_concurrent_streams",
+        "max_header_list_size",
+        "max_idle_frames",
+        "max_ping_strikes",
+        "ping_min_interval_s",
+        "stream_window",
+    )
+
+    def __init__(
+        self,
+        max_concurrent_streams: int = 1024,
+        stream_window: int = STREAM_WINDOW,
+        max_header_list_size: int = MAX_HEADER_LIST_SIZE_BYTES,
+        max_idle_frames: int = MAX_IDLE_FRAMES,
+        ping_min_interval_s: float = PING_MIN_INTERVAL_S,
+        max_ping_strikes: int = MAX_PING_STRIKES,
+    ) -> None:
+        self.max_concurrent_streams = max_concurrent_streams
+        self.stream_window = stream_window
+        self.max_header_list_size = max_header_list_size
+        self.max_idle_frames = max_idle_frames
+        self.ping_min_interval_s = ping_min_interval_s
+        self.max_ping_strikes = max_ping_strikes
+
+
 class ServerConnection:
     """Frames in (``receive``), callbacks out; frames out queued until ``take``."""
 
     def __init__(
-        self, listener: Listener, max_header_list_size: int = MAX_HEADER_LIST_SIZE_BYTES
+        self,
+        listener: Listener,
+        limits: Limits | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.listener = listener
+        self.limits = limits = limits or Limits()
         self.streams: dict[int, _Stream] = {}
         self.last_stream_id = 0
         self.window = DEFAULT_WINDOW
@@ -145,13 +192,19 @@ class ServerConnection:
         self.received = 0
         """Bytes received on the connection since its window was last topped up."""
         self._decoder = hpack.Decoder()
-        self._decoder.max_header_list_size = max_header_list_size
+        self._decoder.max_header_list_size = limits.max_header_list_size
         self._decoded: dict[bytes, list[tuple[bytes, bytes]]] = {}
         """Header blocks decoded since the HPACK table last changed (``_decode``)."""
-        self._max_header_list_size = max_header_list_size
+        self._clock = clock
+        self._idle_frames = 0
+        """Frames in a row that carried nothing (``MAX_IDLE_FRAMES``)."""
+        self._last_ping = -1e9
+        self._ping_strikes = 0
+        self.preface_seen = False
+        """The client's preface and first SETTINGS arrived: the handshake is over."""
         self._out = bytearray()
         self._in = bytearray()
-        self._preface_seen = False
+        self._preface_bytes_seen = False
         self._continuing: tuple[int, int, bytearray] | None = None
         """A header block waiting for CONTINUATION: stream, HEADERS flags, fragments."""
         self.closed = False
@@ -159,9 +212,13 @@ class ServerConnection:
     # -- out -----------------------------------------------------------------------------
 
     def initiate(self) -> None:
-        """Queue this side's preface: SETTINGS and the connection window at its widest."""
-        settings = _SETTING.pack(INITIAL_WINDOW_SIZE, MAX_WINDOW) + _SETTING.pack(
-            MAX_HEADER_LIST_SIZE, self._max_header_list_size
+        """Queue this side's preface: SETTINGS with the limits, and the connection window at
+        its widest (each stream's own window bounds what waits unread)."""
+        limits = self.limits
+        settings = (
+            _SETTING.pack(MAX_CONCURRENT_STREAMS, limits.max_concurrent_streams)
+            + _SETTING.pack(INITIAL_WINDOW_SIZE, limits.stream_window)
+            + _SETTING.pack(MAX_HEADER_LIST_SIZE, limits.max_header_list_size)
         )
         self._frame(SETTINGS, 0, 0, settings)
         self._frame(WINDOW_UPDATE, 0, 0, (MAX_WINDOW - DEFAULT_WINDOW).to_bytes(4, "big"))
@@ -177,6 +234,7 @@ class ServerConnection:
         stream is over on this side and forgotten."""
         if stream_id not in self.streams:
             return
+        self._ping_strikes = 0
         flags = END_HEADERS | (END_STREAM if end_stream else 0)
         limit = self.max_frame_size
         if len(block) <= limit:
@@ -213,6 +271,14 @@ class ServerConnection:
             self._frame(DATA, 0, stream_id, view[start : min(start + limit, size)])
         return size
 
+    def acknowledge(self, stream_id: int) -> None:
+        """The caller has read what arrived on this stream: give it back to the peer's
+        window once half of the window is used (until then the peer still has room)."""
+        stream = self.streams.get(stream_id)
+        if stream is not None and stream.received >= self.limits.stream_window // 2:
+            self._frame(WINDOW_UPDATE, 0, stream_id, stream.received.to_bytes(4, "big"))
+            stream.received = 0
+
     def reset(self, stream_id: int, code: int) -> None:
         """RST_STREAM; the stream is forgotten (frames still in flight are dropped)."""
         if self.streams.pop(stream_id, None) is not None:
@@ -244,7 +310,7 @@ class ServerConnection:
             data = bytes(buffer)
             buffer.clear()
         offset = 0
-        if not self._preface_seen:
+        if not self._preface_bytes_seen:
             if len(data) < len(PREFACE):
                 if not PREFACE.startswith(data):
                     raise self._fail(PROTOCOL_ERROR, "not an HTTP/2 client preface")
@@ -252,7 +318,7 @@ class ServerConnection:
                 return
             if not data.startswith(PREFACE):
                 raise self._fail(PROTOCOL_ERROR, "not an HTTP/2 client preface")
-            self._preface_seen = True
+            self._preface_bytes_seen = True
             offset = len(PREFACE)
         end = len(data)
         unpack = _FRAME_HEADER.unpack_from
@@ -275,8 +341,19 @@ class ServerConnection:
         return Http2Error(code, message)
 
     def _dispatch(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if not self.preface_seen:
+            if kind != SETTINGS or flags & ACK:
+                raise self._fail(PROTOCOL_ERROR, "the preface's first frame is not SETTINGS")
+            self.preface_seen = True
         if self._continuing is not None and kind != CONTINUATION:
             raise self._fail(PROTOCOL_ERROR, "a header block interrupted")
+        if kind in (DATA, HEADERS, CONTINUATION):
+            if payload or (kind == DATA and flags & END_STREAM):
+                self._idle_frames = 0
+            else:  # empty, and it ends nothing
+                self._idle()
+        elif kind < CONTINUATION and kind != PRIORITY:  # control frames (PRIORITY is idle)
+            self._idle_frames = 0
         if kind == DATA:
             self._data(flags, stream_id, payload)
         elif kind == HEADERS:
@@ -286,19 +363,47 @@ class ServerConnection:
         elif kind == WINDOW_UPDATE:
             self._window_update(stream_id, payload)
         elif kind == RST_STREAM:
+            if len(payload) != 4 or stream_id == 0:
+                raise self._fail(PROTOCOL_ERROR, "a malformed RST_STREAM")
             if self.streams.pop(stream_id, None) is not None:
                 self.listener.on_reset(stream_id)
         elif kind == SETTINGS:
+            if stream_id != 0:
+                raise self._fail(PROTOCOL_ERROR, "SETTINGS on a stream")
             if not flags & ACK:
                 self._settings(payload)
+            elif payload:
+                raise self._fail(FRAME_SIZE_ERROR, "a SETTINGS acknowledgement with a payload")
         elif kind == PING:
+            if len(payload) != 8 or stream_id != 0:
+                raise self._fail(FRAME_SIZE_ERROR, f"a PING of {len(payload)} bytes")
             if not flags & ACK:
-                self._frame(PING, ACK, 0, payload)
+                self._ping(payload)
         elif kind == GOAWAY:
             self.listener.on_goaway()
         elif kind == PUSH_PROMISE:
             raise self._fail(PROTOCOL_ERROR, "a client sent PUSH_PROMISE")
-        # PRIORITY and unknown types: ignored (RFC 9113 sections 5.3.2 and 5.5)
+        elif kind == PRIORITY:
+            if len(payload) != 5:
+                raise self._fail(FRAME_SIZE_ERROR, "a PRIORITY frame of the wrong size")
+            self._idle()
+        elif kind > CONTINUATION:  # unknown types: ignored (RFC 9113 section 5.5)
+            self._idle()
+
+    def _idle(self) -> None:
+        """One more frame that did nothing; a client that keeps sending them is flooding."""
+        self._idle_frames += 1
+        if self._idle_frames > self.limits.max_idle_frames:
+            raise self._fail(ENHANCE_YOUR_CALM, "a flood of frames that carry nothing")
+
+    def _ping(self, payload: bytes) -> None:
+        now = self._clock()
+        if now - self._last_ping < self.limits.ping_min_interval_s:
+            self._ping_strikes += 1
+            if self._ping_strikes > self.limits.max_ping_strikes:
+                raise self._fail(ENHANCE_YOUR_CALM, "too many pings")
+        self._last_ping = now
+        self._frame(PING, ACK, 0, payload)
 
     def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
         self.received += len(payload)  # padding included: flow control counts it
@@ -309,9 +414,8 @@ class ServerConnection:
         if stream is None or stream.remote_closed:
             return  # a stream already gone: its frames in flight are dropped
         stream.received += len(payload)
-        if stream.received >= TOP_UP_AFTER:
-            self._frame(WINDOW_UPDATE, 0, stream_id, stream.received.to_bytes(4, "big"))
-            stream.received = 0
+        if stream.received > self.limits.stream_window:
+            raise self._fail(FLOW_CONTROL_ERROR, f"stream {stream_id} sent past its window")
         if flags & PADDED:
             payload = self._unpad(payload)
         end_stream = bool(flags & END_STREAM)
@@ -342,7 +446,7 @@ class ServerConnection:
             raise self._fail(PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
         fragments = pending[2]
         fragments += payload
-        if len(fragments) > self._max_header_list_size * 2:
+        if len(fragments) > self.limits.max_header_list_size * 2:
             raise self._fail(PROTOCOL_ERROR, "a header block over the advertised limit")
         if flags & END_HEADERS:
             self._continuing = None
@@ -362,6 +466,9 @@ class ServerConnection:
         if stream_id <= self.last_stream_id:
             return  # trailers of a stream already gone
         self.last_stream_id = stream_id
+        if len(self.streams) >= self.limits.max_concurrent_streams:
+            self._frame(RST_STREAM, 0, stream_id, REFUSED_STREAM.to_bytes(4, "big"))
+            return
         self.streams[stream_id] = stream = _Stream(self.initial_window)
         stream.remote_closed = end_stream
         self.listener.on_request(stream_id, headers, end_stream)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -73,6 +73,19 @@ KV_STREAM_COUNTERS = (
 """A KV event subscriber's counters, each a ``kind`` of ``fairlane_kv_events_total``."""
 
 
+class PortStats(Protocol):
+    """What the gRPC server tells of its port (``extproc.transport.h2grpc.GrpcServer``)."""
+
+    @property
+    def open_connections(self) -> int: ...
+
+    @property
+    def open_streams(self) -> int: ...
+
+    @property
+    def refused_connections(self) -> int: ...
+
+
 class GatewayCollector(Collector):
     def __init__(
         self,
@@ -83,8 +96,10 @@ class GatewayCollector(Collector):
         state: SharedState | None = None,
         membership: Membership | None = None,
         kv_feeds: KVEventFeeds | None = None,
+        port: PortStats | None = None,
     ) -> None:
         self.admission = admission
+        self.port = port
         self.kv_feeds = kv_feeds
         self.stats = stats
         self.policies = policies
@@ -102,6 +117,7 @@ class GatewayCollector(Collector):
         yield from self._outcomes()
         yield from self._latencies()
         yield from self._overload()
+        yield from self._port()
         yield from self._budgets()
         yield from self._replicas()
 
@@ -461,6 +477,28 @@ class GatewayCollector(Collector):
             "How far behind the service was in the last control period: the larger of its "
             "event loop's lag and how old requests were when it decided them.",
             value=self.overload.last_lag_s,
+        )
+
+    def _port(self) -> Iterable[Metric]:
+        """The gRPC port Envoy calls: what is open on it now, and what its limits refused."""
+        port = self.port
+        if port is None:
+            return
+        yield GaugeMetricFamily(
+            "fairlane_grpc_connections",
+            "Connections open on the service's gRPC port (Envoy opens a few per worker).",
+            value=port.open_connections,
+        )
+        yield GaugeMetricFamily(
+            "fairlane_grpc_streams",
+            "HTTP/2 streams open on the service's gRPC port: held requests, requests being "
+            "decided, the completion feeds.",
+            value=port.open_streams,
+        )
+        yield CounterMetricFamily(
+            "fairlane_grpc_connections_refused",
+            "Connections closed at once because the port's connection limit was reached.",
+            value=port.refused_connections,
         )
 
     def _budgets(self) -> Iterable[Metric]:

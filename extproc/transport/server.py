@@ -1,13 +1,8 @@
 """``fairlane serve``: the ext_proc and access-log gRPC services in one process.
 
-Two gRPC servers can carry them, the same servicers on either (``--grpc-server``): ``h2``
-(the default, ``extproc.transport.h2grpc``: h2 in the event loop's thread, 1.8-2.4x the
-requests per core of grpc.aio behind the same Envoy for a servicer deciding nothing) and
-``grpcio`` (grpc.aio, kept as the reference the benchmarks compare with). For grpcio the
-server options matter for held requests: Envoy pings its HTTP/2 connections while requests
-sit in queues, and grpc's defaults answer frequent pings with GOAWAY ("too many pings"),
-which would fail every held request; bodies larger than grpc's 4 MiB default must still be
-accepted up to the policy's limit.
+The servicers run on ``extproc.transport.h2grpc``, a gRPC server in the event loop's own
+thread (why not grpc.aio: its module docstring; the overhead benchmark measures the two),
+with limits sized from the policy (``extproc.transport.limits``).
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.endpoint.v3 import eds_pb2_grpc
@@ -60,6 +54,7 @@ from extproc.transport.endpoints import EndpointSet, levels_of
 from extproc.transport.h2grpc import GrpcServer
 from extproc.transport.held import HeldRequests
 from extproc.transport.kv_feeds import KVEventFeeds
+from extproc.transport.limits import ServerLimits
 from extproc.transport.overload import Ages, watch_overload
 from extproc.transport.prometheus import GatewayCollector, start_metrics_server
 from extproc.transport.read_later import read_later
@@ -73,19 +68,6 @@ from extproc.transport.servicer import (
 )
 
 log = logging.getLogger("fairlane.server")
-
-MAX_MESSAGE_BYTES = 64 << 20  # above any policy's max_body_bytes plus protobuf framing
-GRPC_SERVERS = ("h2", "grpcio")
-
-
-def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    return [
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-        ("grpc.http2.max_ping_strikes", 0),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-    ]
 
 
 @dataclass(frozen=True)
@@ -121,8 +103,8 @@ class ServiceConfig:
     """Resolve every name this often (None: when its answer's TTL runs out)."""
     dns_max_interval_s: float = DEFAULT_MAX_INTERVAL_S
     """The longest time between two resolutions of a name, whatever its TTL."""
-    grpc_server: str = "h2"
-    """Which gRPC server carries the servicers: ``h2`` or ``grpcio`` (see the module)."""
+    max_connections: int = ServerLimits.max_connections
+    """Connections the gRPC port serves at once (``extproc.transport.limits``)."""
     tokenizer: str | None = None
     """The served model's directory (``tokenizer.json``, ``tokenizer_config.json``), or
     ``builtin`` (fairlane's simulated engines): with it, prompts are matched against the
@@ -169,7 +151,9 @@ class Service:
                 config.dns_interval_s,
                 config.dns_max_interval_s,
             )
-        self.server = grpc_server(config.grpc_server)
+        self.server = GrpcServer(
+            ServerLimits.for_policy(self.policies.current, config.max_connections)
+        )
         add_external_processor(
             ExternalProcessor(self.held, self.ages, self.credentials),
             self.server,
@@ -238,6 +222,7 @@ class Service:
                 self.state,
                 self.membership,
                 self.kv_feeds,
+                self.server,
             )
             self._metrics, self.metrics_port = await start_metrics_server(
                 collector, self.config.host, self.config.metrics_port
@@ -394,15 +379,6 @@ STOP_MARGIN_S = 15.0
 drain plus 5 s) before the process exits regardless."""
 
 
-def grpc_server(kind: str) -> grpc.aio.Server | GrpcServer:
-    """A gRPC server of that kind, with nothing registered yet."""
-    if kind == "h2":
-        return GrpcServer(MAX_MESSAGE_BYTES)
-    if kind == "grpcio":
-        return grpc.aio.server(options=grpc_options())
-    raise ValueError(f"unknown gRPC server {kind!r}: one of {', '.join(GRPC_SERVERS)}")
-
-
 async def serve(config: ServiceConfig) -> None:
     """Run until SIGINT/SIGTERM; a second signal while stopping exits at once."""
     service = Service(config)
@@ -544,11 +520,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "them may be (default %(default)g)",
     )
     parser.add_argument(
-        "--grpc-server",
-        choices=GRPC_SERVERS,
-        default="h2",
-        help="the gRPC server under the servicers: h2 (in the event loop's thread) or grpcio "
-        "(grpc.aio, the reference) (default %(default)s)",
+        "--max-connections",
+        type=int,
+        default=ServerLimits.max_connections,
+        help="connections the gRPC port serves at once; more are closed at once (default "
+        "%(default)s; Envoy opens a few per worker)",
     )
     add_kv_event_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
@@ -704,7 +680,7 @@ def run(args: argparse.Namespace) -> int:
         dns_server=dns_server_from_args(args),
         dns_interval_s=args.dns_interval,
         dns_max_interval_s=args.dns_max_interval,
-        grpc_server=args.grpc_server,
+        max_connections=args.max_connections,
         tokenizer=args.tokenizer,
         kv_hash_algo=args.prefix_caching_hash_algo,
         kv_hash_seed=args.kv_hash_seed,

@@ -4,10 +4,11 @@
 the gateway's own Envoy bootstrap (ext_proc in BUFFERED mode, the completion access log,
 the runtime layer), but in place of the fairlane service a trivial servicer: it answers the
 headers message with "continue" and the body message with the endpoint header and metadata,
-deciding nothing, and drains the access log. It runs on each gRPC server the service can use
-(``--grpc-server``: h2 and grpc.aio), one after the other. The saturation and concurrency-1
-figures it prints are the floor the real service sits on: the difference is fairlane's own
-work, the rest is the gRPC server and the event loop.
+deciding nothing, and drains the access log. It runs on the service's gRPC server
+(``h2``, ``extproc.transport.h2grpc``) and on grpc.aio (``grpcio``, the well-kept library it
+is measured against), one after the other. The saturation and concurrency-1 figures it prints
+are the floor the real service sits on: the difference is fairlane's own work, the rest is
+the gRPC server and the event loop.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
+import grpc
 import yaml
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -31,7 +33,8 @@ from extproc.envoy.bootstrap import render_bootstrap
 from extproc.envoy.params import EnvoyParams
 from extproc.fleet.backend import BackendSpec
 from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready, wait_port_open
-from extproc.transport.server import GRPC_SERVERS, grpc_server
+from extproc.transport.h2grpc import GrpcServer
+from extproc.transport.limits import ServerLimits
 from extproc.wire import DESTINATION_HEADER, LB_NAMESPACE
 from loadtests.bench.cpu import process_cpu_seconds
 from loadtests.bench.overhead.eventloop import run_loop
@@ -70,6 +73,25 @@ class Drain(als_pb2_grpc.AccessLogServiceServicer):
         async for _ in request_iterator:
             pass
         return als_pb2.StreamAccessLogsResponse()
+
+
+SERVERS = ("h2", "grpcio")
+
+GRPCIO_OPTIONS = [
+    # Envoy pings its connections every 10 s; grpc's default answers that with GOAWAY.
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", ServerLimits.max_message_bytes),
+]
+
+
+def grpc_server(kind: str) -> GrpcServer | grpc.aio.Server:
+    """The service's server (``h2``) or the reference (``grpcio``), nothing registered."""
+    if kind == "h2":
+        return GrpcServer(ServerLimits())
+    if kind == "grpcio":
+        return grpc.aio.server(options=GRPCIO_OPTIONS)
+    raise ValueError(f"unknown gRPC server {kind!r}: one of {', '.join(SERVERS)}")
 
 
 async def serve(port: int, endpoint: str, kind: str) -> None:
@@ -146,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.run(serve(int(args.serve[0]), args.serve[1], args.serve[2]))
         return 0
     for _ in range(args.rounds):
-        for kind in GRPC_SERVERS:
+        for kind in SERVERS:
             figures = run(args.seconds, kind)
             print(kind, " ".join(f"{key}={value:g}" for key, value in figures.items()))
     return 0

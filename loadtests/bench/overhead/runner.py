@@ -91,7 +91,6 @@ def start_arm(arm: str, scenario: OverheadScenario, group: ProcessGroup) -> Star
             backends=(backend,),
             replicas=spec.replicas,
             shared_state=spec.shared_state or None,
-            service_args=("--grpc-server", spec.grpc_server),
         )
         Stack(config, group).start()
     pids = {child.name: child.popen.pid for child in group.children}
@@ -132,7 +131,6 @@ def scenario_json(scenario: OverheadScenario) -> dict[str, Any]:
                 "policy": os.path.relpath(a.policy),
                 "api_keys": list(a.api_keys),
                 "seats": a.seats,
-                "grpc_server": a.grpc_server,
             }
             for a in scenario.fairlane_specs
         },

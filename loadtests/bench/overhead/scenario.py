@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from extproc.transport.server import GRPC_SERVERS
 from loadtests.bench.scenario.document import Document, ScenarioError
 from loadtests.bench.scenario.fields import (
     Field,
@@ -90,8 +89,6 @@ class FairlaneArm:
     """Service processes; above 1 they share state in a local Redis."""
     shared_state: bool = False
     """Put even one replica's state in Redis (to weigh shared against in-process state)."""
-    grpc_server: str = "h2"
-    """The gRPC server under the service's servicers (``fairlane serve --grpc-server``)."""
 
 
 @dataclass(frozen=True)
@@ -231,7 +228,7 @@ OVERHEAD_FIELDS = (
     "arms",
     "targets",
 )
-ARM_FIELDS = ("policy", "api_key", "seats", "replicas", "shared_state", "grpc_server")
+ARM_FIELDS = ("policy", "api_key", "seats", "replicas", "shared_state")
 OVERLOAD_FIELDS = tuple(f.name for f in dataclasses.fields(OverloadSpec))
 
 
@@ -315,8 +312,7 @@ def _read_fairlane_arms(reader: FieldReader, top: Section) -> list[FairlaneArm]:
     if not pairs:
         reader.error(
             field,
-            "must be a mapping of arm name -> {policy, api_key, seats, replicas, shared_state, "
-            "grpc_server}",
+            "must be a mapping of arm name -> {policy, api_key, seats, replicas, shared_state}",
         )
         return []
     arms = []
@@ -335,12 +331,11 @@ def _read_fairlane_arms(reader: FieldReader, top: Section) -> list[FairlaneArm]:
         seats = reader.get(raw, "seats", integer_at_least(1), "an integer >= 1", None)
         replicas = reader.get(raw, "replicas", integer_at_least(1), "an integer >= 1", 1)
         shared = reader.get(raw, "shared_state", _boolean, "true or false", False)
-        server = reader.get(raw, "grpc_server", _grpc_server, " or ".join(GRPC_SERVERS), "h2")
         if len(reader.errors) == before:
             for key in sorted(set(keys) - _policy_keys(policy)):
                 reader.error_in(raw, "api_key", f"no tenant of {policy} has the key {key!r}")
         if len(reader.errors) == before:
-            arms.append(FairlaneArm(name, policy, keys, seats, replicas, shared, server))
+            arms.append(FairlaneArm(name, policy, keys, seats, replicas, shared))
     return arms
 
 
@@ -352,10 +347,6 @@ def _keys(value: Any) -> tuple[str, ...] | None:
     if not all(isinstance(key, str) and key.strip() for key in value):
         return None
     return tuple(value)
-
-
-def _grpc_server(value: Any) -> str | None:
-    return value if value in GRPC_SERVERS else None
 
 
 def _boolean(value: Any) -> bool | None:

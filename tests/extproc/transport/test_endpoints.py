@@ -17,7 +17,8 @@ from envoy.service.endpoint.v3 import eds_pb2_grpc
 from extproc.fleet.backend import BackendPool, BackendSpec
 from extproc.transport.codec import ENDPOINTS_TYPE_URL, endpoints_response
 from extproc.transport.endpoints import Endpoint, EndpointSet, Level, levels_of
-from extproc.transport.server import GRPC_SERVERS, grpc_server
+from extproc.transport.h2grpc import GrpcServer
+from extproc.transport.limits import ServerLimits
 from extproc.transport.servicer import EndpointDiscovery
 from extproc.wire import BACKEND_CLUSTER
 from tests.loopback_grpc import serving
@@ -85,17 +86,15 @@ def unpack(response: discovery_pb2.DiscoveryResponse) -> endpoint_pb2.ClusterLoa
     return assignment
 
 
-@pytest.fixture(params=GRPC_SERVERS)
-async def eds(
-    request: pytest.FixtureRequest,
-) -> AsyncIterator[tuple[EndpointSet, grpc.aio.Channel]]:
-    """A host set served by a real gRPC server on loopback (each kind the service runs: h2 and
-    grpc.aio), and a grpc.aio channel to it."""
+@pytest.fixture
+async def eds() -> AsyncIterator[tuple[EndpointSet, grpc.aio.Channel]]:
+    """A host set served by the service's gRPC server on loopback, and a grpc.aio
+    channel to it."""
     endpoints = EndpointSet()
     endpoints.publish((Level("a", 0, (Endpoint("10.0.0.1", 8000, 1),)),))
     servicer = EndpointDiscovery(endpoints)
     register = partial(eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server, servicer)
-    async with serving(grpc_server(request.param), register) as channel:
+    async with serving(GrpcServer(ServerLimits()), register) as channel:
         yield endpoints, channel
 
 

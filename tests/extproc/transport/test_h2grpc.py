@@ -17,6 +17,7 @@ import pytest
 
 from extproc.transport import http2
 from extproc.transport.h2grpc import GrpcServer, _Connection
+from extproc.transport.limits import ServerLimits
 from tests.extproc.transport.test_http2 import frame
 from tests.loopback_grpc import serving
 from tests.polling import until
@@ -68,7 +69,7 @@ def handlers(calls: Calls) -> dict[str, Any]:
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[GrpcServer, grpc.aio.Channel, Calls]]:
     calls = Calls()
-    server = GrpcServer(max_message_bytes=1 << 20)
+    server = GrpcServer(ServerLimits(max_message_bytes=1 << 20))
 
     def register(server: GrpcServer) -> None:
         server.add_registered_method_handlers(SERVICE, handlers(calls))
@@ -231,12 +232,18 @@ class Written:
     def close(self) -> None:
         pass
 
+    def abort(self) -> None:
+        pass
+
+    def set_write_buffer_limits(self, high: int) -> None:
+        pass
+
 
 async def test_a_goaway_from_the_client_lets_its_open_streams_finish() -> None:
     # Envoy drains a connection with GOAWAY and waits for its streams: a held request on
     # it must still be answered (h2 the library made the server cancel them all).
     calls = Calls()
-    server = GrpcServer(max_message_bytes=1 << 20)
+    server = GrpcServer(ServerLimits(max_message_bytes=1 << 20))
     release = asyncio.Event()
 
     async def wait_then_echo(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:

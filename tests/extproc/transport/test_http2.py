@@ -14,7 +14,7 @@ import hpack
 import pytest
 
 from extproc.transport import http2
-from extproc.transport.http2 import Http2Error, ServerConnection
+from extproc.transport.http2 import Http2Error, Limits, ServerConnection
 
 HEADERS = [(b":method", b"POST"), (b":path", b"/s/M"), (b"content-type", b"application/grpc")]
 
@@ -79,12 +79,13 @@ def served() -> tuple[ServerConnection, Heard, hpack.Encoder]:
     return connection, heard, hpack.Encoder()
 
 
-def test_the_server_preface_offers_the_widest_windows() -> None:
-    connection = ServerConnection(Heard())
+def test_the_server_preface_states_the_limits_and_the_widest_connection_window() -> None:
+    connection = ServerConnection(Heard(), Limits(max_concurrent_streams=7, stream_window=4096))
     connection.initiate()
     (kind, _, _, payload), (update, _, stream, step) = frames(connection.take())
     assert kind == http2.SETTINGS
-    assert (http2.INITIAL_WINDOW_SIZE, http2.MAX_WINDOW) in struct.iter_unpack(">HL", payload)
+    advertised = set(struct.iter_unpack(">HL", payload))
+    assert {(http2.MAX_CONCURRENT_STREAMS, 7), (http2.INITIAL_WINDOW_SIZE, 4096)} <= advertised
     assert update == http2.WINDOW_UPDATE and stream == 0
     assert int.from_bytes(step, "big") == http2.MAX_WINDOW - http2.DEFAULT_WINDOW
 
@@ -198,7 +199,7 @@ def test_the_server_ends_a_stream_with_trailers_or_a_reset(served: tuple) -> Non
     assert not connection.streams
 
 
-def test_receive_windows_are_topped_up_in_large_steps(
+def test_the_connection_window_is_topped_up_in_large_steps(
     served: tuple, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(http2, "TOP_UP_AFTER", 100)
@@ -208,7 +209,129 @@ def test_receive_windows_are_topped_up_in_large_steps(
     assert connection.take() == b""  # no WINDOW_UPDATE per frame
     connection.receive(frame(http2.DATA, 0, 1, b"z" * 60))
     updates = {(f[2], int.from_bytes(f[3], "big")) for f in frames(connection.take())}
-    assert updates == {(0, 120), (1, 120)}
+    assert updates == {(0, 120)}  # the stream's window only when its reader says so
+
+
+def limited(**limits: float) -> tuple[ServerConnection, Heard, hpack.Encoder]:
+    """Like ``served``, with these limits and a clock the test sets (``connection.now``)."""
+    heard = Heard()
+    now = [0.0]
+    connection = ServerConnection(heard, Limits(**limits), clock=lambda: now[0])  # type: ignore[arg-type]
+    connection.now = now  # type: ignore[attr-defined]
+    connection.initiate()
+    connection.receive(http2.PREFACE + frame(http2.SETTINGS, 0, 0))
+    connection.take()
+    return connection, heard, hpack.Encoder()
+
+
+def test_a_stream_window_is_given_back_only_when_its_reader_acknowledges() -> None:
+    connection, _, encoder = limited(stream_window=100)
+    connection.receive(frame(http2.HEADERS, http2.END_HEADERS, 1, encoder.encode(HEADERS)))
+    connection.receive(frame(http2.DATA, 0, 1, b"z" * 40))
+    connection.acknowledge(1)
+    assert connection.take() == b""  # under half the window: the sender still has room
+    connection.receive(frame(http2.DATA, 0, 1, b"z" * 60))
+    assert connection.take() == b""  # the reader has not read it yet
+    connection.acknowledge(1)
+    assert frames(connection.take()) == [(http2.WINDOW_UPDATE, 0, 1, (100).to_bytes(4, "big"))]
+
+
+def test_a_stream_sending_past_its_window_is_a_flow_control_error() -> None:
+    connection, _, encoder = limited(stream_window=100)
+    connection.receive(frame(http2.HEADERS, http2.END_HEADERS, 1, encoder.encode(HEADERS)))
+    connection.receive(frame(http2.DATA, 0, 1, b"z" * 100))
+    with pytest.raises(Http2Error) as error:
+        connection.receive(frame(http2.DATA, 0, 1, b"z"))
+    assert error.value.code == http2.FLOW_CONTROL_ERROR
+
+
+def test_streams_past_the_limit_are_refused_and_count_nowhere() -> None:
+    connection, heard, encoder = limited(max_concurrent_streams=2)
+    block = encoder.encode(HEADERS)
+    for stream_id in (1, 3, 5):
+        connection.receive(frame(http2.HEADERS, http2.END_HEADERS, stream_id, block))
+    assert [e[1] for e in heard.events if e[0] == "request"] == [1, 3]
+    refused = http2.REFUSED_STREAM.to_bytes(4, "big")
+    assert frames(connection.take()) == [(http2.RST_STREAM, 0, 5, refused)]
+    assert sorted(connection.streams) == [1, 3]
+    connection.receive(frame(http2.RST_STREAM, 0, 1, http2.CANCEL.to_bytes(4, "big")))
+    connection.receive(frame(http2.HEADERS, http2.END_HEADERS, 7, block))
+    assert sorted(connection.streams) == [3, 7]
+
+
+@pytest.mark.parametrize(
+    "empty",
+    [
+        frame(http2.DATA, 0, 1),
+        frame(http2.CONTINUATION, 0, 1),
+        frame(0x42, 0, 0),
+        frame(http2.PRIORITY, 0, 1, bytes(5)),
+    ],
+    ids=["empty DATA", "empty CONTINUATION", "unknown type", "PRIORITY"],
+)
+def test_a_flood_of_frames_that_carry_nothing_ends_the_connection(empty: bytes) -> None:
+    connection, _, encoder = limited(max_idle_frames=5)
+    flags = 0 if empty[3] == http2.CONTINUATION else http2.END_HEADERS
+    connection.receive(frame(http2.HEADERS, flags, 1, encoder.encode(HEADERS)))
+    connection.receive(empty * 5)
+    with pytest.raises(Http2Error) as error:
+        connection.receive(empty)
+    assert error.value.code == http2.ENHANCE_YOUR_CALM
+    assert frames(connection.take())[-1][0] == http2.GOAWAY
+
+
+def test_frames_that_carry_something_reset_the_flood_count(served: tuple) -> None:
+    connection, _, encoder = served
+    connection.receive(frame(http2.HEADERS, http2.END_HEADERS, 1, encoder.encode(HEADERS)))
+    for _ in range(3 * http2.MAX_IDLE_FRAMES):
+        connection.receive(frame(http2.DATA, 0, 1) + frame(http2.DATA, 0, 1, b"x"))
+    assert not connection.closed
+
+
+def test_pings_closer_than_the_interval_are_strikes_until_too_many() -> None:
+    connection, _, _ = limited(ping_min_interval_s=1.0, max_ping_strikes=2)
+    ping = frame(http2.PING, 0, 0, bytes(8))
+    for _ in range(5):  # a keepalive every 10 s is never a strike
+        connection.now[0] += 10  # type: ignore[attr-defined]
+        connection.receive(ping)
+    assert [f[:2] for f in frames(connection.take())] == [(http2.PING, http2.ACK)] * 5
+    connection.receive(ping * 2)  # two strikes
+    with pytest.raises(Http2Error) as error:
+        connection.receive(ping)
+    assert error.value.code == http2.ENHANCE_YOUR_CALM
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        frame(http2.PING, 0, 0, bytes(16384)),
+        frame(http2.PING, 0, 1, bytes(8)),
+        frame(http2.RST_STREAM, 0, 1, bytes(3)),
+        frame(http2.PRIORITY, 0, 1, bytes(4)),
+        frame(http2.SETTINGS, http2.ACK, 0, bytes(6)),
+        frame(http2.SETTINGS, 0, 1, b""),
+    ],
+    ids=[
+        "oversized PING",
+        "PING on a stream",
+        "short RST_STREAM",
+        "short PRIORITY",
+        "SETTINGS ACK with a payload",
+        "SETTINGS on a stream",
+    ],
+)
+def test_malformed_control_frames_are_connection_errors(served: tuple, bad: bytes) -> None:
+    connection, _, _ = served
+    with pytest.raises(Http2Error):
+        connection.receive(bad)
+    assert frames(connection.take())[-1][0] == http2.GOAWAY
+
+
+def test_the_first_frame_after_the_preface_must_be_settings() -> None:
+    connection = ServerConnection(Heard())
+    with pytest.raises(Http2Error):
+        connection.receive(http2.PREFACE + frame(http2.PING, 0, 0, bytes(8)))
+    assert not connection.preface_seen
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,9 @@ from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.runtime.v3 import rtds_pb2, rtds_pb2_grpc
 
 from extproc.transport.codec import RUNTIME_TYPE_URL
+from extproc.transport.h2grpc import GrpcServer
+from extproc.transport.limits import ServerLimits
 from extproc.transport.runtime import RuntimeLayer
-from extproc.transport.server import GRPC_SERVERS, grpc_server
 from extproc.transport.servicer import RuntimeDiscovery
 from extproc.wire import RUNTIME_LAYER, SHED_RUNTIME_KEY
 from tests.loopback_grpc import serving
@@ -131,17 +132,15 @@ def shed_of(runtime: rtds_pb2.Runtime) -> float:
     return runtime.layer.fields[SHED_RUNTIME_KEY].number_value
 
 
-@pytest.fixture(params=GRPC_SERVERS)
-async def rtds(
-    request: pytest.FixtureRequest,
-) -> AsyncIterator[tuple[RuntimeLayer, grpc.aio.Channel]]:
-    """A layer served by a real gRPC server on loopback (each kind the service runs: h2 and
-    grpc.aio), and a grpc.aio channel to it."""
+@pytest.fixture
+async def rtds() -> AsyncIterator[tuple[RuntimeLayer, grpc.aio.Channel]]:
+    """A layer served by the service's gRPC server on loopback, and a grpc.aio
+    channel to it."""
     layer = RuntimeLayer()
     layer.publish(SHED_RUNTIME_KEY, 0)
     servicer = RuntimeDiscovery(layer)
     register = partial(rtds_pb2_grpc.add_RuntimeDiscoveryServiceServicer_to_server, servicer)
-    async with serving(grpc_server(request.param), register) as channel:
+    async with serving(GrpcServer(ServerLimits()), register) as channel:
         yield layer, channel
 
 

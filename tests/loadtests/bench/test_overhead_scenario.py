@@ -23,12 +23,10 @@ def test_shipped_overhead_scenario() -> None:
     assert document.kind == "overhead"
     scenario = parse_overhead(document)
     assert scenario.rates == (100.0, HALF_CAPACITY)
-    assert scenario.arms == ("fairlane", "fairlane-grpcio", "fairlane-default", "direct")
-    assert scenario.run_order == ("fairlane", "fairlane-grpcio", "fairlane-default", "direct")
-    fairlane, default, grpcio, shared, replicas = scenario.fairlane_specs
-    # the same arm on the gRPC server the service ran on before h2: the transport's A/B
-    assert (grpcio.policy, grpcio.grpc_server) == (fairlane.policy, "grpcio")
-    assert fairlane.grpc_server == default.grpc_server == "h2"
+    assert scenario.arms == ("fairlane", "fairlane-default", "direct")
+    assert scenario.run_order == ("fairlane", "fairlane-default", "direct")
+    fairlane, default, shared, replicas = scenario.fairlane_specs
+    assert fairlane.policy != default.policy
     assert (shared.name, shared.shared_state, shared.replicas) == ("fairlane-shared", True, 1)
     assert (replicas.name, replicas.shared_state, replicas.replicas) == (
         "fairlane-2-replicas",
@@ -197,7 +195,7 @@ def test_without_fairlane_arms_the_policy_is_the_fairlane_arm(tmp_path: Path) ->
 def test_new_fields_mistakes_are_named(tmp_path: Path) -> None:
     text = (
         ARMS.replace("api_key: sk-chat-demo", "api_key: sk-nobody")
-        .replace("seats: 256", "seats: 0, grpc_server: grpc")
+        .replace("seats: 256", "seats: 0, grpc_server: grpcio")
         .replace("rates: [100, half_capacity]", "rates: [100, half, 100]")
         .replace("concurrency1_requests: 10", "concurrency1_requests: -1")
         .replace("factor: 2,", "factor: 2, colour: red, recovery_rate: 7,")
@@ -209,7 +207,7 @@ def test_new_fields_mistakes_are_named(tmp_path: Path) -> None:
     path = tmp_path / "s.yaml"
     expected = [
         f"{path}:5: fairlane_arms.fairlane-default.seats: must be an integer >= 1, got 0",
-        f"{path}:5: fairlane_arms.fairlane-default.grpc_server: must be h2 or grpcio, got 'grpc'",
+        f"{path}:5: fairlane_arms.fairlane-default.grpc_server: unknown field",
         f"{path}:6: rates: must be a list of distinct requests/s > 0 (or half_capacity)",
         f"{path}:8: concurrency1_requests: must be an integer >= 0 (0: no phase), got -1",
         f"{path}:9: overload.colour: unknown field",

@@ -660,6 +660,8 @@ def state_url(value: str | None) -> str | None:
 def run(args: argparse.Namespace) -> int:
     if not args.state_period_ms > 0:
         raise SystemExit(f"fairlane: --state-period-ms must be > 0, not {args.state_period_ms}")
+    if args.max_connections < 1:
+        raise SystemExit(f"fairlane: --max-connections must be >= 1, not {args.max_connections}")
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )

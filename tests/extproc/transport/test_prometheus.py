@@ -220,3 +220,21 @@ def test_seats_show_each_backends_count_and_source_the_fleet_and_each_tiers_rese
     assert value(text, "fairlane_fleet_seats") == 18 == admission.capacity
     learning.healthy = False  # the fleet counts healthy backends only
     assert value(render(), "fairlane_fleet_seats") == 6
+
+
+class Port:
+    open_connections = 3
+    open_streams = 17
+    refused_connections = 2
+
+
+def test_the_grpc_ports_connections_and_streams_are_exported() -> None:
+    gateway = make_gateway()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(
+        GatewayCollector(gateway.admission, gateway.stats, gateway.policies, port=Port())
+    )
+    text = generate_latest(registry).decode()
+    assert value(text, "fairlane_grpc_connections") == 3
+    assert value(text, "fairlane_grpc_streams") == 17
+    assert value(text, "fairlane_grpc_connections_refused_total") == 2

@@ -154,6 +154,11 @@ def test_a_malformed_dns_backend_or_server_stops_the_command_saying_why() -> Non
         cli.main(["serve", "--backend", "dns://vllm:8000", "--dns-interval", "0"])
 
 
+def test_a_connection_limit_below_one_stops_the_command_saying_why() -> None:
+    with pytest.raises(SystemExit, match="--max-connections must be >= 1, not 0"):
+        cli.main(["serve", "--backend", "http://127.0.0.1:8000", "--max-connections", "0"])
+
+
 def test_engines_events_are_followed_only_with_a_tokenizer_to_match_them() -> None:
     """Without the engines' tokenizer no prompt can be hashed their way: following their
     events would only cost CPU (a replay of each engine's buffer at start)."""

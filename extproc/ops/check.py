@@ -2,7 +2,8 @@
 
 Run it before deploying a policy (or in CI): it exits 1 with one ``file:line: field:
 message`` line per problem, the same errors a running service logs when it refuses to
-reload the file, and otherwise prints the tiers and tenants as the gateway will use them.
+reload the file, and otherwise prints the tiers, tenants (with the models each may use),
+model aliases and rules as the gateway will use them.
 API keys are never printed, only their first characters (or where they come from:
 ``sha256:1f2e…``, ``env:NAME``, ``file:PATH``). What works but should change is a warning
 on stderr with its ``file:line``, without failing: a plaintext key in the policy, with the
@@ -19,6 +20,7 @@ from typing import TextIO
 
 from extproc.policy import (
     DEFAULT_POLICY_PATH,
+    AliasTarget,
     Policy,
     PolicyError,
     Rule,
@@ -59,10 +61,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def describe(policy: Policy, out: TextIO) -> None:
-    """The human summary: settings, then tiers, tenants and rules as tables."""
+    """The human summary: settings, then tiers, tenants, model aliases and rules as
+    tables."""
     print(
         f"{policy.source}: OK, {len(policy.tiers)} tiers, {len(policy.tenants)} tenants, "
-        f"{len(policy.rules)} rules",
+        f"{len(policy.rules)} rules, {len(policy.model_aliases)} model aliases",
         file=out,
     )
     print(
@@ -84,6 +87,13 @@ def describe(policy: Policy, out: TextIO) -> None:
         (_SCHEDULING_HEADINGS, [_scheduling_row(tier) for tier in policy.tiers]),
         (_TENANT_HEADINGS, [_tenant_row(tenant) for tenant in policy.tenants]),
     ]
+    if policy.model_aliases:
+        rows = [
+            _alias_row(alias, target, targets)
+            for alias, targets in policy.model_aliases.items()
+            for target in targets
+        ]
+        sections.append((_ALIAS_HEADINGS, rows))
     if policy.rules:
         sections.append((_RULE_HEADINGS, [_rule_row(rule) for rule in policy.rules]))
     for headings, rows in sections:
@@ -94,7 +104,16 @@ def describe(policy: Policy, out: TextIO) -> None:
 
 _TIER_HEADINGS = ("TIER", "RANK", "VLLM PRIORITY", "QUEUE LIMIT", "DEADLINE", "SLO", "ALIASES")
 _SCHEDULING_HEADINGS = ("TIER", "GATE", "RESERVED", "AGING", "EARLY SHED")
-_TENANT_HEADINGS = ("TENANT", "TIERS", "DEFAULT", "WEIGHT", "KEYS")
+_TENANT_HEADINGS = (
+    "TENANT",
+    "TIERS",
+    "DEFAULT TIER",
+    "WEIGHT",
+    "MODELS",
+    "DEFAULT MODEL",
+    "KEYS",
+)
+_ALIAS_HEADINGS = ("MODEL ALIAS", "SERVED MODEL", "WEIGHT", "SHARE")
 _RULE_HEADINGS = ("RULE", "MATCH", "TIER", "WORKLOAD", "PATH")
 
 
@@ -145,8 +164,16 @@ def _tenant_row(tenant: Tenant) -> Sequence[str]:
         ", ".join(tenant.tiers),
         tenant.default_tier,
         f"{tenant.weight:g}",
+        ", ".join(tenant.models) or "all",
+        tenant.default_model or "-",
         f"{len(tenant.api_keys)} ({keys})",
     )
+
+
+def _alias_row(alias: str, target: AliasTarget, targets: tuple[AliasTarget, ...]) -> Sequence[str]:
+    """One row per target: the alias's share of requests that go to it."""
+    share = target.weight / sum(t.weight for t in targets)
+    return (alias, target.model, f"{target.weight:g}", f"{share:.1%}".replace(".0%", "%"))
 
 
 def _rule_row(rule: Rule) -> Sequence[str]:

@@ -1,4 +1,5 @@
-"""The YAML policy: tiers, tenants and classification rules, validated and hot-reloaded.
+"""The YAML policy: tiers, tenants, model aliases and classification rules, validated and
+hot-reloaded.
 
 A policy file is the operator's whole say over scheduling, so a mistake in it must be found
 before it serves traffic: ``parse_policy`` checks the entire file and reports *every*
@@ -9,6 +10,8 @@ the whole file is valid, and ``PolicyStore`` swaps it in with a single attribute
 Per-request code only reads ``Policy``; every lookup it needs (API key -> tenant, word ->
 tier, tenant -> most urgent allowed tier) is a dict built once when the policy is made. API
 keys are held as SHA-256 digests whatever form the file gives them in (``keys.py``).
+Which models a tenant may ask for and which served model a name resolves to are pure
+functions over it (``models.py``).
 """
 
 from pathlib import Path
@@ -16,12 +19,14 @@ from pathlib import Path
 from extproc.policy.keys import hashed_form, key_hint, key_label
 from extproc.policy.model import (
     DEFAULT_MAX_BODY_BYTES,
+    AliasTarget,
     Backpressure,
     Budget,
     Condition,
     EscalationMode,
     Fairness,
     Match,
+    ModelAliases,
     Policy,
     PolicyError,
     Routing,
@@ -29,6 +34,7 @@ from extproc.policy.model import (
     Tenant,
     Tier,
 )
+from extproc.policy.models import may_request, may_use, resolve_model
 from extproc.policy.parse import load_policy, parse_policy
 from extproc.policy.store import PolicyListener, PolicyStore
 
@@ -41,12 +47,14 @@ needs no checkout (``tests/packaging/test_wheel.py``)."""
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_POLICY_PATH",
+    "AliasTarget",
     "Backpressure",
     "Budget",
     "Condition",
     "EscalationMode",
     "Fairness",
     "Match",
+    "ModelAliases",
     "Policy",
     "PolicyError",
     "PolicyListener",
@@ -59,5 +67,8 @@ __all__ = [
     "key_hint",
     "key_label",
     "load_policy",
+    "may_request",
+    "may_use",
     "parse_policy",
+    "resolve_model",
 ]

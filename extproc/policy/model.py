@@ -1,4 +1,5 @@
-"""The policy's objects: tiers, tenants, rules, and the validated ``Policy`` that holds them.
+"""The policy's objects: tiers, tenants, rules, model aliases, and the validated ``Policy``
+that holds them.
 
 Per-request code only reads these; every lookup it needs (API key -> tenant, word -> tier,
 tenant -> most urgent allowed tier) is a dict built once when the ``Policy`` is made.
@@ -63,6 +64,9 @@ DEFAULT_GATE = Gate()
 """The gate of a tier that names none: vLLM's queue below 3, KV cache below 95%."""
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_MODEL_NAME_CHARS = 256
+"""The longest model name, glob or alias a policy may write (the fleet keeps names of
+engines' ``/v1/models`` up to the same length)."""
 EscalationMode = Literal["downgrade", "reject"]
 
 
@@ -166,6 +170,13 @@ class Tenant:
     """The SHA-256 of each key, what requests are checked against. The parser passes them
     (it resolves ``env:`` and ``file:`` entries); left empty, they are computed from plain
     and ``sha256:`` entries."""
+    models: tuple[str, ...] = ()
+    """The models the tenant may use: names or shell-style globs (``llama-*``), matched
+    case-sensitively against the whole name; empty: every model
+    (``extproc.policy.models.may_use``)."""
+    default_model: str | None = None
+    """The model a request that names none is given (None: the request goes as it is and
+    the engine serves its own default)."""
 
     def __post_init__(self) -> None:
         if not self.key_digests:
@@ -173,6 +184,27 @@ class Tenant:
             object.__setattr__(self, "key_digests", digests)
         elif len(self.key_digests) != len(self.api_keys):
             raise ValueError("key_digests must hold one digest per api_keys entry")
+
+
+@dataclass(frozen=True, slots=True)
+class AliasTarget:
+    """One model an alias sends requests to, and its relative weight among the alias's
+    targets (90 and 10: nine requests in ten go to the first)."""
+
+    model: str
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("an alias target needs a model name")
+        if not (self.weight > 0 and math.isfinite(self.weight)):
+            raise ValueError(f"weight must be a positive number, got {self.weight}")
+
+
+ModelAliases = Mapping[str, tuple[AliasTarget, ...]]
+"""A client's model name -> the served models it stands for (``Policy.model_aliases``)."""
+
+NO_MODEL_ALIASES: ModelAliases = MappingProxyType({})
 
 
 ConditionOp = Literal["equals", "in", "present", "gt", "ge", "lt", "le", "regex"]
@@ -353,6 +385,10 @@ class Policy:
     fairness: Fairness = Fairness()
     backpressure: Backpressure = Backpressure()
     routing: Routing = Routing()
+    model_aliases: ModelAliases = field(default_factory=lambda: NO_MODEL_ALIASES, hash=False)
+    """A client's model name -> the served models it is sent to, with their weights
+    (``extproc.policy.models.resolve_model``). Read-only: a ``dict`` given here is copied
+    into a ``MappingProxyType``. Left out of the hash (a mapping has none) but compared."""
     source: str = "<policy>"
     warnings: tuple[str, ...] = field(default=(), compare=False)
     """``file:line: field: message`` for what works but should change (a plain API key in
@@ -368,6 +404,14 @@ class Policy:
     _top_tier: dict[str, Tier] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        aliases = {name: tuple(targets) for name, targets in self.model_aliases.items()}
+        for name, targets in aliases.items():
+            if not targets:
+                raise ValueError(f"model alias {name!r} has no target")
+            chained = [t.model for t in targets if t.model != name and t.model in aliases]
+            if chained:
+                raise ValueError(f"model alias {name!r} points to alias {chained[0]!r}")
+        object.__setattr__(self, "model_aliases", MappingProxyType(aliases))
         by_name = {tier.name: tier for tier in self.tiers}
         by_word = dict(by_name)
         for tier in self.tiers:

@@ -5,9 +5,11 @@ exists only when nothing is wrong.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,6 +25,8 @@ from extproc.policy.keys import (
     parse_hex_digest,
 )
 from extproc.policy.model import (
+    MAX_MODEL_NAME_CHARS,
+    AliasTarget,
     Backpressure,
     Budget,
     Condition,
@@ -36,6 +40,7 @@ from extproc.policy.model import (
     Tenant,
     Tier,
 )
+from extproc.policy.models import allowed
 from extproc.yamlfile import LocatedReader, YamlSyntaxError, compose, join_path, kind_of
 
 # --------------------------------------------------------------------------- parsing
@@ -55,6 +60,7 @@ _TOP_KEYS = (
     "fairness",
     "backpressure",
     "routing",
+    "models",
 )
 _ROUTING_KEYS = (
     "queue_weight",
@@ -83,7 +89,20 @@ _TIER_KEYS = (
     "early_shed_from",
     "preemptible",
 )
-_TENANT_KEYS = ("name", "api_keys", "tiers", "default_tier", "weight", "budget", "user_budget")
+_TENANT_KEYS = (
+    "name",
+    "api_keys",
+    "tiers",
+    "default_tier",
+    "weight",
+    "budget",
+    "user_budget",
+    "models",
+    "default_model",
+)
+_MODELS_KEYS = ("aliases",)
+_ALIAS_TARGET_KEYS = ("model", "weight")
+_GLOB_CHARS = re.compile(r"[*?\[]")
 _BUDGET_KEYS = ("tokens_per_minute", "requests_per_minute", "concurrent")
 _RULE_KEYS = ("name", "match", "tier", "workload", "strip_path_prefix", "add_path_prefix")
 _MATCH_KEYS = ("path_prefix", "path_regex", "headers", "body")
@@ -140,8 +159,11 @@ def _read_policy(reader: LocatedReader, root: Node, keys_dir: Path) -> Policy | 
     tiers, broken = _read_tiers(reader, top["tiers"]) if "tiers" in top else ([], {})
     _check_reserved_shares(reader, top.get("tiers"), tiers)
     tier_ranks = broken | {tier.name: tier.rank for tier in tiers}
+    aliases = _read_models(reader, top["models"]) if "models" in top else _NO_ALIASES
     tenants = (
-        _read_tenants(reader, top["tenants"], tier_ranks, keys_dir) if "tenants" in top else []
+        _read_tenants(reader, top["tenants"], tier_ranks, keys_dir, aliases)
+        if "tenants" in top
+        else []
     )
     rules = _read_rules(reader, top["rules"], tier_ranks) if "rules" in top else []
     settings = _read_settings(reader, top)
@@ -157,6 +179,7 @@ def _read_policy(reader: LocatedReader, root: Node, keys_dir: Path) -> Policy | 
         tiers=tuple(tiers),
         tenants=tuple(tenants),
         rules=tuple(rules),
+        model_aliases=aliases.read,
         source=reader.filename,
         warnings=tuple(reader.warnings),
         key_files=_key_files(tenants, keys_dir),
@@ -372,7 +395,11 @@ def _is_null(node: Node) -> bool:
 
 
 def _read_tenants(
-    reader: LocatedReader, node: Node, tier_ranks: dict[str, int], keys_dir: Path = Path()
+    reader: LocatedReader,
+    node: Node,
+    tier_ranks: dict[str, int],
+    keys_dir: Path = Path(),
+    aliases: _Aliases | None = None,
 ) -> list[Tenant]:
     tenants: list[Tenant] = []
     names: set[str] = set()  # a set, not a scan of ``tenants``: policies may list 100,000
@@ -382,7 +409,9 @@ def _read_tenants(
         reader.error(node, "tenants", "must list at least one tenant")
     for i, tenant_node in enumerate(items):
         path = f"tenants[{i}]"
-        tenant = _read_tenant(reader, tenant_node, path, tier_ranks, key_owner, keys_dir)
+        tenant = _read_tenant(
+            reader, tenant_node, path, tier_ranks, key_owner, keys_dir, aliases or _NO_ALIASES
+        )
         if tenant is None:
             continue
         if tenant.name in names:
@@ -400,6 +429,7 @@ def _read_tenant(
     tier_ranks: dict[str, int],
     key_owner: dict[bytes, str],
     keys_dir: Path,
+    aliases: _Aliases,
 ) -> Tenant | None:
     items = reader.mapping(node, path, _TENANT_KEYS)
     errors_before = len(reader.errors)
@@ -432,17 +462,168 @@ def _read_tenant(
         for key in ("budget", "user_budget")
         if key in items
     }
+    models = (
+        _read_model_globs(reader, items["models"], f"{path}.models") if "models" in items else []
+    )
+    default_model = None
+    if "default_model" in items:
+        default_model = _model_name(reader, items["default_model"], f"{path}.default_model")
     if len(reader.errors) != errors_before or name is None or default is None or weight is None:
         return None
-    return Tenant(
+    tenant = Tenant(
         name,
         tuple(entry for entry, _ in keys),
         tuple(tiers),
         default,
         weight,
         key_digests=tuple(digest for _, digest in keys),
+        models=tuple(models),
+        default_model=default_model,
         **budgets,
     )
+    if (
+        default_model is not None
+        and aliases.judges(default_model)
+        and not allowed(aliases.read, tenant, default_model)
+    ):
+        what = "alias " if default_model in aliases.read else ""
+        but = ": allow the alias or every one of its targets" if what else ""
+        reader.error(
+            items["default_model"],
+            f"{path}.default_model",
+            f"{what}{default_model!r} is not allowed by this tenant's models "
+            f"({', '.join(models)}){but}",
+        )
+        return None
+    return tenant
+
+
+def _read_model_globs(reader: LocatedReader, node: Node, path: str) -> list[str]:
+    """A tenant's ``models``: names or shell-style globs, each at most the longest name."""
+    globs: list[str] = []
+    for glob_path, glob_node, glob in reader.located_strings(node, path):
+        if _short_enough(reader, glob_node, glob_path, glob):
+            globs.append(glob)
+    return globs
+
+
+def _model_name(reader: LocatedReader, node: Node, path: str) -> str | None:
+    """One model's name (not a glob): a default model, an alias or an alias's target."""
+    name = reader.string(node, path)
+    if name is None or not _short_enough(reader, node, path, name):
+        return None
+    if _GLOB_CHARS.search(name):
+        reader.error(node, path, f"{name!r} is a pattern, not a model name (no *, ? or [)")
+        return None
+    return name
+
+
+def _short_enough(reader: LocatedReader, node: Node, path: str, name: str) -> bool:
+    if len(name) <= MAX_MODEL_NAME_CHARS:
+        return True
+    reader.error(node, path, f"must be at most {MAX_MODEL_NAME_CHARS} characters, not {len(name)}")
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class _Aliases:
+    read: dict[str, tuple[AliasTarget, ...]]
+    """The valid aliases."""
+    broken: set[str]
+    """The names of invalid ones, so that a tenant whose ``default_model`` names one is not
+    also reported as not allowed to use it."""
+    known: bool = True
+    """False when the ``models`` section itself could not be read: which names are aliases
+    is unknown, so no ``default_model`` is judged (the section's own error is reported)."""
+
+    def judges(self, name: str) -> bool:
+        return self.known and name not in self.broken
+
+
+_NO_ALIASES = _Aliases({}, set())
+
+
+def _read_models(reader: LocatedReader, node: Node) -> _Aliases:
+    """``models: {aliases: {NAME: MODEL | [{model: MODEL, weight: W}, ...]}}``."""
+    errors_before = len(reader.errors)
+    items = reader.mapping(node, "models", _MODELS_KEYS)
+    if "aliases" not in items:
+        return _Aliases({}, set(), known=len(reader.errors) == errors_before)
+    aliases_node = items["aliases"]
+    if not isinstance(aliases_node, MappingNode):
+        reader.error(
+            aliases_node, "models.aliases", f"must be a mapping, not {kind_of(aliases_node)}"
+        )
+        return _Aliases({}, set(), known=False)
+    values = reader.mapping(aliases_node, "models.aliases", None)
+    key_nodes = {key.value: key for key, _ in aliases_node.value if isinstance(key, ScalarNode)}
+    read: dict[str, list[tuple[str, Node, AliasTarget]]] = {}
+    broken: set[str] = set()
+    for name, value_node in values.items():
+        path = join_path("models.aliases", name)
+        errors_before = len(reader.errors)
+        _model_name(reader, key_nodes.get(name, value_node), path)
+        targets = _read_alias_targets(reader, value_node, path)
+        if len(reader.errors) != errors_before:
+            broken.add(name)
+        else:
+            read[name] = targets
+    for name, targets in read.items():
+        for target_path, target_node, target in targets:
+            if target.model != name and target.model in values:
+                reader.error(
+                    target_node,
+                    target_path,
+                    f"{target.model!r} is an alias itself: aliases resolve in one step, "
+                    "so point it at a served model",
+                )
+                broken.add(name)
+    return _Aliases(
+        {
+            name: tuple(target for _, _, target in targets)
+            for name, targets in read.items()
+            if name not in broken
+        },
+        broken,
+    )
+
+
+def _read_alias_targets(
+    reader: LocatedReader, node: Node, path: str
+) -> list[tuple[str, Node, AliasTarget]]:
+    """An alias's value: one model's name (all requests go there), or a list of
+    ``{model, weight}`` (requests are shared by weight); each with its path and node."""
+    if isinstance(node, ScalarNode) and not _is_null(node):
+        model = _model_name(reader, node, path)
+        return [] if model is None else [(path, node, AliasTarget(model))]
+    if not isinstance(node, SequenceNode):
+        reader.error(
+            node,
+            path,
+            f"must be a model's name or a list of {{model, weight}}, not {kind_of(node)}",
+        )
+        return []
+    if not node.value:
+        reader.error(node, path, "must list at least one target")
+    targets: list[tuple[str, Node, AliasTarget]] = []
+    for i, item in enumerate(node.value):
+        item_path = f"{path}[{i}]"
+        fields = reader.mapping(item, item_path, _ALIAS_TARGET_KEYS)
+        if not _required(reader, item, fields, item_path, "model", "weight"):
+            continue
+        model_path, weight_path = f"{item_path}.model", f"{item_path}.weight"
+        model = _model_name(reader, fields["model"], model_path)
+        weight = reader.positive(fields["weight"], weight_path)
+        if weight is not None and not math.isfinite(weight):
+            reader.error(fields["weight"], weight_path, f"must be a finite number, not {weight}")
+            weight = None
+        if model is None or weight is None:
+            continue
+        if any(seen.model == model for _, _, seen in targets):
+            reader.error(fields["model"], model_path, f"{model!r} is listed twice")
+            continue
+        targets.append((model_path, fields["model"], AliasTarget(model, weight)))
+    return targets
 
 
 def _read_budget(reader: LocatedReader, node: Node, path: str) -> Budget | None:

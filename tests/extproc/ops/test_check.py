@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,17 @@ def test_default_policy_is_described(capsys: pytest.CaptureFixture[str]) -> None
     assert lines[tiers_at + 1].split()[:6] == ["interactive", "0", "0", "256", "10s", "ttft"]
     assert lines[tiers_at + 3].split()[:5] == ["batch", "2", "20", "100000", "3600s"]
     chat = next(line for line in lines if line.startswith("chat-app "))
-    assert chat.split() == ["chat-app", "interactive", "interactive", "1", "1", "(sk-c…)"]
+    assert chat.split() == [
+        "chat-app",
+        "interactive",
+        "interactive",
+        "1",
+        "all",
+        "-",
+        "1",
+        "(sk-c…)",
+    ]
+    assert "MODEL ALIAS" not in out  # no aliases, no table
     for key in ("sk-chat-demo", "sk-api-demo", "sk-batch-demo"):
         assert key not in out  # keys are secrets: only a prefix is shown
     assert "batch-endpoint" in out and "/v1/batch -> /v1" in out
@@ -56,6 +67,90 @@ def test_example_policy_is_described(capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     assert "on_escalation reject" in out
     assert "2 (sk-s…, sk-s…)" in out  # two keys, shown as prefixes
+    lines = out.splitlines()
+    assert lines[0].endswith(": OK, 4 tiers, 3 tenants, 5 rules, 2 model aliases")
+    tenants_at = next(i for i, line in enumerate(lines) if line.startswith("TENANT "))
+    tenants = cells(lines[tenants_at : tenants_at + 4])
+    assert [row[:1] + row[4:6] for row in tenants] == [
+        ["TENANT", "MODELS", "DEFAULT MODEL"],
+        ["support-chat", "llama-70b-*, chat-latest", "chat-latest"],
+        ["internal-tools", "llama-8b, gpt-4o-mini, team-a/*", "gpt-4o-mini"],
+        ["data-pipeline", "all", "-"],
+    ]
+    assert tenants[0] == [
+        "TENANT",
+        "TIERS",
+        "DEFAULT TIER",
+        "WEIGHT",
+        "MODELS",
+        "DEFAULT MODEL",
+        "KEYS",
+    ]
+    aliases_at = next(i for i, line in enumerate(lines) if line.startswith("MODEL ALIAS "))
+    assert [line.split() for line in lines[aliases_at : aliases_at + 4]] == [
+        ["MODEL", "ALIAS", "SERVED", "MODEL", "WEIGHT", "SHARE"],
+        ["gpt-4o-mini", "llama-8b", "1", "100%"],
+        ["chat-latest", "llama-70b-v2", "90", "90%"],
+        ["chat-latest", "llama-70b-v3", "10", "10%"],
+    ]
+
+
+def cells(lines: list[str]) -> list[list[str]]:
+    """A printed table's cells, cut where its headings (which may hold a space) start."""
+    starts = [m.start() for m in re.finditer(r"(?:^|(?<=  ))\S", lines[0])]
+    bounds = list(zip(starts, [*starts[1:], None], strict=True))
+    return [[line[a:b].strip() for a, b in bounds] for line in lines]
+
+
+def test_alias_shares_are_of_the_alias_total(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = tmp_path / "aliases.yaml"
+    policy.write_text(
+        "tiers:\n"
+        "  - {name: a, priority: 0, queue_limit: 1, queue_deadline_s: 1}\n"
+        "models:\n"
+        "  aliases:\n"
+        "    thirds: [{model: x, weight: 1}, {model: y, weight: 2}, {model: z, weight: 0.5}]\n"
+        "tenants:\n"
+        f"  - {{name: t, api_keys: [{hashed_form('sk-t-0001')}], tiers: [a], models: [x]}}\n"
+    )
+    assert main(["check", str(policy)]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("thirds ")]
+    assert rows == [
+        ["thirds", "x", "1", "28.6%"],
+        ["thirds", "y", "2", "57.1%"],
+        ["thirds", "z", "0.5", "14.3%"],
+    ]
+
+
+def test_model_errors_go_to_stderr_with_their_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "models.yaml"
+    bad.write_text(
+        "tiers:\n"
+        "  - {name: a, priority: 0, queue_limit: 1, queue_deadline_s: 1}\n"
+        "models:\n"
+        "  aliases:\n"
+        "    fast: [{model: small, weight: 0}]\n"
+        "tenants:\n"
+        "  - name: t\n"
+        f"    api_keys: [{hashed_form('sk-t-0001')}]\n"
+        "    tiers: [a]\n"
+        "    models: [big-*]\n"
+        "    default_model: small\n"
+    )
+    assert main(["check", str(bad)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [
+        f"{bad}:5: models.aliases.fast[0].weight: must be > 0, not 0",
+        f"{bad}:11: tenants[0].default_model: 'small' is not allowed by this tenant's "
+        "models (big-*)",
+        f"{bad}: 2 errors",
+    ]
 
 
 def test_errors_go_to_stderr_with_exit_1(

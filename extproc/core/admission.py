@@ -61,6 +61,7 @@ from extproc.core.reservations import Demand, Reservation, headroom, reserved_se
 from extproc.core.sampling import LARGE_FLEET, FleetSample
 from extproc.core.scheduler import BandConfig, Entry, FairnessConfig, FairScheduler, QueueFull
 from extproc.fleet.backend import Backend, BackendPool
+from extproc.fleet.models import may_serve
 
 if TYPE_CHECKING:
     from extproc.core.classify import RequestClass
@@ -485,15 +486,18 @@ class Admission:
         now = self._clock()
         # A queue gate counts the engine's waiting requests this one would wait behind there:
         # those sent with a smaller (or equal) vLLM priority than the band's next request's.
+        head = self.scheduler.head_entry(band)
         priority = None
-        if tier is not None and tier.gate.max_waiting is not None:
-            head = self.scheduler.head_entry(band)
-            priority = self._vllm_priority(head.payload, tier) if head is not None else None
+        if tier is not None and tier.gate.max_waiting is not None and head is not None:
+            priority = self._vllm_priority(head.payload, tier)
+        # Only engines that answer to the request's model (``extproc.fleet.models``).
+        model = head.payload.model if head is not None else None
 
         def admits(b: Backend) -> bool:
             return (
                 b.fleet_in_flight < limit
                 and b.healthy
+                and may_serve(b, model)
                 and (not seat_bound or queue is None or b.free_seats() > -queue)
                 and (
                     tier is None or passes(tier.gate, b, now, stale, rank, reserved_above, priority)
@@ -545,7 +549,7 @@ class Admission:
         offset = self._users.next(user)
         priority = vllm_priority(self._tier_base(request, where.tier), offset)
         prompt = PromptBlocks(request.prompt_text, request.model or "", request.body, self.engine)
-        fleet = self.pool.backends
+        fleet = self.pool.serving(request.model)  # retries and hedges stay with its model
         pick = choose(
             where.backends,
             fleet,

@@ -125,7 +125,37 @@ def parse_body(policy: Policy, info: RequestInfo) -> dict[str, Any]:
                 code="invalid_value",
                 param=where,
             )
+    escaped_key = "\\u" in text and _ESCAPED_KEY.search(text) is not None
+    for key in ROUTED_MEMBERS:
+        if (escaped_key or text.count(f'"{key}"') > 1) and _twice_at_top(text, key):
+            raise Rejection(
+                400,
+                f"The request body names '{key}' more than once; send it once.",
+                code="invalid_value",
+                param=key,
+            )
     return body
+
+
+_ESCAPED_KEY = re.compile(r'"(?:[^"\\]|\\.)*\\u[0-9a-fA-F]{4}(?:[^"\\]|\\.)*"\s*:')
+"""A member name written with a ``\\u`` escape (``"mo\\u0064el":``), which the plain count
+of ``"model"`` would miss."""
+ROUTED_MEMBERS = ("model", "priority")
+"""Top-level members the gateway routes or ranks by: sent twice, a backend whose JSON parser
+keeps the first would serve what the gateway did not decide (Python's keeps the last)."""
+
+
+def _twice_at_top(text: str, key: str) -> bool:
+    """Whether the object's own members name ``key`` twice (not nested ones). Called only
+    when the name occurs twice anywhere, so a normal body never pays for this parse."""
+    counts: list[int] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        counts.append(sum(1 for name, _ in items if name == key))
+        return dict(items)
+
+    json.JSONDecoder(object_pairs_hook=pairs).decode(text)
+    return counts[-1] > 1  # the top-level object is decoded last
 
 
 def with_member(raw: bytes, body: dict[str, Any], key: str, value: int) -> bytes:

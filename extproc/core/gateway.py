@@ -12,7 +12,9 @@ nothing a client sends can break the stream for the next request.
 
 from __future__ import annotations
 
+import json
 import logging
+import random
 import uuid
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -26,6 +28,7 @@ from extproc.core.errors import Rejection, error_body
 from extproc.core.events import Completion, RequestInfo
 from extproc.core.feedback import settle
 from extproc.core.gates import unusable_metrics, unusable_since
+from extproc.core.model_routing import MODELS_PATH, model_unavailable, models_answer, route_model
 from extproc.core.overload import OverloadControl
 from extproc.core.picker import choose
 from extproc.policy import PolicyStore
@@ -119,11 +122,14 @@ class Gateway:
         admission: Admission,
         new_request_id: Callable[[], str] = _new_request_id,
         overload: OverloadControl | None = None,
+        draw: Callable[[], float] = random.random,
     ) -> None:
         self.policies = policies
         self.admission = admission
         self.stats = GatewayStats()
         self._new_request_id = new_request_id
+        self._draw = draw
+        """A number in [0, 1) per request: which of a canary alias's targets it goes to."""
         self.overload = overload or OverloadControl()
         self._started_at = admission.pool.clock()
 
@@ -174,12 +180,18 @@ class Gateway:
         grants = tuple(self.admission.abandon(hold.request_id))
         if cancelled:
             return Decision(None, grants)
-        rejection = self._no_usable_metrics(hold.tier) or Rejection(
-            503,
-            f"request waited {hold.deadline_s:g}s in the {hold.tier!r} queue "
-            "without a backend becoming free",
-            code="queue_deadline_exceeded",
-            tier=hold.tier,
+        backends = self.admission.pool.backends
+        model = hold.request.model
+        rejection = (
+            self._no_usable_metrics(hold.tier)
+            or model_unavailable(backends, model, hold.tier)
+            or Rejection(
+                503,
+                f"request waited {hold.deadline_s:g}s in the {hold.tier!r} queue "
+                "without a backend becoming free",
+                code="queue_deadline_exceeded",
+                tier=hold.tier,
+            )
         )
         return Decision(self.respond_to(rejection), grants)
 
@@ -218,6 +230,7 @@ class Gateway:
             return Decision(self._forward_bodiless(info))
         body = parse_body(policy, info)
         request = classify(policy, info, body)
+        request = route_model(policy, self.admission.pool, request, self._draw())
         tier = request.tier
         least_urgent = self._least_urgent(tier.name)
         self.overload.handled(least_urgent)
@@ -257,10 +270,15 @@ class Gateway:
         )
         return hold
 
-    def _forward_bodiless(self, info: RequestInfo) -> Forward:
-        """``GET /v1/models`` and friends: authenticated, not queued (they cost no GPU)."""
-        authenticate(self.policies.current, info)
+    def _forward_bodiless(self, info: RequestInfo) -> Forward | Respond:
+        """``GET /v1/models`` and friends: authenticated, not queued (they cost no GPU). The
+        model list is the gateway's own answer when it knows what the engines serve."""
+        tenant = authenticate(self.policies.current, info)
         pool = self.admission.pool
+        if info.path.partition("?")[0] == MODELS_PATH:
+            listed = models_answer(pool.backends, tenant)
+            if listed is not None:
+                return Respond(200, listed, {"content-type": "application/json"})
         policy = self.policies.current
         chosen = choose(
             pool.healthy(), pool.backends, None, policy.routing, policy.max_in_flight_per_backend
@@ -315,8 +333,13 @@ class Gateway:
             now, share = admission.pool.clock(), admission.peers.share
             for header, value in admission.budgets.headers(request_id, now, share).items():
                 metadata[RATELIMIT_METADATA[header]] = value
+        raw = info.body
+        if request.model is not None and body.get("model") != request.model:
+            # an alias, a canary's draw or the tenant's default: the engine's own name
+            body["model"] = request.model
+            raw = json.dumps(body, separators=(",", ":")).encode()
         return Forward(
-            body=with_member(info.body, body, "priority", grant.priority),
+            body=with_member(raw, body, "priority", grant.priority),
             endpoints=grant.endpoints,
             set_headers=set_headers,
             remove_headers=strip,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -32,6 +33,7 @@ from typing import Literal, Protocol
 from urllib.parse import urlsplit
 
 from extproc.fleet.kv_events import KVBlockIndex
+from extproc.fleet.models import ServedModels, may_serve
 from extproc.fleet.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS, PrefixLRU
 from extproc.fleet.seats import Seats, restarted
 from extproc.fleet.shared_scrape import SharedScrape
@@ -364,6 +366,8 @@ class Backend:
         "kv_tokens_total",
         "membership",
         "metrics",
+        "models",
+        "models_read_at",
         "peer_in_flight",
         "peer_in_flight_at_scrape",
         "peer_in_flight_by_rank",
@@ -421,6 +425,9 @@ class Backend:
         # fills it); None when it publishes none: ``prefix_cache`` models it instead.
         self.kv_index: KVBlockIndex | None = KVBlockIndex() if spec.kv_events else None
         self.seats = Seats(declared=spec.seats)
+        self.models: ServedModels | None = None
+        """What the engine answers to (its ``/v1/models``); None until read: any model."""
+        self.models_read_at = -math.inf
         self.membership: Membership = "serving"
         self._clock = clock
 
@@ -871,6 +878,10 @@ def _note_absent(address: str, before: EngineMetrics | None, after: EngineMetric
             log.warning("backend %s: /metrics has %s again", address, name)
 
 
+SERVING_MEMORY = 256
+"""Models whose serving backends a pool remembers at once (``BackendPool.serving``)."""
+
+
 class BackendPool:
     """All backends, in configured order (the first region named is the local one).
 
@@ -897,6 +908,29 @@ class BackendPool:
         self.backends = [Backend(spec, clock) for spec in specs]
         self.by_address = {b.address: b for b in self.backends}
         self.regions = list(dict.fromkeys([*regions, *(b.region for b in self.backends)]))
+        self.models_version = 0
+        """Bumped whenever an engine's models change (``set_models``): 0, none known yet."""
+        self._serving: dict[tuple[str, int, int], list[Backend]] = {}
+
+    def set_models(self, backend: Backend, models: ServedModels) -> None:
+        """What ``backend`` serves now (its ``/v1/models``)."""
+        backend.models = models
+        self.models_version += 1
+        self._serving.clear()
+
+    def serving(self, model: str | None) -> list[Backend]:
+        """The backends a request for ``model`` may go to (``extproc.fleet.models.may_serve``),
+        in pool order; remembered until models or membership change, so asking costs a
+        lookup per request, not a walk of the fleet."""
+        if model is None or not self.models_version:
+            return self.backends
+        key = (model, self.models_version, id(self.backends))
+        found = self._serving.get(key)
+        if found is None:
+            if len(self._serving) >= SERVING_MEMORY:  # clients may name any model: bounded
+                self._serving.clear()
+            found = self._serving[key] = [b for b in self.backends if may_serve(b, model)]
+        return found
 
     def add(self, spec: BackendSpec) -> Backend:
         """A new backend, ``warming`` until its first good scrape, placed after the others

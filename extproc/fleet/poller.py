@@ -1,8 +1,10 @@
-"""The fleet's only HTTP: polling each backend's ``/health`` and vLLM ``/metrics``.
+"""The fleet's only HTTP: polling each backend's ``/health``, ``/v1/models`` and ``/metrics``.
 
-Two loops, one ``aiohttp`` session each. Health comes from ``/health``; load from the
-engine's own numbers (waiting, running, KV-cache use, inter-token latency) scraped several
-times a second for the admission gates. Each loop records what it saw on the backend's
+Two loops, one ``aiohttp`` session each. Health comes from ``/health``, and with it, when
+the engine is first seen up, comes back up (a restart) or every ``MODELS_EVERY_S``, what it
+serves (``/v1/models``, ``extproc.fleet.models``); load from the engine's own numbers
+(waiting, running, KV-cache use, inter-token latency) scraped several times a second for
+the admission gates. Each loop records what it saw on the backend's
 state (``extproc.fleet.backend``) and calls ``on_change`` when a backend may have gained
 room, so the server can let held requests go; the poller knows nothing about admission.
 """
@@ -17,21 +19,35 @@ from collections.abc import Callable
 import aiohttp
 
 from extproc.fleet.backend import Backend, BackendPool
+from extproc.fleet.models import ModelsError, ServedModels
 from extproc.fleet.vllm_metrics import MetricsError, parse_metrics
 
 log = logging.getLogger("fairlane.backends")
 
 TIMEOUTS_TO_FAIL = 2
 """Scrapes in a row that time out before the backend counts as unscrapable (unhealthy)."""
+MODELS_EVERY_S = 30.0
+"""How often an engine's ``/v1/models`` is read again (adapters load and unload at run
+time); a restart, seen as ``/health`` coming back, reads it at once."""
 
 
 class Poller:
     """Keeps ``pool``'s health and metrics fresh; ``on_change`` runs when room may have
     appeared (a backend came back up, a scrape round finished)."""
 
-    def __init__(self, pool: BackendPool, on_change: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        pool: BackendPool,
+        on_change: Callable[[], None] = lambda: None,
+        authorization: Callable[[Backend], str | None] = lambda backend: None,
+    ) -> None:
         self.pool = pool
         self.on_change = on_change
+        self.authorization = authorization
+        """The engine's ``authorization`` header value, if it wants one: vLLM's
+        ``--api-key`` guards ``/v1/models`` (``extproc.transport.credentials``)."""
+        self._models_failed: set[str] = set()
+        """Backends whose last ``/v1/models`` read failed (logged once until it works)."""
 
     async def watch_health(self, interval_s: float = 1.0, timeout_s: float = 1.0) -> None:
         """Poll every backend's ``/health`` forever; a failed poll marks it down."""
@@ -41,11 +57,18 @@ class Poller:
                 backends = self.pool.backends  # the pool may change while the probes run
                 results = await asyncio.gather(*(self._probe(session, b) for b in backends))
                 gained = False
+                reads = []
+                now = self.pool.clock()
                 for backend, ok in zip(backends, results, strict=True):
+                    came_up = ok and not backend.health_ok
                     if ok != backend.health_ok:
                         log.warning("backend %s is now %s", backend.address, "up" if ok else "down")
                         gained = gained or ok
                         backend.health_ok = ok
+                    if ok and (came_up or now - backend.models_read_at >= MODELS_EVERY_S):
+                        reads.append(self.read_models(session, backend))
+                if reads:
+                    gained = any(await asyncio.gather(*reads)) or gained
                 if gained:
                     self.on_change()
                 await asyncio.sleep(interval_s)
@@ -56,6 +79,38 @@ class Poller:
             async with session.get(f"{backend.spec.url}/health") as response:
                 return response.status == 200
         return False
+
+    async def read_models(self, session: aiohttp.ClientSession, backend: Backend) -> bool:
+        """Read what ``backend`` serves; True when that changed. A failed read keeps the
+        last set known (said once, and again once it works)."""
+        backend.models_read_at = self.pool.clock()
+        headers = {}
+        if (authorization := self.authorization(backend)) is not None:
+            headers["authorization"] = authorization
+        try:
+            async with session.get(f"{backend.spec.url}/v1/models", headers=headers) as response:
+                if response.status != 200:
+                    raise ModelsError(f"HTTP {response.status}")
+                served = ServedModels.parse(await response.json(content_type=None))
+        except asyncio.CancelledError:
+            raise
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            if backend.address not in self._models_failed:
+                self._models_failed.add(backend.address)
+                known = "nothing" if backend.models is None else backend.models.describe()
+                log.warning(
+                    "backend %s: /v1/models unreadable (%s); keeping what was known: %s",
+                    backend.address,
+                    str(exc)[:200] or type(exc).__name__,
+                    known,
+                )
+            return False
+        self._models_failed.discard(backend.address)
+        if served == backend.models:
+            return False
+        log.info("backend %s serves %s", backend.address, served.describe())
+        self.pool.set_models(backend, served)
+        return True
 
     async def watch_metrics(self, interval_s: float = 0.1, timeout_s: float = 0.5) -> None:
         """Scrape every backend's vLLM ``/metrics`` every ``interval_s``, forever.

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from extproc.fleet.backend import BackendSpec
+from extproc.fleet.models import ServedModels
 from extproc.policy import Policy
 from extproc.transport.credentials import CredentialError, read_secret
 
@@ -33,27 +34,31 @@ class ServedModel:
     problem: str = ""
 
 
-def served_model(backends: Sequence[BackendSpec], timeout_s: float = 2.0) -> ServedModel:
-    """The first model the first backend that answers lists at ``/v1/models``."""
+def served_models(spec: BackendSpec, timeout_s: float = 2.0) -> ServedModels | str:
+    """What ``spec``'s engine answers to (its ``/v1/models``), or why that is not known."""
+    url = f"{spec.url}/v1/models"
+    request = urllib.request.Request(url)
+    try:
+        if spec.credential is not None:  # vLLM's --api-key guards /v1/models too
+            request.add_header("authorization", f"Bearer {read_secret(spec.credential)}")
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return ServedModels.parse(json.load(response))
+    except urllib.error.HTTPError as exc:
+        return f"{url}: HTTP {exc.code}"
+    except CredentialError as exc:
+        return str(exc)  # names the reference, never the key
+    except (OSError, ValueError) as exc:
+        return f"{url}: {getattr(exc, 'reason', None) or exc}"
+
+
+def served_model(served: Sequence[ServedModels | str]) -> ServedModel:
+    """A model to suggest: the first base name of the first backend whose models are known."""
     problems = []
-    for spec in backends:
-        url = f"{spec.url}/v1/models"
-        request = urllib.request.Request(url)
-        try:
-            if spec.credential is not None:  # vLLM's --api-key guards /v1/models too
-                request.add_header("authorization", f"Bearer {read_secret(spec.credential)}")
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                data = json.load(response)
-            name = data["data"][0]["id"]
-            if isinstance(name, str) and name:
-                return ServedModel(name)
-            problems.append(f"{url}: no model id")
-        except urllib.error.HTTPError as exc:
-            problems.append(f"{url}: HTTP {exc.code}")
-        except CredentialError as exc:
-            problems.append(str(exc))  # names the reference, never the key
-        except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
-            problems.append(f"{url}: {getattr(exc, 'reason', None) or exc}")
+    for models in served:
+        if isinstance(models, str):
+            problems.append(models)
+        elif models.bases:
+            return ServedModel(sorted(models.bases)[0])
     return ServedModel(None, "; ".join(problems) or "no backend")
 
 

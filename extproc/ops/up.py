@@ -35,7 +35,8 @@ from extproc.envoy.binary import envoy_argv, write_bootstrap
 from extproc.envoy.params import MAX_MESSAGE_TIMEOUT_S, EnvoyParams
 from extproc.fleet.backend import BackendSpec, KVEventPorts, backend_argument
 from extproc.fleet.discovery import DnsBackendSpec
-from extproc.ops.first_request import curl_lines, served_model
+from extproc.fleet.models import ServedModels
+from extproc.ops.first_request import curl_lines, served_model, served_models
 from extproc.ops.processes import (
     Child,
     ProcessGroup,
@@ -427,8 +428,12 @@ def run(args: argparse.Namespace) -> int:
             stack = Stack(config, group).start()
             policy = load_policy(config.policy_path)
             seats = SeatWatch(f"http://127.0.0.1:{stack.metrics_port}/metrics")
+            models = {spec.address: served_models(spec) for spec in stack.backends}
             _print_banner(
-                stack, seats.first(), curl_lines(stack.url, policy, served_model(stack.backends))
+                stack,
+                seats.first(),
+                curl_lines(stack.url, policy, served_model(list(models.values()))),
+                models,
             )
             watch = Watch(stack)
             while (fatal := watch.tick()) is None:
@@ -550,10 +555,18 @@ def _backend_line(spec: BackendSpec, seats: Mapping[str, SeatCount]) -> str:
     return f"backend {spec.region} {spec.address}: seats learned from the engine"
 
 
-def _print_banner(stack: Stack, seats: Mapping[str, SeatCount], try_lines: Sequence[str]) -> None:
+def _print_banner(
+    stack: Stack,
+    seats: Mapping[str, SeatCount],
+    try_lines: Sequence[str],
+    models: Mapping[str, ServedModels | str],
+) -> None:
     lines: Sequence[str] = [
         f"fairlane is up: OpenAI API on {stack.url}",
-        *[f"  {_backend_line(b, seats)}" for b in stack.backends],
+        *[
+            f"  {_backend_line(b, seats)}\n    serves {_models_text(models.get(b.address))}"
+            for b in stack.backends
+        ],
         *[
             f"  backend {d.region} {d.url}: every address it resolves to (as they come and go)"
             for d in stack.config.dns_backends
@@ -568,6 +581,13 @@ def _print_banner(stack: Stack, seats: Mapping[str, SeatCount], try_lines: Seque
         "Ctrl-C stops everything.",
     ]
     print("\n".join(lines), flush=True)
+
+
+def _models_text(models: ServedModels | str | None) -> str:
+    """A backend's models as the banner says them (the service reads them again later)."""
+    if models is None or isinstance(models, str):
+        return f"models not read yet ({models or 'no answer'}); any model may go there"
+    return models.describe()
 
 
 def _prefix_mode(stack: Stack) -> str:

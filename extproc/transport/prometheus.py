@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from extproc.policy import PolicyStore
 
 BACKEND_LABELS = ["backend", "region"]
+MODELS_PER_BACKEND = 64
+"""Model names exported per engine: a bounded label, whatever an engine lists."""
 
 
 def _counter(
@@ -278,9 +280,22 @@ class GatewayCollector(Collector):
             "until its first good scrape) or draining (left DNS, requests in flight finish).",
             labels=[*BACKEND_LABELS, "state"],
         )
+        served = GaugeMetricFamily(
+            "fairlane_backend_model",
+            "1 for each model the engine answers to (its /v1/models: base names, and LoRA "
+            "adapters with their base as parent; at most 64 per engine).",
+            labels=[*BACKEND_LABELS, "model", "parent"],
+        )
         for backend in self.admission.pool.backends:
             state.add_metric([backend.address, backend.region, backend.membership], 1)
+            models = backend.models
+            if models is not None:
+                names = [(name, "") for name in sorted(models.bases)]
+                names += sorted(models.adapters.items())
+                for name, parent in names[:MODELS_PER_BACKEND]:
+                    served.add_metric([backend.address, backend.region, name, parent], 1)
         yield state
+        yield served
         membership = self.membership
         changes = membership.changes if membership is not None else {}
         yield _counter(

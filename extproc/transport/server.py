@@ -28,7 +28,7 @@ from extproc.core.gateway import Gateway
 from extproc.core.overload import OverloadControl
 from extproc.core.prefix import EngineHashing, PromptTokenizer
 from extproc.core.prompt import BuiltinTokenizer
-from extproc.fleet.backend import BackendPool, BackendSpec
+from extproc.fleet.backend import Backend, BackendPool, BackendSpec
 from extproc.fleet.discovery import ANY_BACKEND_SYNTAX, DnsBackendSpec, FleetSpec
 from extproc.fleet.membership import Changes, Membership
 from extproc.fleet.poller import Poller
@@ -135,7 +135,11 @@ class Service:
         self.credentials = BackendCredentials.load(
             config.backends, config.region_keys, config.dns_backends
         )
-        self.poller = Poller(self.pool, on_change=self.held.dispatch)
+        self.poller = Poller(
+            self.pool,
+            on_change=self.held.dispatch,
+            authorization=self._engine_authorization,
+        )
         self.endpoints = EndpointSet()
         self.endpoints.publish(levels_of(self.pool))
         self.membership = Membership(
@@ -191,6 +195,10 @@ class Service:
             self.state = SharedState(
                 self.admission, store, self.held.apply_peers, period_s=config.state_period_s
             )
+
+    def _engine_authorization(self, backend: Backend) -> str | None:
+        """The ``authorization`` an engine's ``/v1/models`` wants (its vLLM ``--api-key``)."""
+        return None if self.credentials is None else self.credentials.header_for(backend.address)
 
     def _fleet_changed(self, changes: Changes) -> None:
         """Backends joined, drained or left: keys for the new, release what the removed

@@ -294,3 +294,79 @@ async def test_a_replica_that_scrapes_no_engine_keeps_polling_and_takes_one_over
         watch.cancel()
         await asyncio.gather(watch, return_exceptions=True)
         await runner.cleanup()
+
+
+async def test_models_are_read_with_the_engines_key_and_kept_when_a_read_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    answer: dict[str, object] = {
+        "object": "list",
+        "data": [{"id": "tiny", "parent": None}, {"id": "ad1", "parent": "tiny"}],
+    }
+    status = [200]
+    seen_keys: list[str | None] = []
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def models(request: web.Request) -> web.Response:
+        seen_keys.append(request.headers.get("authorization"))
+        if status[0] != 200:
+            return web.Response(status=status[0], text="down for maintenance")
+        return web.json_response(answer)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    runner, port = await _serve(app)
+    pool = BackendPool([BackendSpec("127.0.0.1", port)])
+    (backend,) = pool.backends
+    changes: list[bool] = []
+    poller = Poller(
+        pool, on_change=lambda: changes.append(True), authorization=lambda b: "Bearer sk-engine"
+    )
+    try:
+        async with aiohttp.ClientSession() as session:
+            assert await poller.read_models(session, backend)
+            assert backend.models is not None and backend.models.adapters == {"ad1": "tiny"}
+            assert pool.serving("ad1") == [backend] and pool.serving("other") == []
+            assert seen_keys == ["Bearer sk-engine"]
+            assert not await poller.read_models(session, backend)  # unchanged: no news
+            status[0] = 503
+            with caplog.at_level(logging.WARNING, logger="fairlane.backends"):
+                assert not await poller.read_models(session, backend)
+                assert not await poller.read_models(session, backend)
+            warnings = [r for r in caplog.records if "/v1/models unreadable" in r.message]
+            assert (
+                len(warnings) == 1
+                and "keeping what was known: tiny, ad1 (adapter of tiny)" in warnings[0].message
+            )
+            assert backend.models.serves("tiny")  # the last known set
+            status[0] = 200
+            answer["data"] = [{"id": "tiny", "parent": None}]  # the adapter was unloaded
+            assert await poller.read_models(session, backend)
+            assert pool.serving("ad1") == []
+    finally:
+        await runner.cleanup()
+
+
+async def test_health_polling_reads_each_engines_models() -> None:
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "parent": None}]})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    runner, port = await _serve(app)
+    pool = BackendPool([BackendSpec("127.0.0.1", port)])
+    poller = Poller(pool)
+    task = asyncio.create_task(poller.watch_health(interval_s=0.05, timeout_s=0.5))
+    try:
+        await _until(lambda: pool.backends[0].models is not None)
+    finally:
+        task.cancel()
+        await runner.cleanup()
+    assert pool.serving("m") == pool.backends and pool.models_version == 1

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from extproc.fleet.backend import BackendSpec
-from extproc.ops.first_request import ServedModel, curl_lines, served_model
+from extproc.ops.first_request import ServedModel, curl_lines, served_model, served_models
 from extproc.ops.processes import free_port
 from extproc.policy import DEFAULT_POLICY_PATH, hashed_form, load_policy, parse_policy
 
@@ -53,6 +53,11 @@ def serve(handler: type[BaseHTTPRequestHandler]) -> Iterator[BackendSpec]:
         server.server_close()
 
 
+def suggested(*specs: BackendSpec) -> ServedModel:
+    """What ``up`` suggests after reading each backend's models, as it does at start."""
+    return served_model([served_models(spec) for spec in specs])
+
+
 @pytest.fixture
 def engine() -> Iterator[BackendSpec]:
     yield from serve(Models)
@@ -67,12 +72,12 @@ def test_the_model_comes_from_the_first_backend_that_answers(
     engine: BackendSpec, locked: BackendSpec
 ) -> None:
     down = BackendSpec("127.0.0.1", free_port(), "region-a")
-    assert served_model([down, locked, engine]) == ServedModel("Qwen/Qwen3-8B")
+    assert suggested(down, locked, engine) == ServedModel("Qwen/Qwen3-8B")
 
 
 def test_a_real_backends_model_is_in_the_curl_line(engine: BackendSpec) -> None:
     policy = load_policy(DEFAULT_POLICY_PATH)
-    lines = curl_lines("http://127.0.0.1:8080", policy, served_model([engine]))
+    lines = curl_lines("http://127.0.0.1:8080", policy, suggested(engine))
     text = "\n".join(lines)
     assert '"model": "Qwen/Qwen3-8B"' in text
     assert "sim-llama-8b" not in text
@@ -82,7 +87,7 @@ def test_a_real_backends_model_is_in_the_curl_line(engine: BackendSpec) -> None:
 
 def test_unreadable_models_give_a_placeholder_and_say_why(locked: BackendSpec) -> None:
     down = BackendSpec("127.0.0.1", free_port(), "region-b")
-    model = served_model([locked, down])
+    model = suggested(locked, down)
     assert model.name is None
     assert f"{locked.url}/v1/models: HTTP 401" in model.problem
     assert f"{down.url}/v1/models: " in model.problem
@@ -105,7 +110,7 @@ def test_a_backend_naming_its_engine_key_is_asked_with_it(
 ) -> None:
     monkeypatch.setenv("ENGINE_KEY", "sk-engine-0001")
     keyed = dataclasses.replace(locked, credential="env:ENGINE_KEY")
-    assert served_model([keyed]) == ServedModel("Qwen/Qwen3-8B")
+    assert suggested(keyed) == ServedModel("Qwen/Qwen3-8B")
     monkeypatch.delenv("ENGINE_KEY")
-    model = served_model([keyed])
+    model = suggested(keyed)
     assert model.name is None and "ENGINE_KEY is not set" in model.problem

@@ -13,6 +13,7 @@ from extproc.core.decisions import Forward, Hold, Respond
 from extproc.core.events import Completion
 from extproc.core.gateway import Gateway
 from extproc.fleet.backend import BackendPool, BackendSpec
+from extproc.fleet.models import ServedModels
 from extproc.fleet.seats import FALLBACK_SEATS
 from extproc.fleet.vllm_metrics import EngineMetrics
 from extproc.transport.prometheus import GatewayCollector
@@ -238,3 +239,14 @@ def test_the_grpc_ports_connections_and_streams_are_exported() -> None:
     assert value(text, "fairlane_grpc_connections") == 3
     assert value(text, "fairlane_grpc_streams") == 17
     assert value(text, "fairlane_grpc_connections_refused_total") == 2
+
+
+def test_each_engines_models_are_exported_with_their_parent() -> None:
+    gateway = make_gateway()
+    pool = gateway.admission.pool
+    first = pool.backends[0]
+    pool.set_models(first, ServedModels(frozenset({"tiny"}), {"ad1": "tiny"}))
+    text = exposition(gateway)
+    labels = {"backend": first.address, "region": first.region}
+    assert value(text, "fairlane_backend_model", **labels, model="tiny", parent="") == 1
+    assert value(text, "fairlane_backend_model", **labels, model="ad1", parent="tiny") == 1

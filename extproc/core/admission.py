@@ -40,6 +40,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from extproc.core.bands import band_name, tier_of
 from extproc.core.budgets import Budgets
 from extproc.core.errors import Rejection
 from extproc.core.gates import passes
@@ -184,6 +185,9 @@ class Admission:
         self._kv_preempting: dict[str, float] = {}
         """Per band, when a request was cancelled to free KV blocks for it: one at a time,
         until the band's next grant (or ``stale_after_s``: the blocks went elsewhere)."""
+        self._pool_bands: set[str] = set()
+        """Bands of a tier for one model pool (``extproc.core.bands``), made as requests
+        for each pool arrive; kept across reloads."""
         self._output_share: dict[str, float] = {}
         """Per band, the share of their output estimate its requests generated, a moving
         average (``_expected_output``): 1 until a completion says otherwise."""
@@ -198,6 +202,13 @@ class Admission:
             t.name: BandConfig(t.name, t.rank, t.queue_limit, t.aging_rate, t.aging_cap)
             for t in policy.tiers
         }
+        # Each tier's bands for the model pools seen so far take its new settings too.
+        self._bands_of_tier = {t.name: [t.name] for t in policy.tiers}
+        for band in self._pool_bands:
+            tier_config = self._bands.get(tier_of(band))
+            if tier_config is not None:
+                self._bands[band] = dataclasses.replace(tier_config, name=band)
+                self._bands_of_tier[tier_config.name].append(band)
         self.scheduler.configure(
             self._bands.values(),
             FairnessConfig(policy.fairness.input_weight, policy.fairness.output_weight),
@@ -261,7 +272,7 @@ class Admission:
             in_flight = self.fleet_in_flight_by_rank()
         peers = self.peers
         present = {
-            t.rank: in_flight[t.rank] + self.scheduler.depth(t.name) + peers.waiting_in(t.name)
+            t.rank: in_flight[t.rank] + self._tier_depth(t.name) + self._peers_waiting(t.name)
             for t in self._tiers.values()
             if t.reserved_share
         }
@@ -270,7 +281,7 @@ class Admission:
         )
 
     def in_flight_by_tier(self) -> dict[str, int]:
-        counts: Counter[str] = Counter(f.entry.band for f in self._in_flight.values())
+        counts: Counter[str] = Counter(tier_of(f.entry.band) for f in self._in_flight.values())
         return dict(counts)
 
     def knows(self, request_id: str) -> bool:
@@ -301,9 +312,10 @@ class Admission:
         flow = request.tenant.name
         if fairness.flow == "user":
             flow = f"{request.tenant.name}/{request.user}"
+        band = self._band_for(tier, self.pool.pool_of(request.model))
         entry = Entry(
             request_id=request_id,
-            band=tier.name,
+            band=band,
             flow=flow,
             weight=request.tenant.weight,
             input_tokens=request.prompt_tokens,
@@ -311,9 +323,9 @@ class Admission:
             enqueued_at=now,
             payload=request,
         )
-        peer = self.peers.waiting.get(tier.name)
+        peer = self.peers.waiting.get(band)
         if peer is not None and peer.head_counter is not None:
-            self.scheduler.raise_floor(tier.name, peer.head_counter)
+            self.scheduler.raise_floor(band, peer.head_counter)
         try:
             self._check_fleet_queue(tier)
             self.scheduler.push(entry)
@@ -337,15 +349,38 @@ class Admission:
             self.budgets.charge(request_id, claim, request.prompt_tokens, estimate, now)
         return self.dispatch()
 
+    def _band_for(self, tier: Tier, pool: str) -> str:
+        """The band of ``tier`` for the model pool ``pool``, made on its first request."""
+        band = band_name(tier.name, pool)
+        if band not in self._bands and tier.name in self._bands:  # else: a tier just removed
+            config = dataclasses.replace(self._bands[tier.name], name=band)
+            self._bands[band] = config
+            self._pool_bands.add(band)
+            self._bands_of_tier[tier.name].append(band)
+            self.scheduler.add_band(config)
+        return band
+
+    def _tier_depth(self, tier: str) -> int:
+        """Requests of ``tier`` waiting here, in all its bands."""
+        depth = self.scheduler.depth
+        return sum(depth(band) for band in self._bands_of_tier.get(tier, (tier,)))
+
+    def _peers_waiting(self, tier: str) -> int:
+        """Requests of ``tier`` waiting on the other replicas, in all its bands."""
+        peers = self.peers
+        if not peers.waiting:
+            return 0
+        return sum(peers.waiting_in(band) for band in peers.waiting if tier_of(band) == tier)
+
     def _fleet_depth(self, tier: Tier) -> int:
         """The tier's waiting requests here and, as of their last report, on every other
         replica: what its ``queue_limit`` and early shedding are about."""
-        return self.scheduler.depth(tier.name) + self.peers.waiting_in(tier.name)
+        return self._tier_depth(tier.name) + self._peers_waiting(tier.name)
 
     def _check_fleet_queue(self, tier: Tier) -> None:
         """``QueueFull`` when the whole fleet's queue of the tier is full (the scheduler's
         own check on push counts this replica alone)."""
-        if self.peers.waiting_in(tier.name) and self._fleet_depth(tier) >= tier.queue_limit:
+        if self._peers_waiting(tier.name) and self._fleet_depth(tier) >= tier.queue_limit:
             raise QueueFull(tier.name, tier.queue_limit, self.scheduler.retry_after_s(tier.name))
 
     def _maybe_shed_early(self, tier: Tier) -> None:
@@ -437,7 +472,7 @@ class Admission:
         counts against api's reservation and gets api's vLLM priority; otherwise it would
         still wait for an empty engine queue however long it had aged, and starve inside
         vLLM behind every more urgent request."""
-        tier = self._tiers.get(band)
+        tier = self._tiers.get(tier_of(band))
         if tier is None:
             return None  # a band a reload removed: served with no gate, least urgent
         reached = max(0, math.ceil(self.scheduler.effective_rank(band) - 1e-9))
@@ -452,7 +487,7 @@ class Admission:
         for tier in self._tiers.values():
             recent = now - self._last_arrival.get(tier.name, -math.inf) <= tier.reserved_idle_s
             recent = recent or peers.idle_for_s(tier.name, now) <= tier.reserved_idle_s
-            if recent or self.scheduler.depth(tier.name) or peers.waiting_in(tier.name):
+            if recent or self._tier_depth(tier.name) or self._peers_waiting(tier.name):
                 active.add(tier.rank)
         return active
 
@@ -834,7 +869,7 @@ class Admission:
         if record is None:
             return []
         if output_tokens is not None:  # it ran to its end
-            tier = self._tiers.get(record.entry.band)
+            tier = self._tiers.get(tier_of(record.entry.band))
             if tier is not None and tier.preemptible:
                 self._note_run(record.backend.address, self._clock() - record.admitted_at)
         return self.dispatch(own_seats=1)

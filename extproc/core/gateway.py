@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from extproc.core.admission import Admission, Grant
+from extproc.core.bands import tier_of
 from extproc.core.body import parse_body, with_member
 from extproc.core.classify import RequestClass, authenticate, classify
 from extproc.core.counters import GatewayStats
@@ -368,7 +369,8 @@ class Gateway:
         settled = settle(self.admission, self.admission.pool, completion)
         if entry is None or settled is None:
             return []
-        self.overload.handled(self._least_urgent(entry.band))
+        tier = tier_of(entry.band)
+        self.overload.handled(self._least_urgent(tier))
         duration_s, ttfb_s = completion.duration_s, completion.ttfb_s
-        self.stats.complete(entry.band, entry.flow, duration_s, ttfb_s, settled.output_tokens)
+        self.stats.complete(tier, entry.flow, duration_s, ttfb_s, settled.output_tokens)
         return settled.grants

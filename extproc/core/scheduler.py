@@ -332,6 +332,12 @@ class FairScheduler:
                 self._bands[name] = _Band(config, self._clock)
         self._fairness = fairness
 
+    def add_band(self, config: BandConfig) -> None:
+        """One more band, the others as they are (a tier's band for another model pool)."""
+        if config.name in self._bands:
+            raise ValueError(f"band {config.name!r} configured twice")
+        self._bands[config.name] = _Band(config, self._clock)
+
     # ----------------------------------------------------------------- queue operations
 
     def push(self, entry: Entry) -> None:

@@ -33,7 +33,7 @@ from typing import Literal, Protocol
 from urllib.parse import urlsplit
 
 from extproc.fleet.kv_events import KVBlockIndex
-from extproc.fleet.models import ServedModels, may_serve
+from extproc.fleet.models import ServedModels, may_serve, several_models
 from extproc.fleet.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS, PrefixLRU
 from extproc.fleet.seats import Seats, restarted
 from extproc.fleet.shared_scrape import SharedScrape
@@ -911,12 +911,14 @@ class BackendPool:
         self.models_version = 0
         """Bumped whenever an engine's models change (``set_models``): 0, none known yet."""
         self._serving: dict[tuple[str, int, int], list[Backend]] = {}
+        self._pools: dict[tuple[str, int, int], str] = {}
 
     def set_models(self, backend: Backend, models: ServedModels) -> None:
         """What ``backend`` serves now (its ``/v1/models``)."""
         backend.models = models
         self.models_version += 1
         self._serving.clear()
+        self._pools.clear()
 
     def serving(self, model: str | None) -> list[Backend]:
         """The backends a request for ``model`` may go to (``extproc.fleet.models.may_serve``),
@@ -931,6 +933,28 @@ class BackendPool:
                 self._serving.clear()
             found = self._serving[key] = [b for b in self.backends if may_serve(b, model)]
         return found
+
+    def pool_of(self, model: str | None) -> str:
+        """The pool of engines ``model`` runs on, named by the smallest base name they list
+        (an adapter runs on its base's pool); "" while the fleet serves one model, or the
+        model's engines are not known: the tier's one band (``extproc.core.bands``)."""
+        if model is None or not self.models_version:
+            return ""
+        key = (model, self.models_version, id(self.backends))
+        pool = self._pools.get(key)
+        if pool is None:
+            if len(self._pools) >= SERVING_MEMORY:
+                self._pools.clear()
+            pool = self._pools[key] = self._find_pool(model)
+        return pool
+
+    def _find_pool(self, model: str) -> str:
+        if not several_models(self.backends):
+            return ""
+        for backend in self.serving(model):
+            if backend.models is not None:
+                return backend.models.pool_name(model)
+        return ""
 
     def add(self, spec: BackendSpec) -> Backend:
         """A new backend, ``warming`` until its first good scrape, placed after the others

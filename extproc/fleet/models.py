@@ -39,6 +39,11 @@ class ServedModels:
     def names(self) -> frozenset[str]:
         return self.bases | frozenset(self.adapters)
 
+    def pool_name(self, model: str) -> str:
+        """The name of the pool this engine runs ``model`` on: its smallest base name (an
+        adapter runs on its base, which is one of them)."""
+        return min(self.bases) if self.bases else model
+
     def describe(self) -> str:
         """``tiny, ad1 (adapter of tiny)``: for ``fairlane up``'s banner and logs."""
         parts = sorted(self.bases)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
+from extproc.core.bands import tier_of
 from extproc.core.admission import Grant
 from extproc.core.decisions import Forward, Hold, Respond
 from extproc.core.errors import Rejection
@@ -112,7 +113,7 @@ class HeldRequests:
             future = self._waiting.get(entry.request_id)
             if future is not None and not future.done():
                 headers = {"retry-after": str(retry_after_s)}
-                rejection = Rejection(503, message, code=code, headers=headers, tier=entry.band)
+                rejection = Rejection(503, message, code=code, headers=headers, tier=tier_of(entry.band))
                 future.set_exception(rejection)
         return len(entries)
 

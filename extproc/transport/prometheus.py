@@ -15,6 +15,7 @@ The names, their labels and what they mean are listed in the README ("Operating 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -29,6 +30,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from extproc.core.admission import Admission
+from extproc.core.bands import tier_of
 from extproc.core.counters import GatewayStats, Histogram
 from extproc.core.overload import OverloadControl
 from extproc.fleet.membership import CHANGES, Membership
@@ -135,9 +137,15 @@ class GatewayCollector(Collector):
             "How long the oldest request held in a tier's queue has waited (starvation).",
             labels=["tier"],
         )
-        for band, count in scheduler.depths().items():
-            depth.add_metric([band], count)
-            oldest.add_metric([band], scheduler.oldest_wait_s(band))
+        depths: Counter[str] = Counter()
+        waits: dict[str, float] = {}
+        for band, count in scheduler.depths().items():  # a tier's bands: one per model pool
+            tier = tier_of(band)
+            depths[tier] += count
+            waits[tier] = max(waits.get(tier, 0.0), scheduler.oldest_wait_s(band))
+        for tier, count in depths.items():
+            depth.add_metric([tier], count)
+            oldest.add_metric([tier], waits[tier])
         by_tier = GaugeMetricFamily(
             "fairlane_tier_in_flight",
             "Requests released upstream and not yet seen to finish, per tier.",

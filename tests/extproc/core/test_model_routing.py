@@ -226,3 +226,18 @@ def test_no_model_on_a_fleet_of_several_is_a_400_and_on_one_model_goes_as_it_is(
     for backend in one.admission.pool.backends:
         one.admission.pool.set_models(backend, LLAMA)
     assert isinstance(one.handle(chat(None)).answer, Forward)
+
+
+def test_a_pool_full_of_one_models_batch_never_holds_back_another_models_batch() -> None:
+    gateway = two_pools(limit=2)
+    held = []
+    for i in range(6):  # batch takes a free seat, one a scrape: the rest wait for qwen
+        decision = gateway.handle(chat("qwen-7b", request_id=f"q{i}", key="sk-batch-demo"))
+        if isinstance(decision.answer, Hold):
+            held.append(decision.answer)
+    assert len(held) == 5
+    decision = gateway.handle(chat("llama", request_id="l1", key="sk-batch-demo")).answer
+    assert isinstance(decision, Forward)  # not behind the qwen requests of its tier
+    assert decision.endpoints == (gateway.admission.pool.backends[0].address,)
+    depths = gateway.admission.scheduler.depths()
+    assert depths["batch@qwen-7b"] == 5 and sum(depths.values()) == 5

@@ -270,7 +270,6 @@ class Admission:
         """Seats each reserving tier (by rank) holds now, sized to its recent demand."""
         if in_flight is None:
             in_flight = self.fleet_in_flight_by_rank()
-        peers = self.peers
         present = {
             t.rank: in_flight[t.rank] + self._tier_depth(t.name) + self._peers_waiting(t.name)
             for t in self._tiers.values()

@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
-from extproc.core.bands import tier_of
 from extproc.core.admission import Grant
+from extproc.core.bands import tier_of
 from extproc.core.decisions import Forward, Hold, Respond
 from extproc.core.errors import Rejection
 from extproc.core.events import Completion, RequestInfo
@@ -113,7 +113,8 @@ class HeldRequests:
             future = self._waiting.get(entry.request_id)
             if future is not None and not future.done():
                 headers = {"retry-after": str(retry_after_s)}
-                rejection = Rejection(503, message, code=code, headers=headers, tier=tier_of(entry.band))
+                tier = tier_of(entry.band)
+                rejection = Rejection(503, message, code=code, headers=headers, tier=tier)
                 future.set_exception(rejection)
         return len(entries)
 

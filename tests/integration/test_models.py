@@ -39,9 +39,9 @@ def two_models(tmp_path: Path) -> Any:
 
 async def models_read(stack: Stack) -> bool:
     """The service has read both engines' /v1/models (``fairlane_backend_model``)."""
-    async with aiohttp.ClientSession() as session:
-        async with session.get(f"http://127.0.0.1:{stack.metrics_port}/metrics") as response:
-            samples = parse_samples(await response.text())
+    url = f"http://127.0.0.1:{stack.metrics_port}/metrics"
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        samples = parse_samples(await response.text())
     return {labels.get("model") for (name, labels) in _labelled(samples)} >= {
         "llama",
         "llama-70b",

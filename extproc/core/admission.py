@@ -591,6 +591,7 @@ class Admission:
             self.policy.routing,
             self.backend_limit,
             self._sample.spread(fleet) if len(fleet) > LARGE_FLEET else None,
+            request.model,
         )
         assert pick is not None  # _place lists healthy candidates only
         backend = pick.chosen

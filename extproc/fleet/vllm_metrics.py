@@ -79,6 +79,8 @@ class EngineMetrics:
     num_gpu_blocks: int | None = None
     """KV blocks of all engines, from ``vllm:cache_config_info``: how much prefix the
     server can hold (None when not exported or not yet known)."""
+    lora: LoraSlots | None = None
+    """The engine's LoRA slots, from ``vllm:lora_requests_info`` (None without LoRA)."""
 
     @property
     def absent(self) -> tuple[str, ...]:
@@ -90,12 +92,23 @@ class EngineMetrics:
         return missing if self.block_size is not None else (*missing, CACHE_CONFIG)
 
 
+@dataclass(frozen=True, slots=True)
+class LoraSlots:
+    """Which LoRA adapters the engine's batch runs and which wait for a slot (vLLM keeps at
+    most ``max_loras`` distinct adapters in a batch; swapping one in costs engine time)."""
+
+    max_loras: int
+    running: frozenset[str]
+    waiting: frozenset[str]
+
+
 # One C-level scan finds every sample line of the series above: ``\nNAME{labels} value`` or
 # ``\nNAME value`` (an optional timestamp may follow). ``[{ \t]`` right after the name keeps
 # ``vllm:num_requests_waiting_by_reason`` out of ``vllm:num_requests_waiting``; the label
 # block runs to the last ``}`` of the line because label values may hold spaces or braces.
 _SAMPLE = re.compile(
     r"\n(vllm:(?:num_requests_(?:waiting|running)|kv_cache_usage_perc|cache_config_info"
+    r"|lora_requests_info"
     r"|(?:inter_token_latency|time_per_output_token)_seconds_(?:sum|count)))"
     r"(\{[^\n]*\})?[ \t]+([^ \t\n]*)"
 )
@@ -103,15 +116,23 @@ _SAMPLE = re.compile(
 # ``_block_size_resolved`` and ``num_gpu_blocks_override`` from matching).
 _BLOCK_SIZE = re.compile(r'[{,]block_size="(\d+)"')
 _NUM_GPU_BLOCKS = re.compile(r'[{,]num_gpu_blocks="(\d+)"')
+_LORA_LABELS = re.compile(r'[{,](max_lora|running_lora_adapters|waiting_lora_adapters)="([^"]*)"')
+LORA_INFO = "vllm:lora_requests_info"
 
 
 def parse_metrics(text: str, scraped_at: float) -> EngineMetrics:
     """The admission-relevant numbers of a vLLM ``/metrics`` page; ``MetricsError`` if garbage."""
     values: dict[str, list[float]] = {}
     cache_configs: list[str] = []
+    lora: tuple[float, str] | None = None
     for match in _SAMPLE.finditer("\n" + text):  # the leading newline lets line 1 match too
         if match[1] == CACHE_CONFIG:
             cache_configs.append(match[2] or "")
+            continue
+        if match[1] == LORA_INFO:  # one series per state; its value is when it was set
+            stamp = _number(LORA_INFO, match[3])
+            if lora is None or stamp > lora[0]:
+                lora = (stamp, match[2] or "")
             continue
         values.setdefault(match[1], []).append(_number(match[1], match[3]))
     itl = LEGACY_ITL if LEGACY_ITL + "_count" in values and ITL + "_count" not in values else ITL
@@ -131,7 +152,22 @@ def parse_metrics(text: str, scraped_at: float) -> EngineMetrics:
         scraped_at=scraped_at,
         block_size=_block_size(cache_configs),
         num_gpu_blocks=_num_gpu_blocks(cache_configs),
+        lora=None if lora is None else _lora_slots(lora[1]),
     )
+
+
+def _lora_slots(labels: str) -> LoraSlots | None:
+    """The newest ``vllm:lora_requests_info`` series' labels; None when malformed."""
+    found = dict(_LORA_LABELS.findall(labels))
+    try:
+        max_loras = int(found.get("max_lora", ""))
+    except ValueError:
+        return None
+
+    def names(key: str) -> frozenset[str]:
+        return frozenset(n for n in found.get(key, "").split(",") if n)
+
+    return LoraSlots(max_loras, names("running_lora_adapters"), names("waiting_lora_adapters"))
 
 
 def _block_size(labels: list[str]) -> int | None:

@@ -365,6 +365,12 @@ class Routing:
     Measured on ``shared-prefix`` (loadtests/bench/README.md): 0.25 hit 86.8 % of prompt
     tokens, 0.5 89.5 %, 1.0 90.4 %, 3.0 90.9 % (KV unbounded, the ceiling: 91-92 %) at
     9.3-10.1 req/s; with one hot prefix every margin gave the same."""
+    lora_weight: float = 1.0
+    """For a request to a LoRA adapter: added in full on an engine that lists the adapter
+    but has no free LoRA slot and is not running it (a swap waits for a slot and costs
+    engine time), 0.4 of it when the adapter waits there for a slot, 0.2 with a slot free,
+    none when it runs there already (llm-d's LoRA affinity: 1.0 / 0.6 / 0.8 / 1.0 as
+    scores). 1.0 is one backend's slots of queue."""
 
 
 @dataclass(frozen=True, slots=True)

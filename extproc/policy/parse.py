@@ -68,6 +68,7 @@ _ROUTING_KEYS = (
     "prefix_weight",
     "region_weight",
     "sticky_margin",
+    "lora_weight",
 )
 _FAIRNESS_KEYS = ("flow", "input_weight", "output_weight", "default_output_tokens")
 _BACKPRESSURE_KEYS = ("scrape_interval_s", "stale_after_s")

@@ -11,6 +11,7 @@ from extproc.core.decisions import Forward, Hold, Respond
 from extproc.core.events import RequestInfo
 from extproc.core.gateway import Gateway
 from extproc.fleet.models import ModelsError, ServedModels
+from extproc.fleet.vllm_metrics import LoraSlots
 from extproc.policy import DEFAULT_POLICY_PATH, parse_policy
 from tests.extproc.factories import make_gateway, request
 
@@ -241,3 +242,23 @@ def test_a_pool_full_of_one_models_batch_never_holds_back_another_models_batch()
     assert decision.endpoints == (gateway.admission.pool.backends[0].address,)
     depths = gateway.admission.scheduler.depths()
     assert depths["batch@qwen-7b"] == 5 and sum(depths.values()) == 5
+
+
+def test_an_adapter_goes_where_it_runs_then_where_a_slot_is_free() -> None:
+    gateway = make_gateway()
+    pool = gateway.admission.pool
+    first, second = pool.backends
+    adapters = ServedModels(frozenset({"qwen-7b"}), {"qwen-sql": "qwen-7b", "qwen-law": "qwen-7b"})
+    for backend in (first, second):
+        pool.set_models(backend, adapters)
+    busy = LoraSlots(1, frozenset({"qwen-law"}), frozenset())
+    running = LoraSlots(1, frozenset({"qwen-sql"}), frozenset())
+    assert first.metrics is not None and second.metrics is not None
+    first.metrics = dataclasses.replace(first.metrics, lora=busy)  # would have to swap
+    second.metrics = dataclasses.replace(second.metrics, lora=running)
+    decision = gateway.handle(chat("qwen-sql")).answer
+    assert isinstance(decision, Forward) and decision.endpoints[0] == second.address
+    first.metrics = dataclasses.replace(first.metrics, lora=LoraSlots(2, frozenset(), frozenset()))
+    second.metrics = dataclasses.replace(second.metrics, lora=busy)
+    decision = gateway.handle(chat("qwen-sql", request_id="r2")).answer
+    assert isinstance(decision, Forward) and decision.endpoints[0] == first.address

@@ -8,6 +8,7 @@ from extproc.fleet.vllm_metrics import (
     CACHE_CONFIG,
     ITL,
     EngineMetrics,
+    LoraSlots,
     MetricsError,
     interval_itl,
     parse_metrics,
@@ -217,3 +218,15 @@ def test_the_focused_parse_is_cheap_enough_to_run_ten_times_a_second_per_backend
         parse_metrics(SAMPLE, 0.0)
     per_parse = (time.perf_counter() - start) / runs
     assert per_parse < 1e-3, f"{per_parse * 1e6:.0f} µs per parse"
+
+
+def test_lora_slots_come_from_the_newest_lora_requests_info_series() -> None:
+    text = page() + (
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="ad1",'
+        'waiting_lora_adapters=""} 1.7e9\n'
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="ad1,ad2",'
+        'waiting_lora_adapters="ad3"} 1.8e9\n'
+    )
+    slots = parse_metrics(text, 0.0).lora
+    assert slots == LoraSlots(2, frozenset({"ad1", "ad2"}), frozenset({"ad3"}))
+    assert parse_metrics(page(), 0.0).lora is None  # no LoRA: no slots

@@ -233,9 +233,9 @@ def test_a_pool_full_of_one_models_batch_never_holds_back_another_models_batch()
     gateway = two_pools(limit=2)
     held = []
     for i in range(6):  # batch takes a free seat, one a scrape: the rest wait for qwen
-        decision = gateway.handle(chat("qwen-7b", request_id=f"q{i}", key="sk-batch-demo"))
-        if isinstance(decision.answer, Hold):
-            held.append(decision.answer)
+        answer = gateway.handle(chat("qwen-7b", request_id=f"q{i}", key="sk-batch-demo")).answer
+        if isinstance(answer, Hold):
+            held.append(answer)
     assert len(held) == 5
     decision = gateway.handle(chat("llama", request_id="l1", key="sk-batch-demo")).answer
     assert isinstance(decision, Forward)  # not behind the qwen requests of its tier

@@ -25,7 +25,9 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import math
 from collections.abc import Callable
+from pathlib import Path
 
 import dns.asyncresolver
 import dns.exception
@@ -80,12 +82,36 @@ def parse_nameserver(text: str) -> tuple[str, int]:
     return host, port
 
 
+HOSTS_FILE = Path("/etc/hosts")
+
+
+def hosts_addresses(text: str, name: str) -> frozenset[str]:
+    """``name``'s addresses in a hosts file (``IP NAME [ALIAS...]`` lines, ``#`` comments),
+    as the system's resolver (getaddrinfo) finds them before asking DNS."""
+    wanted = name.rstrip(".").lower()
+    found = set()
+    for line in text.splitlines():
+        fields = line.partition("#")[0].split()
+        if len(fields) >= 2 and wanted in (field.lower() for field in fields[1:]):
+            with contextlib.suppress(ValueError):
+                found.add(str(ipaddress.ip_address(fields[0])))
+    return frozenset(found)
+
+
 class DnsLookup:
-    """A name's addresses and their TTL, from the system's resolvers or ``nameserver``."""
+    """A name's addresses and their TTL, from the system's resolvers or ``nameserver``.
+
+    With the system's resolvers, the hosts file is read first, as getaddrinfo does: a name
+    only it knows (``localhost`` where the DNS server answers NXDOMAIN for it) resolves
+    too, with no TTL (resolved again at the longest interval)."""
 
     def __init__(
-        self, nameserver: tuple[str, int] | None = None, timeout_s: float = LOOKUP_TIMEOUT_S
+        self,
+        nameserver: tuple[str, int] | None = None,
+        timeout_s: float = LOOKUP_TIMEOUT_S,
+        hosts_file: Path | None = HOSTS_FILE,
     ) -> None:
+        self._hosts_file = hosts_file if nameserver is None else None
         if nameserver is None:
             try:
                 resolver = dns.asyncresolver.Resolver()
@@ -105,6 +131,11 @@ class DnsLookup:
     async def resolve(self, name: str) -> tuple[frozenset[str], float]:
         """Every A and AAAA address of ``name`` and the smaller TTL of the two answers
         (``DnsError`` when the lookup failed)."""
+        if self._hosts_file is not None:
+            with contextlib.suppress(OSError):
+                known = hosts_addresses(self._hosts_file.read_text(errors="replace"), name)
+                if known:
+                    return known, math.inf  # no TTL: the longest interval
         answers = await asyncio.gather(
             self._query(name, dns.rdatatype.A),
             self._query(name, dns.rdatatype.AAAA),

@@ -4,6 +4,7 @@ and TTL, failures that keep the last known set, and the schedule between resolut
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from extproc.fleet.resolver import (
     DnsError,
     DnsLookup,
     DnsWatcher,
+    hosts_addresses,
     next_interval,
     parse_nameserver,
 )
@@ -109,3 +111,22 @@ def test_parse_nameserver(text: str, parsed: tuple[str, int]) -> None:
 def test_a_bad_nameserver_says_the_syntax(bad: str) -> None:
     with pytest.raises(ValueError, match=r"IP\[:PORT\]"):
         parse_nameserver(bad)
+
+
+def test_a_name_only_the_hosts_file_knows_resolves_as_getaddrinfo_would() -> None:
+    text = "127.0.0.1 localhost\n::1 localhost ip6-localhost  # loopback\n10.0.0.9 other\n"
+    assert hosts_addresses(text, "localhost") == {"127.0.0.1", "::1"}
+    assert hosts_addresses(text, "LOCALHOST.") == {"127.0.0.1", "::1"}
+    assert hosts_addresses("# 10.0.0.1 localhost\nnot-an-ip localhost\n", "localhost") == set()
+
+
+async def test_the_hosts_file_is_read_before_dns(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 vllm-local\n")
+    try:
+        lookup = DnsLookup(hosts_file=hosts)
+    except DnsError:
+        pytest.fail("this machine has no /etc/resolv.conf")
+    addresses, ttl = await lookup.resolve("vllm-local")
+    assert addresses == {"127.0.0.1"} and ttl == math.inf
+    assert next_interval(ttl, None, 5.0) == 5.0

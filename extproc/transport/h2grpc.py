@@ -52,6 +52,11 @@ RESOURCE_EXHAUSTED = 8
 
 WRITE_BUFFER_HIGH = 1 << 20
 """Bytes written and not yet taken by the client past which its connection is not read."""
+EAGER_FLUSH_BYTES = 64 << 10
+"""Frames queued by one read past which they are written at once, not at the end of the
+loop iteration (a flood of pings or settings asks for that many acknowledgements)."""
+CLOSE_GRACE_S = 1.0
+"""How long a closed connection may take to send its last frames before it is cut."""
 
 RESPONSE_HEADER_BLOCK = http2.encode_headers(
     [(b":status", b"200"), (b"content-type", GRPC_CONTENT_TYPE)]
@@ -82,6 +87,8 @@ class GrpcServer:
         self._stopping = False
         self._stopped: asyncio.Event | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self.handler_streams = 0
+        """Streams whose handler runs or is about to, over all connections."""
         self.refused_connections = 0
         """Connections closed at once because ``max_connections`` were open."""
 
@@ -221,6 +228,8 @@ class _Connection(asyncio.Protocol):
         self._refusing = server.stopping
         self.opened = 0
         """Streams opened so far: the sweep tells an idle connection by it not moving."""
+        self._starting: list[_Stream] = []
+        """Streams opened by the read being parsed, whose handlers start after it."""
         self._opened_at = 0.0
         self._idle_mark: tuple[int, float] | None = None
         """(``opened``, when) at the first sweep that found no stream open."""
@@ -281,9 +290,22 @@ class _Connection(asyncio.Protocol):
             self.http2.receive(data)
         except http2.Http2Error as error:
             log.warning("closing an HTTP/2 connection that broke the protocol: %s", error)
+            self._starting.clear()
             self.flush()
             self.close()
             return
+        # Handlers start only now, for the streams still open: a stream reset in the same
+        # read as its HEADERS (a client abort, or a rapid-reset attack) costs no task.
+        if self._starting:
+            create_task = asyncio.get_running_loop().create_task
+            for stream in self._starting:
+                if not stream.closed:
+                    stream.task = create_task(stream.run())
+            self._starting.clear()
+        if self.http2.queued > EAGER_FLUSH_BYTES:
+            # Acknowledgements a flood asked for: out now, so that a client that does not
+            # read them stops being read (``pause_writing``) within this loop iteration.
+            self.flush()
         # Not now: the handlers woken here answer in this loop iteration, and their answers
         # go out with the acknowledgements in one write.
         self.flush_soon()
@@ -301,7 +323,10 @@ class _Connection(asyncio.Protocol):
             elif name == b"content-type":
                 content_type = value
         self.opened += 1
-        if self._refusing:
+        server = self.server
+        if self._refusing or server.handler_streams >= server.limits.max_concurrent_streams:
+            # Draining, or the port's streams over all connections are at the limit (the
+            # one Envoy's circuit breaker keeps over its connections).
             self.http2.reset(stream_id, http2.REFUSED_STREAM)
             return
         handler = self.server.method(path)
@@ -311,9 +336,10 @@ class _Connection(asyncio.Protocol):
             return
         stream = _Stream(self, stream_id, handler)
         self.streams[stream_id] = stream
+        server.handler_streams += 1
         if end_stream:
             stream.end_of_input()
-        stream.task = asyncio.get_running_loop().create_task(stream.run())
+        self._starting.append(stream)  # its task once the read is parsed (data_received)
 
     def on_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
         stream = self.streams.get(stream_id)
@@ -382,14 +408,20 @@ class _Connection(asyncio.Protocol):
             if not self.http2.closed:
                 self.http2.goaway()
             self.flush()
-            # What the client never read is dropped: a peer that stopped reading could
-            # otherwise keep the connection, and what it holds, forever.
-            self.transport.abort()
+            transport = self.transport
+            if transport.get_write_buffer_size() > EAGER_FLUSH_BYTES:
+                # A peer that does not read: drop what it never took (it could otherwise
+                # keep the connection, and what it holds, forever).
+                transport.abort()
+                return
+            transport.close()  # the GOAWAY goes out first
+            asyncio.get_running_loop().call_later(CLOSE_GRACE_S, transport.abort)
 
     def forget(self, stream_id: int) -> None:
         stream = self.streams.pop(stream_id, None)
         if stream is not None:
             self.blocked.discard(stream)
+            self.server.handler_streams -= 1
 
 
 class _Stream:

@@ -223,6 +223,11 @@ class ServerConnection:
         self._frame(SETTINGS, 0, 0, settings)
         self._frame(WINDOW_UPDATE, 0, 0, (MAX_WINDOW - DEFAULT_WINDOW).to_bytes(4, "big"))
 
+    @property
+    def queued(self) -> int:
+        """Bytes queued to send (``take`` empties it)."""
+        return len(self._out)
+
     def take(self) -> bytes:
         """Everything queued to send, once."""
         out = bytes(self._out)

@@ -234,6 +234,35 @@ async def test_streams_reset_at_any_stage_leave_nothing_open(served: Served, sta
     await connection.close()
 
 
+async def test_streams_reset_in_the_read_that_opened_them_cost_no_task(served: Served) -> None:
+    # Unpaced: the whole burst at once, so each read holds hundreds of HEADERS and their
+    # resets. A task per stream, even one cancelled before it ran, would pile up per read.
+    connection = await attacker(served)
+    ours = server_side(served, connection)
+    cancel = http2.CANCEL.to_bytes(4, "big")
+    out = bytearray()
+    for _ in range(RESETS):
+        stream_id, headers = connection.open_stream(f"/{SERVICE}/Hold")
+        out += headers + frame(h2raw.RST_STREAM, 0, stream_id, cancel)
+    loop = asyncio.get_running_loop()
+    created = 0
+
+    def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        nonlocal created
+        created += 1
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    loop.set_task_factory(counting)
+    try:
+        connection.send(bytes(out))
+        await until(lambda: ours.opened >= RESETS, "the server read the burst")
+    finally:
+        loop.set_task_factory(None)
+    assert created < RESETS / 100  # a stream reset in a later read than its HEADERS has one
+    await nothing_left_open(served)
+    await connection.close()
+
+
 # -- floods --------------------------------------------------------------------------------
 
 
@@ -336,20 +365,27 @@ async def test_a_held_stream_accepts_no_more_than_a_message_and_its_window(
     await nothing_left_open(served)
 
 
-async def test_streams_past_the_limit_are_refused(served: Served) -> None:
-    connection = await attacker(served)
+async def test_streams_past_the_limit_are_refused_on_one_connection_or_over_several(
+    served: Served,
+) -> None:
     limit = LIMITS.max_concurrent_streams
-    await connection.wait_for(
-        lambda: connection.heard.settings.get(h2raw.MAX_CONCURRENT_STREAMS) == limit, WAIT_S
+    first, second = await attacker(served), await RawConnection.open(served.port)
+    await first.wait_for(
+        lambda: first.heard.settings.get(h2raw.MAX_CONCURRENT_STREAMS) == limit, WAIT_S
     )
-    streams = [connection.open_stream(f"/{SERVICE}/Hold") for _ in range(limit + 10)]
-    connection.send(b"".join(headers for _, headers in streams))
-    extra = {stream_id for stream_id, _ in streams[limit:]}
-    refused = connection.heard.resets
-    assert await connection.wait_for(lambda: extra <= refused.keys(), WAIT_S)
-    assert {refused[s] for s in extra} == {http2.REFUSED_STREAM}
-    assert limit <= served.server.open_streams <= limit + 1  # the legit client's still fits
-    await connection.close()
+    # half the limit on the second connection, then as many again and ten more on the first:
+    # the port's streams over all connections stay within the limit, as Envoy's breaker does
+    half = [second.open_stream(f"/{SERVICE}/Hold") for _ in range(limit // 2)]
+    second.send(b"".join(headers for _, headers in half))
+    await until(lambda: served.server.handler_streams >= limit // 2, "the second's streams")
+    streams = [first.open_stream(f"/{SERVICE}/Hold") for _ in range(limit // 2 + 10)]
+    first.send(b"".join(headers for _, headers in streams))
+    refused = first.heard.resets
+    assert await first.wait_for(lambda: len(refused) >= 10, WAIT_S)
+    assert set(refused.values()) == {http2.REFUSED_STREAM}
+    assert served.server.handler_streams <= limit
+    await first.close()
+    await second.close()
     await nothing_left_open(served)
 
 

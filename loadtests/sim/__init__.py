@@ -9,6 +9,7 @@ Layout, one concept per module:
 - ``metrics``   vLLM's Prometheus metrics, fed from engine events
 - ``runner``    drives the engine on a (sped-up) wall clock
 - ``request``   request parsing and vLLM's validation errors
+- ``lora``      LoRA adapters: ``--lora-modules``, the runtime load/unload routes' checks
 - ``response``  response bodies, SSE chunk shapes and error bodies
 - ``server``    the aiohttp application
 - ``cli``       ``fairlane sim``

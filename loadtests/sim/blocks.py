@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 from extproc.core.blockhash import BlockHasher
 from extproc.fleet.kv_events import event_key
@@ -48,10 +49,30 @@ def block_hashes(
     block_size: int,
     hasher: BlockHasher = DEFAULT_HASHER,
     cache_salt: str | None = None,
+    lora: tuple[str, str] | None = None,
 ) -> list[BlockHash]:
     """Chained hashes of every *full* block of ``token_ids`` (a partial tail has none), the
-    first salted with ``cache_salt`` when there is one (vLLM's extra keys)."""
-    return hasher.chain(token_ids, block_size, cache_salt, limit=len(token_ids) // block_size)
+    first salted with ``cache_salt`` when there is one (vLLM's extra keys).
+
+    A LoRA request's blocks (``lora``: the adapter's name and path) carry vLLM 0.32's
+    ``("lora", name, path)`` extra key on every block, ahead of the salt
+    (``generate_block_hash_extra_keys``), so adapters never share cached blocks with each
+    other or with the base model."""
+    limit = len(token_ids) // block_size
+    if lora is None:
+        return hasher.chain(token_ids, block_size, cache_salt, limit=limit)
+    lora_key = ("lora", *lora)
+    every: Any = (lora_key,)
+    first: Any = (lora_key, ("cache_salt", cache_salt)) if cache_salt else every
+    digests: list[BlockHash] = []
+    parent = hasher.none_hash
+    for k in range(limit):
+        start = k * block_size
+        block = tuple(token_ids[start : start + block_size])
+        parent = hasher.digest(parent, block, first if k == 0 else every)
+        digests.append(parent)
+    hasher.trim()
+    return digests
 
 
 class BlockPool:
@@ -166,17 +187,21 @@ class BlockPool:
         end: int,
         token_ids: Sequence[int],
         cache_salt: str | None = None,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """One request's blocks ``start..end-1`` just became full (vLLM's
-        ``cache_full_blocks``): cache them, and announce them in one ``BlockStored`` (the
-        salt, untagged, as the first block's extra keys, as vLLM publishes it)."""
+        ``cache_full_blocks``): cache them, and announce them in one ``BlockStored`` with
+        the extra keys untagged, as vLLM publishes them (``to_event_extra_keys``): a LoRA
+        request's adapter name on every block, then the salt on the first."""
         for k in range(start, end):
             self.cache(blocks[k], hashes[k])
         if self.events is not None:
             size = self.block_size
-            extra: list[list[str] | None] = [None] * (end - start)
+            every = [lora_name] if lora_name else None
+            extra: list[list[str] | None] = [every] * (end - start)
             if cache_salt and start == 0 and end > 0:
-                extra[0] = [cache_salt]
+                extra[0] = [*(every or ()), cache_salt]
             self.events.append(
                 block_stored(
                     [event_key(h) for h in hashes[start:end]],
@@ -184,6 +209,8 @@ class BlockPool:
                     token_ids[start * size : end * size],
                     size,
                     extra,
+                    lora_id=lora_id,
+                    lora_name=lora_name,
                 )
             )
 

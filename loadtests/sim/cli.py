@@ -17,6 +17,7 @@ from pathlib import Path
 from extproc.core.blockhash import HASH_ALGOS
 from extproc.fleet.tokenizer import TokenizerError
 from loadtests.sim.kv_publisher import KVEventsConfig
+from loadtests.sim.lora import MAX_LORA_RANKS, LoraModule, parse_lora_module
 from loadtests.sim.profiles import DEFAULT_PROFILE, PROFILES
 from loadtests.sim.server import SIM_KEY, SimConfig, start
 
@@ -94,6 +95,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="as vLLM: tokenize prompts with this model directory's tokenizer.json and chat "
         "template (default: fairlane's built-in approximation)",
     )
+    lora = parser.add_argument_group("LoRA adapters (as vLLM's)")
+    lora.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="as vLLM: requests may name a LoRA adapter as their model",
+    )
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="as vLLM: adapters loaded at start-up, NAME=PATH or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\' (PATH is never read)',
+    )
+    lora.add_argument(
+        "--max-loras", type=int, default=1, help="as vLLM: distinct adapters in one batch"
+    )
+    lora.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        choices=MAX_LORA_RANKS,
+        help="as vLLM (accepted, otherwise unused)",
+    )
+    lora.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="as vLLM: at least --max-loras (accepted, otherwise unused)",
+    )
+    lora.add_argument(
+        "--lora-dtype",
+        choices=("auto", "float16", "bfloat16"),
+        default="auto",
+        help="as vLLM (accepted, unused)",
+    )
+    lora.add_argument(
+        "--fully-sharded-loras", action="store_true", help="as vLLM (accepted, unused)"
+    )
+    lora.add_argument(
+        "--lora-load-ms",
+        type=float,
+        default=50.0,
+        metavar="MS",
+        help="the simulator's own: engine time (simulated ms) to bring an adapter into one "
+        "of the --max-loras GPU slots (default %(default)s)",
+    )
     faults = parser.add_argument_group("fault injection (for the gateway's fault tests)")
     faults.add_argument(
         "--fault-delay-headers-s",
@@ -130,7 +179,20 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_events_config=args.kv_events_config,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         tokenizer=args.tokenizer,
+        enable_lora=args.enable_lora,
+        lora_modules=tuple(args.lora_modules or ()),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        lora_load_ms=args.lora_load_ms,
     )
+
+
+def _lora_module(text: str) -> LoraModule:
+    try:
+        return parse_lora_module(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _kv_events_config(text: str) -> KVEventsConfig:
@@ -152,6 +214,9 @@ async def _serve(config: SimConfig, host: str, port: int) -> None:
         faults += f", KV events on {publisher.endpoint}"
         if publisher.replay_endpoint is not None:
             faults += f" (replay {publisher.replay_endpoint})"
+    if config.enable_lora:
+        names = ", ".join(runner.app[SIM_KEY].loras.adapters) or "none loaded"
+        faults += f", LoRA: {names} (max {config.max_loras} per batch)"
     print(
         f"fairlane sim: {config.served[0]} ({config.profile}, x{config.speedup:g}) "
         f"on http://{host}:{port}{faults}",
@@ -169,7 +234,11 @@ async def _serve(config: SimConfig, host: str, port: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:  # flags vLLM refuses at start-up (--lora-modules without LoRA)
+        print(f"fairlane sim: error: {exc}", file=sys.stderr)
+        return 2
     try:
         try:
             import uvloop
@@ -179,6 +248,9 @@ def run(args: argparse.Namespace) -> int:
             uvloop.run(_serve(config, args.host, args.port))
     except TokenizerError as exc:  # --tokenizer: a directory without a usable tokenizer
         print(f"fairlane sim: error: --tokenizer {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # --lora-modules naming a served model, or one name twice
+        print(f"fairlane sim: error: {exc}", file=sys.stderr)
         return 2
     return 0
 

@@ -12,9 +12,14 @@ hits. Each ``step(now)``:
 2. only if nothing was preempted in this step, admits waiting requests in queue order while
    seats (``max_num_seqs``), budget and blocks allow, charging prefill only for tokens not
    already in the prefix cache. A waiting request never preempts a running one, and the
-   first request that does not fit stops admission (no skipping ahead);
-3. prices the batch with the profile and advances every scheduled request, producing one
-   token for each request whose prompt (and recomputed output) is fully computed.
+   first request that does not fit stops admission (no skipping ahead). With LoRA
+   (``max_loras``), a request whose adapter would be one more than ``max_loras`` distinct
+   adapters in the step's batch is skipped instead ("deferred", put back in its place) and
+   admission goes on behind it, as vLLM's scheduler does;
+3. prices the batch with the profile, plus ``lora_load_s`` for each adapter of the batch
+   that is not in one of the ``max_loras`` GPU slots (an LRU, as vLLM's worker keeps its
+   active adapters), and advances every scheduled request, producing one token for each
+   request whose prompt (and recomputed output) is fully computed.
 
 There is no I/O and no clock here: the caller passes ``now`` (simulated seconds) and gets
 the step's duration back, so unit tests drive the engine on a virtual clock.
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -61,6 +66,10 @@ class EngineRequest:
     # The request's cache_salt (already in block_hashes): the KV events name it as the first
     # block's extra key.
     cache_salt: str | None = None
+    # The LoRA adapter the request runs (vLLM's lora_int_id, > 0) and its name; 0 and None
+    # for the base model. Its path is already in block_hashes.
+    lora_id: int = 0
+    lora_name: str | None = None
 
     seq: int = 0
     num_computed: int = 0
@@ -154,8 +163,14 @@ class EngineConfig:
     block_size: int = 16
     max_model_len: int = 0  # 0: the profile's
     policy: Policy = Policy.FCFS
+    max_loras: int = 0
+    """vLLM's ``--max-loras``: distinct LoRA adapters in one batch; 0: LoRA off."""
+    lora_load_s: float = 0.05
+    """Engine time to bring an adapter into a GPU slot (the simulator's own guess)."""
 
     def __post_init__(self) -> None:
+        if self.max_loras < 0 or self.lora_load_s < 0:
+            raise ValueError("max_loras and lora_load_s must not be negative")
         if not self.num_gpu_blocks:
             self.num_gpu_blocks = self.profile.num_gpu_blocks
         if not self.max_model_len:
@@ -179,6 +194,8 @@ class StepOutput:
     num_preemptions: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    num_lora_loads: int = 0
+    """Adapters brought into a GPU slot for this step (each costs ``lora_load_s``)."""
 
     @property
     def end(self) -> float:
@@ -200,6 +217,11 @@ class Engine:
         self._choose_victim: Callable[[], EngineRequest] = (
             self._priority_victim if config.policy == Policy.PRIORITY else self._fcfs_victim
         )
+        self.deferred: set[EngineRequest] = set()
+        """Waiting requests skipped at least once for their LoRA adapter and not admitted
+        since (vLLM's ``deferred_waiting``: ``num_requests_waiting_by_reason{deferred}``)."""
+        self.lora_slots: OrderedDict[int, None] = OrderedDict()
+        """The adapters in the GPU slots, least recently used first (at most ``max_loras``)."""
 
     # -- requests in and out ---------------------------------------------------------------
 
@@ -218,6 +240,7 @@ class Engine:
             self._release(req)
         else:
             self.waiting.remove(req)
+            self.deferred.discard(req)
         req.finish_reason = "abort"
         req.finished_at = now
         return True
@@ -233,6 +256,32 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_deferred(self) -> int:
+        """Waiting requests held back by the LoRA limit (counted in ``num_waiting`` too)."""
+        return len(self.deferred)
+
+    # -- LoRA slots -------------------------------------------------------------------------
+
+    def activate_lora(self, lora_id: int) -> bool:
+        """Put adapter ``lora_id`` in a GPU slot, evicting the least recently used one when
+        all are taken; False if it was there already. The step that needs an adapter does
+        this and pays ``lora_load_s`` for it; vLLM's ``add_lora`` (a start-up or runtime
+        load) does it too, between steps, at no step's cost."""
+        slots = self.lora_slots
+        if lora_id in slots:
+            slots.move_to_end(lora_id)
+            return False
+        while slots and len(slots) >= max(self.config.max_loras, 1):
+            slots.popitem(last=False)
+        slots[lora_id] = None
+        return True
+
+    def loras_resident(self) -> bool:
+        """Whether every running request's adapter is in a slot (a step needs no load)."""
+        slots = self.lora_slots
+        return all(not r.lora_id or r.lora_id in slots for r in self.running)
 
     # -- one step -------------------------------------------------------------------------
 
@@ -267,6 +316,8 @@ class Engine:
 
         if not out.num_preemptions:
             self._admit_waiting(budget, scheduled, out, now)
+        if self.config.max_loras:
+            out.num_lora_loads = self._load_loras(scheduled)
 
         decode_seqs = 0
         context = 0
@@ -278,6 +329,8 @@ class Engine:
                 out.num_prefill_tokens += n
             out.num_scheduled_tokens += n
         out.duration = self.profile.step_seconds(out.num_prefill_tokens, decode_seqs, context)
+        if out.num_lora_loads:
+            out.duration += out.num_lora_loads * self.config.lora_load_s
         self._execute(scheduled, out)
         return out
 
@@ -287,8 +340,17 @@ class Engine:
         pool = self.pool
         block_size = self.config.block_size
         max_seqs = self.config.max_num_seqs
+        max_loras = self.config.max_loras
+        # vLLM counts the adapters of the running requests scheduled in this step.
+        loras = {r.lora_id for r in scheduled if r.lora_id} if max_loras else set()
+        skipped: list[EngineRequest] = []
         while self.waiting and budget > 0 and len(self.running) < max_seqs:
             req = self.waiting.peek()
+            if max_loras and req.lora_id and len(loras) >= max_loras and req.lora_id not in loras:
+                # One adapter too many for this batch: skipped, and admission goes on.
+                skipped.append(self.waiting.pop())
+                self.deferred.add(req)
+                continue
             # Reuse cached full blocks, but always compute at least the last token.
             max_hit_blocks = min((req.num_tokens - 1) // block_size, len(req.block_hashes))
             hits = pool.cached_prefix(req.block_hashes[:max_hit_blocks])
@@ -298,6 +360,9 @@ class Engine:
             if need + pool.num_evictable(hits) > pool.num_free:
                 break
             self.waiting.pop()
+            if req.lora_id:
+                self.deferred.discard(req)
+                loras.add(req.lora_id)
             pool.touch(hits)
             new_blocks = pool.allocate(need)
             assert new_blocks is not None
@@ -312,6 +377,18 @@ class Engine:
             self.running.append(req)
             scheduled[req] = num_new
             budget -= num_new
+        for req in reversed(skipped):  # back in their places, ahead of the rest
+            self.waiting.requeue(req)
+
+    def _load_loras(self, scheduled: dict[EngineRequest, int]) -> int:
+        """Bring the batch's adapters into the GPU slots; how many had to be loaded. Those
+        already there are touched first, so a load never evicts one the batch uses."""
+        batch = list(dict.fromkeys(r.lora_id for r in scheduled if r.lora_id))
+        slots = self.lora_slots
+        for lora_id in batch:
+            if lora_id in slots:
+                slots.move_to_end(lora_id)
+        return sum(self.activate_lora(lora_id) for lora_id in batch)
 
     def _execute(self, scheduled: dict[EngineRequest, int], out: StepOutput) -> None:
         end = out.end
@@ -330,6 +407,8 @@ class Engine:
                     full,
                     req.token_ids,
                     req.cache_salt,
+                    req.lora_id or None,
+                    req.lora_name,
                 )
                 req.num_hashed_blocks = full
             if req.num_computed < req.num_tokens:

@@ -125,12 +125,13 @@ class DecodeAdvance:
 def decode_run(engine: Engine) -> DecodeRun | None:
     """The run of decode-only steps the engine can skip from now, or ``None`` if none.
 
-    ``None`` when a request waits and a seat is free (the next step would admit it; with
-    every seat taken a waiting request changes no step until one finishes, as the per-step
-    engine only admits below ``max_num_seqs`` and never preempts to admit), when a running request
-    is prefilling (or recomputing after a preemption), when the batch exceeds the token
-    budget, or when not even one step can be skipped (a request finishes in the next step,
-    or the pool cannot supply its blocks).
+    ``None`` when a request waits and a seat is free (the next step would admit it, or
+    defer it for its LoRA adapter; with every seat taken a waiting request changes no step
+    until one finishes, as the per-step engine only admits below ``max_num_seqs`` and never
+    preempts to admit), when a running request is prefilling (or recomputing after a
+    preemption), when the batch exceeds the token budget, when a running request's LoRA
+    adapter is not in a slot (a runtime load evicted it), or when not even one step can be
+    skipped (a request finishes in the next step, or the pool cannot supply its blocks).
     """
     running = engine.running
     if not running:
@@ -140,6 +141,8 @@ def decode_run(engine: Engine) -> DecodeRun | None:
         return None
     if len(running) > config.max_num_batched_tokens:
         return None
+    if config.max_loras and not engine.loras_resident():
+        return None  # the next step loads an adapter: longer than the run's arithmetic
     block_size = config.block_size
     max_model_len = config.max_model_len
     context = 0

@@ -15,7 +15,9 @@ them (msgspec, ``omit_defaults``; ``shared/reference/vllm.md`` A3):
   ``cache_full_blocks``): ``extra_keys`` holds one entry per block, None for plain text
   (vLLM writes the list of Nones, not None) and ``[salt]`` for the first block of a request
   with a ``cache_salt`` (vLLM's ``to_event_extra_keys``: the salt untagged, though the hash
-  takes ``("cache_salt", salt)``), ``group_idx`` 0 (a model with one KV cache
+  takes ``("cache_salt", salt)``); a LoRA request's blocks name the adapter in
+  ``lora_id``/``lora_name`` and start each entry with its name (``[name]``, ``[name,
+  salt]``: the hash takes ``("lora", name, path)``), ``group_idx`` 0 (a model with one KV cache
   group) and ``kv_cache_spec_kind`` ``"full_attention"`` (the scheduler's annotation);
 - ``BlockRemoved`` is one per evicted block (``_emit_block_removed_events``), with
   ``group_idx`` 0;
@@ -46,18 +48,21 @@ def block_stored(
     token_ids: Sequence[int],
     block_size: int,
     extra_keys: list[list[str] | None] | None = None,
+    lora_id: int | None = None,
+    lora_name: str | None = None,
 ) -> Event:
     """The full blocks ``keys`` one request just filled, chained after ``parent``;
-    ``extra_keys`` one entry per block (default: all None, plain text)."""
+    ``extra_keys`` one entry per block (default: all None, plain text); ``lora_id`` and
+    ``lora_name`` the adapter of a LoRA request (vLLM's ``lora_int_id`` and name)."""
     return {
         "type": "BlockStored",
         "block_hashes": keys,
         "parent_block_hash": parent,
         "token_ids": token_ids if isinstance(token_ids, list) else list(token_ids),
         "block_size": block_size,
-        "lora_id": None,
+        "lora_id": lora_id,
         "medium": MEDIUM_GPU,
-        "lora_name": None,
+        "lora_name": lora_name,
         "extra_keys": [None] * len(keys) if extra_keys is None else extra_keys,
         "group_idx": 0,
         "kv_cache_spec_kind": FULL_ATTENTION,

@@ -9,11 +9,26 @@ are current at scrape time. Labels are printed in sorted order, as in vLLM's exp
 
 All latencies are in simulated seconds (the clock the engine runs on), so a simulator
 sped up 10x still reports what the GPU would have taken.
+
+With LoRA enabled, ``vllm:lora_requests_info`` is set as vLLM 0.32's Python frontend sets
+it (``LoRARequestStates``, ``PrometheusStatLogger``), which is not what its label names
+promise:
+
+- once per engine step, the series of the current label set is set to the wall clock
+  (``set_to_current_time``); the series of earlier label sets stay, frozen at the time
+  they were last current, so a reader takes the series with the largest value;
+- an adapter is listed from its request's first token to its last request's end (the
+  frontend learns of QUEUED and SCHEDULED only with a request's first output), and
+  ``running_lora_adapters`` and ``waiting_lora_adapters`` are the same list, because vLLM
+  fills both from one dict of adapters with requests in flight; names are in the order the
+  adapters entered it, comma-joined, ``""`` for none; ``max_lora`` is ``--max-loras``;
+- an idle engine takes no step, so the last series is not refreshed until the next one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -137,7 +152,13 @@ class _SortedLabels(Collector):
 class SimMetrics:
     """The metrics of one simulated server."""
 
-    def __init__(self, engine: Engine, model_name: str, cache_config: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        model_name: str,
+        cache_config: Mapping[str, str],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._metrics = CollectorRegistry(auto_describe=True)
         self.registry = CollectorRegistry(auto_describe=False)
         for collector in (GC_COLLECTOR, PLATFORM_COLLECTOR):
@@ -173,8 +194,10 @@ class SimMetrics:
             "KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
             ("reason",),
         )
-        by_reason.labels(reason="capacity", **lv).set_function(lambda: engine.num_waiting)
-        by_reason.labels(reason="deferred", **lv).set(0)
+        by_reason.labels(reason="capacity", **lv).set_function(
+            lambda: engine.num_waiting - engine.num_deferred
+        )
+        by_reason.labels(reason="deferred", **lv).set_function(lambda: engine.num_deferred)
         sleep = gauge(
             "vllm:engine_sleep_state",
             "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
@@ -349,8 +372,23 @@ class SimMetrics:
             registry=reg,
         ).labels(**info).set(1)
 
+        self._clock = clock
+        self._lora_info: Gauge | None = None
+        self._max_lora = str(engine.config.max_loras)
+        self._lora_requests: dict[str, set[EngineRequest]] = {}
+        """Adapter name -> its requests in flight that have had their first token."""
+        if engine.config.max_loras:
+            self._lora_info = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ("max_lora", "running_lora_adapters", "waiting_lora_adapters"),
+                registry=reg,
+            )
+
     def on_step(self, out: StepOutput) -> None:
         """Account one engine step: tokens, first tokens, inter-token gaps, finished requests."""
+        if self._lora_info is not None:
+            self._lora_step(out)
         self.iteration_tokens.observe(out.num_scheduled_tokens)
         if out.num_preemptions:
             self.preemptions.inc(out.num_preemptions)
@@ -402,6 +440,35 @@ class SimMetrics:
         self.prefill_kv_computed.observe(req.prompt_len - req.num_cached_tokens)
         if req.num_output > 1:
             self.tpot.observe((end - first) / (req.num_output - 1))
+
+    def _lora_step(self, out: StepOutput) -> None:
+        """The adapters with requests in flight after this step, stamped with the time."""
+        tracked = self._lora_requests
+        for req in out.outputs:
+            name = req.lora_name
+            if name is None:
+                continue
+            if req.num_output == 1:
+                tracked.setdefault(name, set()).add(req)
+            if req.finish_reason is not None:
+                self._untrack(name, req)
+        names = ",".join(tracked)
+        assert self._lora_info is not None
+        self._lora_info.labels(
+            max_lora=self._max_lora, running_lora_adapters=names, waiting_lora_adapters=names
+        ).set(self._clock())
+
+    def _untrack(self, name: str, req: EngineRequest) -> None:
+        requests = self._lora_requests.get(name)
+        if requests is not None:
+            requests.discard(req)
+            if not requests:
+                del self._lora_requests[name]
+
+    def on_abort(self, req: EngineRequest) -> None:
+        """A request the client left: out of the LoRA lists from the next step on."""
+        if req.lora_name is not None:
+            self._untrack(req.lora_name, req)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,7 +14,7 @@ import random
 import uuid
 import zlib
 from array import array
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +102,8 @@ class GenerateRequest:
     body_priority: int | None
     header_priority: int | None
     cache_salt: str | None = None
+    lora_name: str | None = None
+    """The LoRA adapter the request's ``model`` names; None for a served model name."""
 
     @property
     def prompt_len(self) -> int:
@@ -289,18 +291,32 @@ def natural_output_len(prompt_token_ids: list[int], seed: int) -> int:
     return max(1, round(rng.lognormvariate(0.0, NATURAL_LEN_SIGMA) * NATURAL_LEN_MEDIAN))
 
 
-def _served_model(body: Mapping[str, Any], served_models: tuple[str, ...]) -> str:
+def unknown_model(model: Any, served_models: tuple[str, ...]) -> ApiError:
+    """vLLM 0.32's 404 for a model it does not serve: the aliases are the served names only,
+    never the LoRA adapters."""
+    return ApiError(
+        f"The model `{model}` does not exist. Valid aliases: {', '.join(served_models)}.",
+        404,
+        "NotFoundError",
+        "model",
+    )
+
+
+def _served_model(
+    body: Mapping[str, Any], served_models: tuple[str, ...], adapters: Container[str] = ()
+) -> tuple[str, str | None]:
+    """The model a request is answered as, and the LoRA adapter it names (or None).
+
+    vLLM's ``_check_model``: no model (or an empty one) is the first served name, then a
+    served name, then a loaded adapter; anything else is the 404."""
     model = body.get("model")
-    if model is None:
-        model = served_models[0]  # vLLM falls back to the first served name
-    if model not in served_models:
-        raise ApiError(
-            f"The model `{model}` does not exist. Valid aliases: {', '.join(served_models)}.",
-            404,
-            "NotFoundError",
-            "model",
-        )
-    return str(model)
+    if not model:
+        return served_models[0], None
+    if model in served_models:
+        return str(model), None
+    if isinstance(model, str) and model in adapters:
+        return model, model
+    raise unknown_model(model, served_models)
 
 
 def _model_ids(tokenizer: PromptTokenizer, body: Mapping[str, Any]) -> list[int]:
@@ -418,12 +434,13 @@ def parse_generate(
     max_model_len: int,
     seed: int,
     tokenizer: PromptTokenizer | None = None,
+    adapters: Container[str] = (),
 ) -> GenerateRequest:
     """Validate a request body as vLLM would; raise ``ApiError`` (400/404) otherwise. The
     prompt is tokenized by ``tokenizer`` (the model's) when given, else by
-    ``extproc.core.prompt``."""
+    ``extproc.core.prompt``; ``adapters`` are the LoRA adapter names ``model`` may take."""
     _validate(chat, body)
-    model = _served_model(body, served_models)
+    model, lora_name = _served_model(body, served_models, adapters)
     prompt_ids = _prompt_ids(chat, body, tokenizer)
     body_priority = _opt_int(body, "priority")
     hdr_priority = header_priority(headers)
@@ -452,4 +469,5 @@ def parse_generate(
         body_priority=body_priority,
         header_priority=hdr_priority,
         cache_salt=body.get("cache_salt"),
+        lora_name=lora_name,
     )

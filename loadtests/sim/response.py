@@ -16,7 +16,7 @@ import json
 import time
 import uuid
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from loadtests.sim.request import ApiError, GenerateRequest
@@ -256,34 +256,48 @@ class ChunkTemplates:
         return b"".join(events)
 
 
-def models_body(served_models: tuple[str, ...], root: str, max_model_len: int) -> bytes:
+def _permission(created: int) -> dict[str, Any]:
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+
+
+def _card(
+    name: str, root: str, parent: str | None, max_model_len: int | None, created: int
+) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": root,
+        "parent": parent,
+        "max_model_len": max_model_len,
+        "permission": [_permission(created)],
+    }
+
+
+def models_body(
+    served_models: tuple[str, ...],
+    root: str,
+    max_model_len: int,
+    adapters: Sequence[tuple[str, str, str]] = (),
+) -> bytes:
+    """vLLM 0.32's ``/v1/models``: a card per served name (``root`` the model, no parent),
+    then one per LoRA adapter, ``(id, path, parent)`` in load order, whose ``root`` is its
+    path and which has no ``max_model_len`` (``show_available_models``)."""
     created = int(time.time())
-    data = [
-        {
-            "id": name,
-            "object": "model",
-            "created": created,
-            "owned_by": "vllm",
-            "root": root,
-            "parent": None,
-            "max_model_len": max_model_len,
-            "permission": [
-                {
-                    "id": f"modelperm-{uuid.uuid4().hex}",
-                    "object": "model_permission",
-                    "created": created,
-                    "allow_create_engine": False,
-                    "allow_sampling": True,
-                    "allow_logprobs": True,
-                    "allow_search_indices": False,
-                    "allow_view": True,
-                    "allow_fine_tuning": False,
-                    "organization": "*",
-                    "group": None,
-                    "is_blocking": False,
-                }
-            ],
-        }
-        for name in served_models
-    ]
+    data = [_card(name, root, None, max_model_len, created) for name in served_models]
+    data += [_card(name, path, parent, None, created) for name, path, parent in adapters]
     return dumps({"object": "list", "data": data})

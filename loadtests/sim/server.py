@@ -9,6 +9,11 @@ token's cost at a few microseconds, which is what lets one process on a 2-core m
 stream hundreds of requests. Handlers are cancelled when the client disconnects
 (``handler_cancellation``), and a cancelled request is aborted in the engine, freeing its
 seat and its KV blocks as vLLM does.
+
+With ``--enable-lora`` a request's ``model`` may name a LoRA adapter (``loadtests.sim.lora``:
+``--lora-modules``, and ``/v1/load_lora_adapter``/``/v1/unload_lora_adapter`` when
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is on); the engine limits the adapters in a batch and
+prices their loading, the metrics add ``vllm:lora_requests_info``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,17 @@ from extproc.fleet.tokenizer import EngineTokenizer
 from loadtests.sim.blocks import block_hashes, engine_hasher
 from loadtests.sim.engine import Engine, EngineConfig, EngineRequest, Policy, StepOutput
 from loadtests.sim.kv_publisher import KVEventPublisher, KVEventsConfig
+from loadtests.sim.lora import (
+    LORA_NOT_ENABLED,
+    MAX_LORA_RANKS,
+    LoraModule,
+    LoraRegistry,
+    loaded_message,
+    parse_load_body,
+    parse_unload_body,
+    runtime_updating_from_env,
+    unloaded_message,
+)
 from loadtests.sim.metrics import CONTENT_TYPE, SimMetrics, cache_config_labels
 from loadtests.sim.profiles import DEFAULT_PROFILE, get_profile
 from loadtests.sim.request import (
@@ -93,6 +109,21 @@ class SimConfig:
     """vLLM's ``--tokenizer`` (a model directory here): prompts are tokenized with its
     ``tokenizer.json`` and chat template (``extproc.fleet.tokenizer.EngineTokenizer``), not
     ``extproc.core.prompt``'s approximation."""
+    enable_lora: bool = False
+    """vLLM's ``--enable-lora``: requests may name a LoRA adapter as their ``model``."""
+    lora_modules: tuple[LoraModule, ...] = ()
+    """vLLM's ``--lora-modules``: adapters loaded at start-up (needs ``enable_lora``)."""
+    max_loras: int = 1
+    """vLLM's ``--max-loras``: distinct adapters in one batch (and GPU slots)."""
+    max_lora_rank: int = 16
+    """vLLM's ``--max-lora-rank``: checked against vLLM's choices, otherwise unused."""
+    max_cpu_loras: int | None = None
+    """vLLM's ``--max-cpu-loras``: checked (at least ``max_loras``), otherwise unused."""
+    lora_load_ms: float = 50.0
+    """The simulator's own: engine time (simulated ms) to bring an adapter into a slot."""
+    runtime_lora_updating: bool | None = None
+    """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``; None: as
+    ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` says (``1`` or ``true``), as vLLM reads it."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -102,6 +133,20 @@ class SimConfig:
             raise ValueError(f"fault_metrics must be one of {FAULT_METRICS}")
         if self.prefix_caching_hash_algo not in HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora (vLLM cannot load them)")
+        if self.max_lora_rank not in MAX_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {MAX_LORA_RANKS}")
+        # vLLM checks these in its LoRAConfig, which exists only with --enable-lora.
+        if self.enable_lora and self.max_loras < 1:
+            raise ValueError("max_loras must be at least 1")
+        cpu_loras = self.max_cpu_loras or 0  # vLLM: 0 or less is "as many as max_loras"
+        if self.enable_lora and 0 < cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({cpu_loras}) must be >= max_loras ({self.max_loras})."
+            )
+        if self.lora_load_ms < 0:
+            raise ValueError("lora_load_ms must not be negative")
 
     @property
     def served(self) -> tuple[str, ...]:
@@ -118,6 +163,8 @@ class SimConfig:
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             policy=Policy(self.scheduling_policy),
+            max_loras=self.max_loras if self.enable_lora else 0,
+            lora_load_s=self.lora_load_ms / 1000,
         )
 
 
@@ -152,6 +199,8 @@ class StreamSink:
 
 UNAUTHORIZED = b'{"error":"Unauthorized"}'
 """vLLM's answer to a ``/v1`` request without its ``--api-key``."""
+NOT_FOUND = b'{"detail":"Not Found"}'
+"""FastAPI's 404 for a route vLLM did not add (the LoRA routes without runtime updating)."""
 
 
 def _require_key(api_key: str) -> Any:
@@ -209,6 +258,18 @@ class SimServer:
         self.runner = Runner(self.engine, config.speedup, on_step)
         self._log: IO[str] | None = None
         self.fingerprint = system_fingerprint(config.served[0])
+        self.loras = LoraRegistry(config.served)
+        for module in config.lora_modules:  # loaded in order, as vLLM's init_static_loras
+            try:
+                adapter = self.loras.load(module.name, module.path, False, module.base_model_name)
+            except ApiError as err:
+                raise ValueError(err.message) from None
+            self.engine.activate_lora(adapter.lora_id)
+        self.runtime_lora = (
+            runtime_updating_from_env()
+            if config.runtime_lora_updating is None
+            else config.runtime_lora_updating
+        )
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -225,6 +286,8 @@ class SimServer:
             app.router.add_get("/metrics", self.faulty_metrics_handler)
         app.router.add_get("/version", self.version)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -270,8 +333,41 @@ class SimServer:
         return web.Response(body=dumps({"success": success}), content_type="application/json")
 
     async def models(self, _: web.Request) -> web.Response:
-        body = models_body(self.config.served, self.config.model, self.max_model_len)
+        body = models_body(
+            self.config.served, self.config.model, self.max_model_len, self.loras.cards()
+        )
         return web.Response(body=body, content_type="application/json")
+
+    # -- runtime LoRA updating --------------------------------------------------------------
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /v1/load_lora_adapter``: its checks (400), then the engine's load,
+        which fails (500) without ``--enable-lora``; the adapter goes into a GPU slot."""
+        if not self.runtime_lora:
+            return web.Response(status=404, body=NOT_FOUND, content_type="application/json")
+        try:
+            name, path, inplace = parse_load_body(parse_body(await request.read()))
+            self.loras.check_load(name, path, inplace)
+            if not self.config.enable_lora:
+                self.loras.next_id()  # vLLM numbers the load before the engine refuses it
+                raise ApiError(LORA_NOT_ENABLED, 500, "InternalServerError")
+            adapter = self.loras.load(name, path, inplace)
+        except ApiError as err:
+            return _error_response(err)
+        self.engine.activate_lora(adapter.lora_id)
+        return web.Response(body=loaded_message(name), content_type="text/plain")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /v1/unload_lora_adapter``: the name is forgotten (its requests in
+        flight go on; vLLM 0.32's frontend does not tell the engine)."""
+        if not self.runtime_lora:
+            return web.Response(status=404, body=NOT_FOUND, content_type="application/json")
+        try:
+            name = parse_unload_body(parse_body(await request.read()))
+            self.loras.unload(name)
+        except ApiError as err:
+            return _error_response(err)
+        return web.Response(body=unloaded_message(name), content_type="text/plain")
 
     async def metrics_handler(self, _: web.Request) -> web.Response:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
@@ -308,13 +404,15 @@ class SimServer:
                 self.max_model_len,
                 self.config.seed,
                 self.tokenizer,
+                self.loras,
             )
         except ApiError as err:
             self._log_request(request.path, headers, body, None)
-            return web.Response(
-                status=err.status, body=error_body(err), content_type="application/json"
-            )
+            if err.param == "model" and self.runtime_lora:
+                self.loras.next_id()  # vLLM's resolve_lora takes an id before it gives up
+            return _error_response(err)
         self._log_request(request.path, headers, body, gen)
+        adapter = None if gen.lora_name is None else self.loras.get(gen.lora_name)
         if self.config.fault_delay_headers_s:
             # A slow backend: nothing reaches the engine (and no header leaves) before the
             # delay; a client leaving meanwhile cancels this handler with nothing to abort.
@@ -326,7 +424,11 @@ class SimServer:
             request_id=gen.request_id,
             prompt_len=gen.prompt_len,
             block_hashes=block_hashes(
-                gen.prompt_token_ids, self.engine.config.block_size, self.hasher, gen.cache_salt
+                gen.prompt_token_ids,
+                self.engine.config.block_size,
+                self.hasher,
+                gen.cache_salt,
+                None if adapter is None else (adapter.name, adapter.path),
             ),
             max_tokens=gen.max_tokens,
             output_len=gen.output_len,
@@ -334,6 +436,8 @@ class SimServer:
             params_max_tokens=gen.params_max_tokens,
             token_ids=gen.prompt_token_ids,
             cache_salt=gen.cache_salt,
+            lora_id=0 if adapter is None else adapter.lora_id,
+            lora_name=None if adapter is None else adapter.name,
         )
         created = int(time.time())
         response: web.StreamResponse | None = None
@@ -350,6 +454,8 @@ class SimServer:
             # finished-request stats: no request_success{finished_reason="abort"}).
             if ereq.finish_reason is None:
                 self.runner.abort(ereq)
+            if ereq.finish_reason == "abort":
+                self.metrics.on_abort(ereq)
         if response is not None:
             await response.write_eof()
             return response
@@ -403,6 +509,10 @@ class SimServer:
         }
         self._log.write(json.dumps(record) + "\n")
         self._log.flush()
+
+
+def _error_response(err: ApiError) -> web.Response:
+    return web.Response(status=err.status, body=error_body(err), content_type="application/json")
 
 
 SIM_KEY: web.AppKey[SimServer] = web.AppKey("sim", SimServer)

@@ -70,7 +70,9 @@ LORA_RUNNING, LORA_SLOT_FREE, LORA_WAITING, LORA_SWAP = 0.0, 0.2, 0.4, 1.0
 
 def lora_penalty(backend: Backend, model: str | None) -> float:
     """Share of ``lora_weight`` for sending a request for ``model`` to ``backend``: 0 when
-    the model is no adapter of this engine or its slots are not reported."""
+    the model is no adapter of this engine or its slots are not reported. vLLM 0.32 lists
+    the same adapters as running and waiting (those with requests past their first token),
+    so in practice an adapter runs there, a slot is free, or it would be swapped in."""
     served, metrics = backend.models, backend.metrics
     if model is None or served is None or model not in served.adapters or metrics is None:
         return 0.0

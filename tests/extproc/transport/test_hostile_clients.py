@@ -181,6 +181,8 @@ async def nothing_left_open(served: Served) -> None:
     await until(lambda: server.open_streams <= 1, "every attacker stream gone (legit's: 1)")
     await until(lambda: handler_streams(server) <= 1, "every handler's stream forgotten")
     await until(lambda: handlers.finished >= handlers.started - 1, "every started handler finished")
+    # the port-wide count the stream limit reads agrees with the streams really there
+    await until(lambda: server.handler_streams == handler_streams(server), "the port's count")
 
 
 # -- rapid reset ---------------------------------------------------------------------------

@@ -1,14 +1,17 @@
 """Starting and stopping one arm's processes: an Envoy-only baseline or the fairlane gateway.
 
-Every arm gets the same simulated fleet (count, profile, flags, per-backend overrides unless
-the arm is ``balanced``, speedup); what differs is what sits in front of it and the engines'
-scheduling policy, as it would in production:
+Every arm gets the same simulated fleet (count, profile, the models each backend serves,
+flags, per-backend overrides unless the arm is ``balanced``, speedup); what differs is what
+sits in front of it and the engines' scheduling policy, as it would in production:
 
 * ``fifo``, ``least-request``, ``random``: a plain Envoy straight to the engines, with
   round-robin, least-request (Envoy's default: power of two choices over active requests)
   or random load balancing, and vLLM's default ``fcfs``. These arms send no priority, so
   under ``priority`` every request would have the same one and the engine would order by
-  arrival anyway; ``fcfs`` keeps them what a stock deployment runs.
+  arrival anyway; ``fcfs`` keeps them what a stock deployment runs. Envoy does not read
+  the body: on a fleet of several models (``backends.models``) these arms, and
+  ``vllm-priority``, send a request to any engine, and one that does not serve its model
+  answers 404, as behind a stock Envoy in front of such a fleet.
 * ``vllm-priority``: what the engine alone does with priorities, no gateway: Envoy
   round-robin as in ``fifo``, engines on ``priority``, and each request carries its tier's
   priority from the scenario's policy in its body (the client sets it, as a client of a
@@ -85,8 +88,9 @@ class RunningArm:
 def sim_argv(
     scenario: Scenario, port: int, scheduling: str, index: int = 0, balanced: bool = False
 ) -> list[str]:
-    """``fairlane sim`` for backend ``index``; its override (e.g. ``--profile``) comes last
-    so it wins over the scenario-wide value."""
+    """``fairlane sim`` for backend ``index``: the model(s) it serves (``backends.models``,
+    in every arm), then its override (e.g. ``--profile``) last, so it wins over the
+    scenario-wide value."""
     return [
         sys.executable,
         "-m",
@@ -100,8 +104,7 @@ def sim_argv(
         scenario.backends.profile,
         "--scheduling-policy",
         scheduling,
-        "--model",
-        scenario.model,
+        *scenario.backends.model_argv(index, scenario.model),
         *scenario.backends.flags_of(index, balanced),
     ]
 

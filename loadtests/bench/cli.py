@@ -209,8 +209,13 @@ def scenario_json(
             "profile": scenario.backends.profile,
             "flags": list(scenario.backends.flags),
             "overrides": {str(i): list(f) for i, f in scenario.backends.overrides},
+            "models": [list(names) for names in scenario.backends.models],
             "external": [b.url for b in external],
             "prefix_caches_kept": caches_kept or {},
+        },
+        "groups": {
+            g.name: {"tier": g.tier, "tenant": g.tenant, "model": scenario.model_of(g)}
+            for g in scenario.groups
         },
         "policy": os.path.relpath(scenario.policy),
         "policy_scale": scenario.policy_scale,
@@ -268,14 +273,20 @@ def bench(scenario: Scenario, out: Path, external: tuple[BackendSpec, ...] = ())
     return results
 
 
-def _print_arm(name: str, arm: ArmResult) -> None:
+def _print_arm(name: str, arm: ArmResult, groups: list[str]) -> None:
+    """One arm's figures per tier (and per group for ``groups``: those that share a tier
+    with another), the fleet's, and its CPU."""
     fmt = report.fmt
     print(f"{name}:")
-    for tier, s in arm.summary.by_tier.items():
+    rows = [*arm.summary.by_tier.items()]
+    rows += [(g, arm.summary.by_group[g]) for g in groups if g in arm.summary.by_group]
+    for label, s in rows:
+        errors = f", errors {report.errors_text(s.errors)}" if s.errors else ""
         print(
-            f"  {tier:>12}: TTFT p50/p99 {fmt(s.ttft_p50)}/{fmt(s.ttft_p99)} s, e2e p95 "
-            f"{fmt(s.e2e_p95)} s, goodput {fmt(s.goodput)} tok/s, wait max "
-            f"{fmt(s.wait_max)} s, ok {s.ok}, unfinished {s.unfinished}"
+            f"  {label:>12}: TTFT p50/p90/p99 {fmt(s.ttft_p50)}/{fmt(s.ttft_p90)}/"
+            f"{fmt(s.ttft_p99)} s, e2e p95 {fmt(s.e2e_p95)} s, goodput {fmt(s.goodput)} "
+            f"tok/s, wait max {fmt(s.wait_max)} s, ok {s.ok}{errors}, unfinished "
+            f"{s.unfinished}"
         )
     total = arm.summary.total
     cache = arm.summary.prefix_cache
@@ -299,8 +310,9 @@ def print_summary(results: BenchResults, out: Path) -> None:
             f"engines: {', '.join(external)} (--backend): their scheduling policy is their "
             "own, the same for every arm (FIFO vs priority is not switched per arm)"
         )
+    groups = report.groups_sharing_a_tier(results.scenario)
     for name, arm in results.arms.items():
-        _print_arm(name, arm)
+        _print_arm(name, arm, groups)
     for name, error in results.failed_arms.items():
         print(f"{name}: FAILED: {error.splitlines()[0]} (logs under {out / 'logs' / name})")
     print("targets:")

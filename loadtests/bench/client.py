@@ -291,7 +291,8 @@ class LoadRun:
         self, session: aiohttp.ClientSession, group: Group, item: RequestShape
     ) -> None:
         priority = None if self.priorities is None else self.priorities.get(group.tier)
-        body = chat_body(item, group, self.scenario.seed, self.scenario.model, priority)
+        model = self.scenario.model_of(group)
+        body = chat_body(item, group, self.scenario.seed, model, priority)
         headers = {"authorization": f"Bearer {group.api_key}"}
         if group.user:
             headers[group.user_header] = group.user

@@ -67,13 +67,13 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
     return lines
 
 
-def _errors_text(errors: Mapping[str, int]) -> str:
+def errors_text(errors: Mapping[str, int]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in errors.items()) or "0"
 
 
 def _cell(figures: Figures, key: str) -> str:
     value = figures.metric(key)
-    return _errors_text(value) if key == "errors" else fmt(value)
+    return errors_text(value) if key == "errors" else fmt(value)
 
 
 def _hit_rate_text(arm: ArmResult) -> str:
@@ -151,6 +151,19 @@ def fleet_line(sc: Mapping[str, Any]) -> str:
     )
 
 
+def models_line(sc: Mapping[str, Any]) -> list[str]:
+    """What each simulated backend serves, when the scenario names models per backend."""
+    models = sc["backends"].get("models")
+    if not models or sc["backends"].get("external"):
+        return []
+    served = "; ".join(f"backend {i}: `{' '.join(names)}`" for i, names in enumerate(models))
+    return [
+        f"- models: {served} (in every arm). Envoy-only arms do not read the body: they send a "
+        "request to any engine, and one that does not serve its model answers 404; the "
+        "fairlane arms send it only to the engines that serve it."
+    ]
+
+
 def _head_lines(results: BenchResults) -> list[str]:
     sc = results.scenario
     overrides = sc["backends"].get("overrides")
@@ -163,6 +176,7 @@ def _head_lines(results: BenchResults) -> list[str]:
         f"({sc['duration_s'] / sc['speedup']:.1f} s wall per arm), warm-up "
         f"{sc['warmup_s']:g} s left out of latency percentiles and goodput; seed {sc['seed']}.",
         fleet_line(sc),
+        *models_line(sc),
         *(
             [
                 "- per-backend overrides (left out by balanced arms): "
@@ -296,6 +310,51 @@ def _tenant_lines(results: BenchResults) -> list[str]:
     return lines + _table(["tenant", *names], rows)
 
 
+GROUP_ROWS: tuple[tuple[str, str], ...] = (
+    ("ttft_p50", "TTFT p50 (s)"),
+    ("ttft_p90", "TTFT p90 (s)"),
+    ("ttft_p99", "TTFT p99 (s)"),
+    ("e2e_p95", "e2e p95 (s)"),
+    ("goodput", "goodput (output tok/s)"),
+    ("sent", "sent"),
+    ("ok", "ok"),
+    ("errors", "errors by status"),
+)
+
+
+def groups_sharing_a_tier(sc: Mapping[str, Any]) -> list[str]:
+    """The groups whose tier holds another group too (chat on two models, say): the tier's
+    figures mix them, so they get their own (older results name no groups: none)."""
+    groups: Mapping[str, Mapping[str, Any]] = sc.get("groups") or {}
+    tiers = [g["tier"] for g in groups.values()]
+    return [name for name, g in groups.items() if tiers.count(g["tier"]) > 1]
+
+
+def _group_lines(results: BenchResults) -> list[str]:
+    shown = groups_sharing_a_tier(results.scenario)
+    if not shown:
+        return []
+    arms, names = results.arms, list(results.arms)
+    about = results.scenario["groups"]
+    lines = [
+        "",
+        "## Groups that share a tier",
+        "",
+        "A tier's figures above mix its groups; these are each one's.",
+        "",
+    ]
+    rows = []
+    for group in shown:
+        label = f"{group} ({about[group]['tier']}, `{about[group]['model']}`)"
+        for key, what in GROUP_ROWS:
+            row = [f"{label}: {what}"]
+            for name in names:
+                figures = arms[name].summary.by_group.get(group)
+                row.append("(not in arm)" if figures is None else _cell(figures, key))
+            rows.append(row)
+    return lines + _table(["group", *names], rows)
+
+
 def _failed_lines(results: BenchResults) -> list[str]:
     if not results.failed_arms:
         return []
@@ -358,6 +417,7 @@ def render_markdown(results: BenchResults) -> str:
         *_head_lines(results),
         *_target_lines(results),
         *_tier_lines(results),
+        *_group_lines(results),
         *_total_lines(results),
         *_tenant_lines(results),
         *_failed_lines(results),

@@ -36,6 +36,7 @@ GROUP_FIELDS = (
     "user_header",
     "shared_prefix",
     "direct",
+    "model",
 )
 DIST_FIELDS = ("dist", "value", "min", "max", "median", "sigma")
 SHARED_PREFIX_FIELDS = ("system_prompts", "system_tokens", "turns")
@@ -87,6 +88,7 @@ def read_group(reader: FieldReader, field: Field) -> tuple[Group, Section] | Non
     user_header = reader.get(raw, "user_header", text, "a header name", "x-user-id")
     shared = _shared_prefix(reader, raw, has_rate)
     direct = reader.get(raw, "direct", boolean, "true or false", False)
+    model = reader.get(raw, "model", text, "a model name", None)
     if len(reader.errors) > errors_before:
         return None
     assert prompt is not None and max_tokens is not None
@@ -107,6 +109,7 @@ def read_group(reader: FieldReader, field: Field) -> tuple[Group, Section] | Non
         user_header=user_header.lower(),
         shared_prefix=shared,
         direct=direct,
+        model=model,
     )
     return group, raw
 

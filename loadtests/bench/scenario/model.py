@@ -62,6 +62,7 @@ METRICS = (
 ARM_METRICS = ("prefix_hit_rate",)
 # Flags the harness sets itself, per arm; a scenario setting them would break the A/B.
 # ``--profile`` alone may be overridden per backend (``backends.overrides``): a slower GPU.
+# ``--model`` and ``--served-model-name`` come from ``model`` or ``backends.models``.
 RESERVED_SIM_FLAGS = (
     "--port",
     "--host",
@@ -134,6 +135,8 @@ class Group:
     direct: bool = False
     """Sent straight to the backends, in turn, in every arm: traffic the arm's gateway never
     sees (another gateway in front of the same engines, a pipeline calling them itself)."""
+    model: str | None = None
+    """The ``model`` its requests name; None: the scenario's."""
 
     @property
     def closed_loop(self) -> bool:
@@ -150,11 +153,26 @@ class Backends:
     the harness's own (the simulator's parser keeps the last value), e.g. a slower
     ``--profile`` or a tiny ``--num-gpu-blocks`` on backend 0. Arms with ``balanced: true``
     leave them out."""
+    models: tuple[tuple[str, ...], ...] = ()
+    """Each backend's served names, one entry per backend (the first name is its
+    ``--model``; several are its ``--served-model-name``); empty: every backend serves the
+    scenario's ``model``. What a backend serves is the fleet, not an imbalance: every arm,
+    ``balanced`` ones too, runs the same models."""
 
     def flags_of(self, index: int, balanced: bool = False) -> tuple[str, ...]:
         """Scenario flags for backend ``index`` (its override last, unless ``balanced``)."""
         extra = () if balanced else dict(self.overrides).get(index, ())
         return (*self.flags, *extra)
+
+    def names_of(self, index: int, default: str) -> tuple[str, ...]:
+        """The names backend ``index`` serves (``default``: the scenario's model)."""
+        return self.models[index] if self.models else (default,)
+
+    def model_argv(self, index: int, default: str) -> tuple[str, ...]:
+        """``fairlane sim``'s model flags for backend ``index``."""
+        names = self.names_of(index, default)
+        served = ("--served-model-name", *names) if len(names) > 1 else ()
+        return ("--model", names[0], *served)
 
 
 PREFIX_INDEXES = ("approximate", "precise")
@@ -256,6 +274,15 @@ class Scenario:
     def groups_of(self, arm: Arm) -> tuple[Group, ...]:
         return tuple(g for g in self.groups if g.name not in arm.drop_groups)
 
+    def model_of(self, group: Group) -> str:
+        """The ``model`` ``group``'s requests name: its own, or the scenario's."""
+        return group.model or self.model
+
+    @property
+    def several_models(self) -> bool:
+        """The models are named per backend or per group (not by ``model`` alone)."""
+        return bool(self.backends.models) or any(g.model for g in self.groups)
+
     @property
     def tiers(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(g.tier for g in self.groups))
@@ -310,6 +337,12 @@ class Scenario:
         if model is not None:
             if not model.strip():
                 raise ScenarioError(f"{where}: --model must not be empty")
+            if self.several_models:
+                # One name for every request would undo what the file says goes where.
+                raise ScenarioError(
+                    f"{where}: --model: the scenario names its models per backend or per "
+                    "group (backends.models, groups[].model); edit the file instead"
+                )
             changes["model"] = model
         if arms is not None:
             known = {a.name for a in self.arms}

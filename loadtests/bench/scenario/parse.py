@@ -7,6 +7,7 @@ the policy, so the fairlane arm never answers 401 to a workload the FIFO arm ser
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -108,12 +109,16 @@ def _read_scenario(reader: FieldReader, root: Field) -> Scenario | None:
     speedup = reader.get(top, "speedup", positive, "a number > 0")
     max_requests = reader.get(top, "max_requests", integer_at_least(1), "an integer >= 1", 20_000)
     model = reader.get(top, "model", text, "a non-empty string", "sim-llama-8b")
+    before_fleet = len(reader.errors)
     backends = _read_backends(reader, top)
+    fleet_read = len(reader.errors) == before_fleet
     policy = read_policy(reader, top, speedup)
     policy_field = top.get("policy")
     rescaled = policy_field is not None and is_default_policy(reader.value(policy_field))
     groups = read_groups(reader, top)
     _check_keys_in_policy(reader, policy, groups)
+    if fleet_read and model is not None:
+        _check_models_served(reader, backends, model, groups)
     arms = _read_arms(reader, top, {g.name for g, _ in groups})
     targets = _read_targets(reader, top, [g for g, _ in groups], arms)
     if duration is not None and warmup is not None and warmup >= duration:
@@ -147,7 +152,7 @@ def _read_backends(reader: FieldReader, top: Section) -> Backends:
     field = top.get("backends")
     if field is None:
         return Backends()
-    raw = reader.section(field, ("count", "profile", "flags", "overrides"))
+    raw = reader.section(field, ("count", "profile", "flags", "overrides", "models"))
     if raw is None:
         return Backends()
     count = reader.get(raw, "count", integer_at_least(1), "an integer >= 1", 1)
@@ -160,11 +165,73 @@ def _read_backends(reader: FieldReader, top: Section) -> Backends:
             reader.error_in(raw, "profile", f"unknown profile {profile!r} ({sorted(PROFILES)})")
     for flag in flags or []:
         if flag.split("=", 1)[0] in RESERVED_SIM_FLAGS:
-            reader.error_in(
-                raw, "flags", f"{flag} is set by the harness per arm; use the scenario field"
-            )
+            reader.error_in(raw, "flags", f"{flag} {_reserved_hint(flag)}")
     overrides = _read_overrides(reader, raw.get("overrides"), count or 1)
-    return Backends(count or 1, profile or "", tuple(flags or ()), overrides)
+    models = _read_models(reader, raw.get("models"), count or 1)
+    return Backends(count or 1, profile or "", tuple(flags or ()), overrides, models)
+
+
+def _reserved_hint(flag: str) -> str:
+    """Why a harness flag may not be given, and what to write instead."""
+    if flag.split("=", 1)[0] in ("--model", "--served-model-name"):
+        return "is set by the harness; name the models with model or backends.models"
+    return "is set by the harness per arm; use the scenario field"
+
+
+def _read_models(
+    reader: FieldReader, field: Field | None, count: int
+) -> tuple[tuple[str, ...], ...]:
+    """``[NAME or [NAME, ...], ...]``: what each backend serves, one entry per backend in
+    order (several names: its ``--served-model-name`` aliases, the first its ``--model``)."""
+    if field is None or reader.value(field) is None:
+        return ()
+    items = reader.items(field)
+    if items is None:
+        value = reader.value(field)
+        reader.error(field, f"must be a list: one model name per backend, got {value!r}")
+        return ()
+    if len(items) != count:
+        reader.error(
+            field, f"must name the model of each of the {count} backends (count), got {len(items)}"
+        )
+    models: list[tuple[str, ...]] = []
+    for item in items:
+        value = reader.value(item)
+        names = [value] if isinstance(value, str) else value
+        if not names or string_list(names) is None or not all(n.strip() for n in names):
+            reader.error(item, f"must be a model name or a list of names, got {value!r}")
+        elif len(set(names)) < len(names):
+            reader.error(item, f"names a model twice: {value!r}")
+        else:
+            models.append(tuple(names))
+    return tuple(models) if len(models) == count else ()
+
+
+def _check_models_served(
+    reader: FieldReader, backends: Backends, default: str, groups: Sequence[tuple[Group, Section]]
+) -> None:
+    """Each group's model must be one a backend answers to (a name it serves, or an adapter
+    its ``--lora-modules`` load), or every request of the group would be a 404 in every
+    arm and there would be nothing to compare."""
+    served: set[str] = set()
+    for index in range(backends.count):
+        served.update(backends.names_of(index, default))
+        served.update(_adapters(backends.flags_of(index)))
+    known = ", ".join(sorted(served))
+    for group, section in groups:
+        model = group.model or default
+        if model in served:
+            continue
+        if group.model:
+            message = f"{model!r}: no backend serves it (they serve {known})"
+            reader.error_in(section, "model", message)
+        else:
+            reader.error_in(
+                section,
+                "model",
+                f"the scenario's model {model!r}: no backend serves it (they serve {known}); "
+                "name one here or serve it in backends.models",
+            )
 
 
 def _read_overrides(
@@ -201,13 +268,18 @@ def _override_problem(key: Any, flags: Any, count: int) -> str | None:
         if f.split("=", 1)[0] in RESERVED_SIM_FLAGS and f.split("=", 1)[0] != "--profile"
     ]
     if bad:
-        return f"{', '.join(bad)} is set by the harness per arm"
+        return f"{', '.join(bad)} {_reserved_hint(bad[0])}"
     return _sim_flags_problem(flags)
 
 
 def _sim_flags_problem(flags: Sequence[str]) -> str | None:
     """Why ``fairlane sim`` would refuse ``flags`` (None if it accepts them)."""
-    import argparse
+    parsed = _sim_args(flags)
+    return parsed if isinstance(parsed, str) else None
+
+
+def _sim_args(flags: Sequence[str]) -> argparse.Namespace | str:
+    """``flags`` as ``fairlane sim``'s own parser reads them, or why it refuses them."""
     import contextlib
     import io
 
@@ -218,10 +290,18 @@ def _sim_flags_problem(flags: Sequence[str]) -> str | None:
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            parser.parse_args(list(flags))
+            return parser.parse_args(list(flags))
     except (argparse.ArgumentError, SystemExit) as exc:
         return f"fairlane sim refuses {' '.join(flags)}: {exc or stderr.getvalue().strip()}"
-    return None
+
+
+def _adapters(flags: Sequence[str]) -> list[str]:
+    """The LoRA adapters ``flags`` load at start-up (``--lora-modules``; none when the
+    simulator would refuse the flags, which is reported where they are given)."""
+    parsed = _sim_args(flags)
+    if isinstance(parsed, str):
+        return []
+    return [module.name for module in parsed.lora_modules or ()]
 
 
 def _check_keys_in_policy(

@@ -19,6 +19,7 @@ Shape (``deploy/fairlane.yaml`` is the shipped example)::
       - {url: http://10.1.0.11:8000, region: us-west-2}          # seats learned
       - {url: http://10.1.0.12:8000, region: us-west-2, api_key: env:VLLM_API_KEY}
       - {url: http://10.0.0.13:8000, region: us-east-1, kv_events: 5557, kv_replay: 5558}
+      - {url: http://10.0.0.14:8000, region: us-east-1, models: [qwen-7b]}  # declared
       - {url: dns://vllm.llm.svc.cluster.local:8000, region: us-east-1}  # every address
     # tokenizer: /models/llama                # with kv_events: precise prefix routing
     # optional, default from the policy:
@@ -42,7 +43,9 @@ A backend's optional ``seats`` declares how many requests its engine runs at onc
 the engine (``extproc.fleet.seats``). Envoy does not use it: the service does, and it is given its
 backends on its command line, so the same count goes on the service's ``--backend`` as
 ``#seats=N`` (``tests/deploy/test_compose.py`` checks that the compose files agree).
-``api_key`` is the same kind of field: where the engine's ``--api-key`` is read from
+``models`` (what the engine serves, until its ``/v1/models`` is read) goes there as
+``#models=A|B``. ``api_key`` is the same kind of field: where the engine's ``--api-key`` is
+read from
 (``env:NAME`` or ``file:PATH``, never the key itself), for the service's ``--backend`` as
 ``#key=...`` (``extproc.transport.credentials``); Envoy never sees the key. ``kv_events``
 and ``kv_replay`` are the ports the engine publishes its KV events on (``#kv-events=``,
@@ -100,7 +103,7 @@ _TOP_KEYS = (
 _ADDRESS_KEYS = ("host", "port")
 _LISTEN_KEYS = ("host", "port", "tls")
 _TLS_KEYS = ("cert", "key")
-_BACKEND_KEYS = ("url", "region", "weight", "seats", "api_key", "kv_events", "kv_replay")
+_BACKEND_KEYS = ("url", "region", "weight", "seats", "api_key", "kv_events", "kv_replay", "models")
 _ROUTE_KEYS = ("name", "prefix", "path", "failure_mode")
 FAILURE_MODES = {"closed": False, "open": True}
 """``failure_mode`` values -> ext_proc ``failure_mode_allow``."""
@@ -404,6 +407,13 @@ def _read_backend(
         for key in ("kv_events", "kv_replay")
         if key in fields
     }
+    models: tuple[str, ...] = ()
+    if "models" in fields:
+        names = reader.strings(fields["models"], f"{path}.models")
+        if not names or not all(names):
+            reader.error(fields["models"], f"{path}.models", "must be a list of model names")
+            return None
+        models = tuple(names)
     if url is None or region is None or weight is None:
         return None
     if ("seats" in fields and seats is None) or ("api_key" in fields and api_key is None):
@@ -420,7 +430,7 @@ def _read_backend(
         try:
             name = parse_dns_backend(url)
             return DnsBackendSpec(
-                name.name, name.port, region.strip(), weight, seats, api_key, kv_events
+                name.name, name.port, region.strip(), weight, seats, api_key, kv_events, models
             )
         except ValueError as exc:
             reader.error(fields["url"], f"{path}.url", str(exc))
@@ -438,7 +448,9 @@ def _read_backend(
         )
         return None
     try:
-        return BackendSpec(parts.hostname, port, region.strip(), weight, seats, api_key, kv_events)
+        return BackendSpec(
+            parts.hostname, port, region.strip(), weight, seats, api_key, kv_events, models
+        )
     except ValueError as exc:
         hint = (
             "; give the backend a fixed address, or write dns://NAME:PORT to follow every "

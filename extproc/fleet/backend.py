@@ -33,7 +33,7 @@ from typing import Literal, Protocol
 from urllib.parse import urlsplit
 
 from extproc.fleet.kv_events import KVBlockIndex
-from extproc.fleet.models import ServedModels, may_serve, several_models
+from extproc.fleet.models import MAX_NAME_CHARS, ServedModels, may_serve, several_models
 from extproc.fleet.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS, PrefixLRU
 from extproc.fleet.seats import Seats, restarted
 from extproc.fleet.shared_scrape import SharedScrape
@@ -117,6 +117,7 @@ class BackendOptions:
     seats: int | None = None
     credential: str | None = None
     kv_events: KVEventPorts | None = None
+    models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +154,10 @@ class BackendSpec:
     kv_events: KVEventPorts | None = None
     """Where the engine publishes its KV events (None: it does not, or they are not used;
     prefix affinity is then approximate for it)."""
+    models: tuple[str, ...] = ()
+    """The model names the engine serves, as the deployment declares them: what requests
+    are routed by until its ``/v1/models`` is read (which then wins), and while it cannot be
+    read. Empty: only what the engine says."""
 
     def __post_init__(self) -> None:
         try:
@@ -178,6 +183,7 @@ class BackendSpec:
 
 BACKEND_SYNTAX = (
     "[REGION=]http://IP:PORT[#seats=N][,key=env:NAME|file:PATH][,kv-events=PORT[,kv-replay=PORT]]"
+    "[,models=NAME|NAME...]"
 )
 """How a backend is written on the command line (``--backend``)."""
 
@@ -219,6 +225,7 @@ def parse_backend(text: str) -> BackendSpec:
             seats=options.seats,
             credential=options.credential,
             kv_events=options.kv_events,
+            models=options.models,
         )
     except ValueError as exc:
         raise ValueError(f"backend {text!r}: {exc}") from None
@@ -238,6 +245,8 @@ class ConfiguredBackend(Protocol):
     def credential(self) -> str | None: ...
     @property
     def kv_events(self) -> KVEventPorts | None: ...
+    @property
+    def models(self) -> tuple[str, ...]: ...
 
 
 def backend_argument(spec: ConfiguredBackend) -> str:
@@ -253,6 +262,8 @@ def backend_argument(spec: ConfiguredBackend) -> str:
         options.append(f"kv-events={spec.kv_events.port}")
         if spec.kv_events.replay_port is not None:
             options.append(f"kv-replay={spec.kv_events.replay_port}")
+    if spec.models:
+        options.append(f"models={'|'.join(spec.models)}")
     fragment = f"#{','.join(options)}" if options else ""
     return f"{spec.region}={spec.url}{fragment}"
 
@@ -274,6 +285,7 @@ def _backend_options(text: str, options: str) -> BackendOptions:
     credential: str | None = None
     kv_port: int | None = None
     replay_port: int | None = None
+    models: tuple[str, ...] = ()
     for option in options.split(","):
         key, sep, value = option.partition("=")
         name = key.strip()
@@ -282,6 +294,13 @@ def _backend_options(text: str, options: str) -> BackendOptions:
         elif name in ("kv-events", "kv-replay") and sep:
             port = _port_option(text, name, value)
             kv_port, replay_port = (port, replay_port) if name == "kv-events" else (kv_port, port)
+        elif name == "models" and sep:
+            models = tuple(m.strip() for m in value.split("|"))
+            if not all(models) or any(len(m) > MAX_NAME_CHARS for m in models):
+                raise ValueError(
+                    f"backend {text!r}: models must be names separated by '|' (at most "
+                    f"{MAX_NAME_CHARS} characters each)"
+                )
         elif name == "key" and sep:
             credential = value.strip()
             if not is_secret_reference(credential):
@@ -292,13 +311,14 @@ def _backend_options(text: str, options: str) -> BackendOptions:
         else:
             raise ValueError(
                 f"backend {text!r}: unknown option {option!r} after '#' (expected seats=N, the "
-                "requests the engine runs at once, key=env:NAME|file:PATH, or "
-                "kv-events=PORT and kv-replay=PORT, where it publishes its KV events)"
+                "requests the engine runs at once, key=env:NAME|file:PATH, "
+                "kv-events=PORT and kv-replay=PORT, where it publishes its KV events, or "
+                "models=NAME|NAME, what it serves)"
             )
     if replay_port is not None and kv_port is None:
         raise ValueError(f"backend {text!r}: kv-replay needs kv-events (the stream it replays)")
     kv_events = KVEventPorts(kv_port, replay_port) if kv_port is not None else None
-    return BackendOptions(seats, credential, kv_events)
+    return BackendOptions(seats, credential, kv_events, models)
 
 
 def _port_option(text: str, name: str, value: str) -> int:
@@ -425,8 +445,11 @@ class Backend:
         # fills it); None when it publishes none: ``prefix_cache`` models it instead.
         self.kv_index: KVBlockIndex | None = KVBlockIndex() if spec.kv_events else None
         self.seats = Seats(declared=spec.seats)
-        self.models: ServedModels | None = None
-        """What the engine answers to (its ``/v1/models``); None until read: any model."""
+        self.models: ServedModels | None = (
+            ServedModels(frozenset(spec.models)) if spec.models else None
+        )
+        """What the engine answers to: its ``/v1/models`` once read, the deployment's
+        declared names until then; None when neither says: any model."""
         self.models_read_at = -math.inf
         self.membership: Membership = "serving"
         self._clock = clock
@@ -908,8 +931,9 @@ class BackendPool:
         self.backends = [Backend(spec, clock) for spec in specs]
         self.by_address = {b.address: b for b in self.backends}
         self.regions = list(dict.fromkeys([*regions, *(b.region for b in self.backends)]))
-        self.models_version = 0
-        """Bumped whenever an engine's models change (``set_models``): 0, none known yet."""
+        self.models_version = int(any(b.models is not None for b in self.backends))
+        """Bumped whenever an engine's models change (``set_models``, a declared backend
+        joining): 0 while none is known."""
         self._serving: dict[tuple[str, int, int], list[Backend]] = {}
         self._pools: dict[tuple[str, int, int], str] = {}
 
@@ -963,6 +987,8 @@ class BackendPool:
             raise ValueError(f"backend {spec.address} is already in the pool")
         backend = Backend(spec, self.clock)
         backend.membership = "warming"
+        if backend.models is not None:
+            self.models_version += 1
         if spec.region not in self.regions:
             self.regions = [*self.regions, spec.region]
         rank = {region: i for i, region in enumerate(self.regions)}

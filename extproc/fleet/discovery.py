@@ -34,6 +34,7 @@ from extproc.fleet.backend import (
 DNS_SCHEME = "dns"
 DNS_BACKEND_SYNTAX = (
     "[REGION=]dns://NAME:PORT[#seats=N][,key=env:NAME|file:PATH][,kv-events=PORT[,kv-replay=PORT]]"
+    "[,models=NAME|NAME...]"
 )
 """How a backend found through DNS is written on the command line (``--backend``)."""
 ANY_BACKEND_SYNTAX = f"{BACKEND_SYNTAX} or {DNS_BACKEND_SYNTAX}"
@@ -77,6 +78,7 @@ class DnsBackendSpec:
     seats: int | None = None
     credential: str | None = None
     kv_events: KVEventPorts | None = None
+    models: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         problem = _name_problem(self.name)
@@ -99,6 +101,7 @@ class DnsBackendSpec:
             seats=self.seats,
             credential=self.credential,
             kv_events=self.kv_events,
+            models=self.models,
         )
 
 
@@ -124,6 +127,7 @@ def parse_dns_backend(text: str) -> DnsBackendSpec:
             seats=options.seats,
             credential=options.credential,
             kv_events=options.kv_events,
+            models=options.models,
         )
     except ValueError as exc:
         raise ValueError(f"backend {text!r}: {exc}") from None

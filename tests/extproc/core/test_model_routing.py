@@ -10,6 +10,7 @@ import pytest
 from extproc.core.decisions import Forward, Hold, Respond
 from extproc.core.events import RequestInfo
 from extproc.core.gateway import Gateway
+from extproc.fleet.backend import BackendPool, BackendSpec, backend_argument, parse_backend
 from extproc.fleet.models import ModelsError, ServedModels
 from extproc.fleet.vllm_metrics import LoraSlots
 from extproc.policy import DEFAULT_POLICY_PATH, parse_policy
@@ -262,3 +263,22 @@ def test_an_adapter_goes_where_it_runs_then_where_a_slot_is_free() -> None:
     second.metrics = dataclasses.replace(second.metrics, lora=busy)
     decision = gateway.handle(chat("qwen-sql", request_id="r2")).answer
     assert isinstance(decision, Forward) and decision.endpoints[0] == first.address
+
+
+def test_declared_models_route_until_the_engine_says_otherwise() -> None:
+    spec = parse_backend("region-a=http://127.0.0.1:8101#seats=4,models=qwen-7b|qwen")
+    assert spec.models == ("qwen-7b", "qwen")
+    assert backend_argument(spec) == "region-a=http://127.0.0.1:8101#seats=4,models=qwen-7b|qwen"
+    pool = BackendPool([spec, BackendSpec("127.0.0.1", 8102, "region-a")])
+    declared, other = pool.backends
+    assert pool.serving("qwen") == [declared, other]  # the other's models are not known
+    pool.set_models(other, LLAMA)
+    assert pool.serving("qwen") == [declared] and pool.pool_of("qwen") == "qwen"
+    pool.set_models(declared, QWEN)  # its /v1/models, read: it wins
+    assert pool.serving("qwen") == [] and pool.serving("qwen-sql") == [declared]
+
+
+@pytest.mark.parametrize("bad", ["models=", "models=a||b", "models=" + "x" * 300])
+def test_a_malformed_models_option_names_what_is_wrong(bad: str) -> None:
+    with pytest.raises(ValueError, match="models must be names separated by"):
+        parse_backend(f"http://127.0.0.1:8101#{bad}")

@@ -154,3 +154,16 @@ def test_bad_kv_event_ports_are_refused_with_their_line() -> None:
     zero = BACKENDS.replace("region: west}", "region: west, kv_events: 0}")
     (found,) = errors(zero % 8)
     assert found.startswith("d.yaml:6: backends[2].kv_events: must be in [1, 65535]")
+
+
+def test_declared_models_reach_the_service_and_a_bad_list_is_named_with_its_line() -> None:
+    text = (
+        "backends:\n"
+        "  - {url: http://10.0.0.1:8000, models: [llama-70b, llama]}\n"
+        "  - {url: dns://qwen.svc:8000, models: [qwen-7b]}\n"
+    )
+    params = parse_deployment(text, "d.yaml").params
+    assert params.backends[0].models == ("llama-70b", "llama")
+    assert params.dns_backends[0].models == ("qwen-7b",)
+    bad = errors("backends:\n  - {url: http://10.0.0.1:8000, models: []}\n")
+    assert bad == ["d.yaml:2: backends[0].models: must be a list of model names"]

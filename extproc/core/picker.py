@@ -1,23 +1,17 @@
 """Endpoint picking: which of the backends that may take a request serves it, plus alternates.
 
 Admission decides *whether* a request may go and which backends pass its tier's gates (the
-candidates); this module decides *which* candidate, per request, by a weighted score where
-lower wins (weights from the policy's ``routing``):
+candidates: the filters); this module decides *which* candidate, per request, by a weighted
+score where lower wins (weights from the policy's ``routing``):
 
-- queue depth: ``queue_weight * (engine waiting + gateway in flight) / seats``, the
-  backend's seats (``extproc.fleet.seats``) capped at ``slot_limit``;
-- KV-cache use: ``kv_cache_weight * vllm:kv_cache_usage_perc`` (1.0, saturated, when the
-  backend was never scraped);
-- region: ``region_weight`` for a backend outside the local region (the fleet's first);
-- LoRA affinity, for a request to an adapter: ``lora_weight`` on an engine that would have
-  to swap it in (no free slot, not running it), less where it waits for a slot or a slot is
-  free, none where it runs (``lora_penalty``);
+- the load score, the sum of the scorers of ``extproc.core.scorers`` (queue depth, KV-cache
+  use, region, LoRA affinity), each weighted by its ``routing`` field;
 - prefix affinity: ``- prefix_weight * matched / blocks``, the share of the prompt's leading
   blocks this backend holds: by its own KV events when it publishes them and the engine's
   tokenizer is configured (precise), else by what it was sent before (approximate;
   ``extproc.core.prefix``).
 
-The first four are the *load* score. Sticky until saturated (llm-d's affinity filter): the
+Sticky until saturated (llm-d's affinity filter): the
 candidate holding the longest prefix stays the choice while its load score is at most the
 best other candidate's plus ``sticky_margin``, so a conversation keeps its KV cache; beyond
 that it counts as saturated for this request and the best total score among the others wins
@@ -39,6 +33,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from extproc.core.prefix import PromptBlocks
+from extproc.core.scorers import Context, weighted
 from extproc.fleet.backend import Backend
 from extproc.policy import Routing
 
@@ -63,29 +58,6 @@ class Pick:
         return self.backends[0]
 
 
-LORA_RUNNING, LORA_SLOT_FREE, LORA_WAITING, LORA_SWAP = 0.0, 0.2, 0.4, 1.0
-"""Shares of ``lora_weight`` by where the adapter stands on an engine (llm-d's scorer gives
-1.0, 0.8, 0.6 and 0 as affinities)."""
-
-
-def lora_penalty(backend: Backend, model: str | None) -> float:
-    """Share of ``lora_weight`` for sending a request for ``model`` to ``backend``: 0 when
-    the model is no adapter of this engine or its slots are not reported. vLLM 0.32 lists
-    the same adapters as running and waiting (those with requests past their first token),
-    so in practice an adapter runs there, a slot is free, or it would be swapped in."""
-    served, metrics = backend.models, backend.metrics
-    if model is None or served is None or model not in served.adapters or metrics is None:
-        return 0.0
-    slots = metrics.lora
-    if slots is None:
-        return 0.0
-    if model in slots.running:
-        return LORA_RUNNING
-    if len(slots.running) < slots.max_loras:
-        return LORA_SLOT_FREE
-    return LORA_WAITING if model in slots.waiting else LORA_SWAP
-
-
 def load_score(
     backend: Backend,
     routing: Routing,
@@ -94,17 +66,7 @@ def load_score(
     model: str | None = None,
 ) -> float:
     """Queue depth, KV-cache use, region and LoRA: the score without prefix affinity."""
-    metrics = backend.metrics
-    kv = metrics.kv_cache_usage if metrics is not None else 1.0
-    seats = max(min(backend.seats.count, slot_limit), 1)
-    queue = (backend.effective_waiting() + backend.fleet_in_flight) / seats
-    remote = backend.region != local_region
-    return (
-        routing.queue_weight * queue
-        + routing.kv_cache_weight * kv
-        + routing.region_weight * remote
-        + routing.lora_weight * lora_penalty(backend, model)
-    )
+    return weighted(routing).score(backend, Context(slot_limit, local_region, model))
 
 
 def choose(
@@ -127,7 +89,8 @@ def choose(
     if not usable:
         return None
     local = fleet[0].region if fleet else usable[0].region
-    loads = {id(b): load_score(b, routing, slot_limit, local, model) for b in usable}
+    scorers, context = weighted(routing), Context(slot_limit, local, model)
+    loads = {id(b): scorers.score(b, context) for b in usable}
     reason: PickReason
     if len(usable) == 1:
         best, reason = usable[0], "only"

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING
 from extproc.core.bands import band_name, tier_of
 from extproc.core.budgets import Budgets
 from extproc.core.errors import Rejection
+from extproc.core.filters import View
+from extproc.core.filters import admits as all_filters_admit
 from extproc.core.gates import passes
 from extproc.core.peers import (
     Deferrals,
@@ -62,7 +64,6 @@ from extproc.core.reservations import Demand, Reservation, headroom, reserved_se
 from extproc.core.sampling import LARGE_FLEET, FleetSample
 from extproc.core.scheduler import BandConfig, Entry, FairnessConfig, FairScheduler, QueueFull
 from extproc.fleet.backend import Backend, BackendPool
-from extproc.fleet.models import may_serve
 
 if TYPE_CHECKING:
     from extproc.core.classify import RequestClass
@@ -524,19 +525,21 @@ class Admission:
         priority = None
         if tier is not None and tier.gate.max_waiting is not None and head is not None:
             priority = self._vllm_priority(head.payload, tier)
-        # Only engines that answer to the request's model (``extproc.fleet.models``).
-        model = head.payload.model if head is not None else None
+        view = View(
+            tier,
+            rank,
+            limit,
+            head.payload.model if head is not None else None,
+            seat_bound,
+            queue,
+            reserved_above,
+            priority,
+            now,
+            stale,
+        )
 
-        def admits(b: Backend) -> bool:
-            return (
-                b.fleet_in_flight < limit
-                and b.healthy
-                and may_serve(b, model)
-                and (not seat_bound or queue is None or b.free_seats() > -queue)
-                and (
-                    tier is None or passes(tier.gate, b, now, stale, rank, reserved_above, priority)
-                )
-            )
+        def admits(b: Backend) -> bool:  # every filter (``extproc.core.filters``)
+            return all_filters_admit(b, view)
 
         backends = self.pool.backends
         if len(backends) > LARGE_FLEET:  # a sample, and a full fleet remembered

@@ -223,6 +223,8 @@ class TargetResult:
             "passed": self.passed,
             "note": self.note,
         }
+        if t.either is not None:
+            data["either"] = t.either
         if self.suspect is not None:
             data["suspect"] = self.suspect
         return data
@@ -241,6 +243,7 @@ class TargetResult:
             group=data["group"],
             tenants=tuple(data["tenants"]),
             baseline_arm=data["baseline_arm"],
+            either=data.get("either"),
         )
         return cls(
             target,

@@ -3,7 +3,9 @@
 A target compares one metric of one arm (over a tier, tenant or group, or Jain's index over
 tenants, or a fleet metric), optionally as a ratio to a baseline arm, with a bound. A target
 that cannot be evaluated (an arm not run, no data) is N/A, never a pass; a verdict computed
-from an arm with CPU warnings is kept but marked suspect.
+from an arm with CPU warnings is kept but marked suspect. Targets sharing an ``either``
+label are alternatives: each is judged on its own, and its note says whether the set was
+met (any one passed).
 """
 
 from __future__ import annotations
@@ -71,7 +73,27 @@ def evaluate(
             continue
         passed = measured <= t.bound if t.op == "max" else measured >= t.bound
         results.append(TargetResult(t, value, baseline, measured, passed))
-    return results
+    return _with_either(results)
+
+
+def _with_either(results: list[TargetResult]) -> list[TargetResult]:
+    """Each alternative (targets sharing an ``either`` label) keeps its own verdict and
+    gets the set's in its note: met when any passed, undecided when none passed but one
+    could not be evaluated, else not met."""
+    sets: dict[str, list[bool | None]] = {}
+    for r in results:
+        if r.target.either is not None:
+            sets.setdefault(r.target.either, []).append(r.passed)
+    marked = []
+    for r in results:
+        label = r.target.either
+        if label is not None:
+            verdicts = sets[label]
+            outcome = "met" if True in verdicts else "undecided" if None in verdicts else "not met"
+            note = "; ".join(n for n in (r.note, f"either {label!r}: {outcome}") if n)
+            r = dataclasses.replace(r, note=note)
+        marked.append(r)
+    return marked
 
 
 def mark_suspect(result: TargetResult, arms: Mapping[str, ArmResult]) -> TargetResult:

@@ -195,7 +195,8 @@ class Arm:
 class Target:
     """One check on the results: ``metric`` of ``arm`` (over a tier, tenant or group; or the
     Jain index over ``tenants``), optionally divided by the same metric of ``baseline_arm``,
-    compared with ``max`` (≤) or ``min`` (≥)."""
+    compared with ``max`` (≤) or ``min`` (≥). Targets with the same ``either`` label are
+    alternatives ("at least 1.3x the throughput, or at most 0.7x the TTFT")."""
 
     name: str
     metric: str
@@ -207,6 +208,9 @@ class Target:
     group: str | None = None
     tenants: tuple[str, ...] = ()
     baseline_arm: str | None = None
+    either: str | None = None
+    """A label shared with one or more other targets: alternatives, of which one passing
+    meets the requirement (each is still checked and reported on its own)."""
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ the policy, so the fairlane arm never answers 401 to a workload the FIFO arm ser
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -72,6 +73,7 @@ TARGET_FIELDS = (
     "tenants",
     "max",
     "min",
+    "either",
 )
 
 
@@ -377,8 +379,17 @@ def _read_targets(
         reader.error_in(top, "targets", "must be a list")
         return ()
     known = _Known(groups, arms)
-    targets = (_read_target(reader, item, known) for item in items)
-    return tuple(t for t in targets if t is not None)
+    read = [r for item in items if (r := _read_target(reader, item, known)) is not None]
+    # An either label names a set of alternatives: one target alone under a label is a typo
+    # in the other's label, or a requirement that silently lost its alternative.
+    # (counted over every target, valid or not: a broken alternative has its own error)
+    raw_labels = (v.get("either") for item in items if isinstance(v := reader.value(item), dict))
+    labels = Counter(label for label in raw_labels if isinstance(label, str))
+    for target, raw in read:
+        if target.either is not None and labels[target.either] == 1:
+            alone = f"{target.either!r}: no other target has it (alternatives: two or more)"
+            reader.error_in(raw, "either", alone)
+    return tuple(t for t, _ in read)
 
 
 class _Known:
@@ -391,7 +402,7 @@ class _Known:
         self.groups = {g.name for g in groups}
 
 
-def _read_target(reader: FieldReader, item: Field, known: _Known) -> Target | None:
+def _read_target(reader: FieldReader, item: Field, known: _Known) -> tuple[Target, Section] | None:
     raw = reader.section(item, TARGET_FIELDS)
     if raw is None:
         return None
@@ -411,9 +422,10 @@ def _read_target(reader: FieldReader, item: Field, known: _Known) -> Target | No
         return None
     op: Literal["max", "min"] = "max" if "max" in raw else "min"
     bound = reader.get(raw, op, number, "a number")
+    either = reader.get(raw, "either", text, "a label shared with the alternative targets", None)
     if len(reader.errors) > before:
         return None
-    return Target(
+    target = Target(
         name=name,
         metric=metric,
         arm=arm,
@@ -424,7 +436,9 @@ def _read_target(reader: FieldReader, item: Field, known: _Known) -> Target | No
         group=selectors.get("group"),
         tenants=tuple(tenants or ()),
         baseline_arm=baseline,
+        either=either,
     )
+    return target, raw
 
 
 def _selectors(reader: FieldReader, raw: Section) -> dict[str, Any]:

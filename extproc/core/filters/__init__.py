@@ -24,12 +24,8 @@ FILTERS: tuple[Filter, ...] = (cap.admits, health.admits, model.admits, seats.ad
 
 
 def admits(backend: Backend, view: View) -> bool:
-    """Whether every filter admits ``backend`` for the request ``view`` describes (a plain
-    loop: this runs per backend per placement, and a generator costs more than the test)."""
-    for admit in FILTERS:
-        if not admit(backend, view):
-            return False
-    return True
+    """Whether every filter admits ``backend`` for the request ``view`` describes."""
+    return all(admit(backend, view) for admit in FILTERS)
 
 
 __all__ = ["FILTERS", "View", "admits"]

@@ -39,7 +39,10 @@ def two_models(tmp_path: Path) -> Any:
 
 async def models_read(stack: Stack) -> bool:
     """The service has read both engines' /v1/models (``fairlane_backend_model``)."""
-    url = f"http://127.0.0.1:{stack.metrics_port}/metrics"
+    return await models_read_at(f"http://127.0.0.1:{stack.metrics_port}/metrics")
+
+
+async def models_read_at(url: str) -> bool:
     async with aiohttp.ClientSession() as session, session.get(url) as response:
         samples = parse_samples(await response.text())
     return {labels.get("model") for (name, labels) in _labelled(samples)} >= {
@@ -83,6 +86,42 @@ async def test_each_request_reaches_an_engine_that_serves_its_model(
     assert unknown == (404, "model_not_found")
     assert listed == {"llama", "llama-70b", "qwen-7b"}
     # and the engines saw only their own model
+    for address, log in stack.request_logs.items():
+        seen = {record.get("model") for record in read_request_log(log)}
+        assert seen in ({"llama"}, {"qwen-7b"}), (address, seen)
+
+
+@pytest.fixture
+def two_models_two_replicas(tmp_path: Path) -> Any:
+    group, stack = start_stack(
+        tmp_path,
+        sim_regions=("region-a", "region-a"),
+        sim_args=SIM,
+        sim_extra_args=MODELS,
+        replicas=2,
+    )
+    with group:
+        yield group, stack
+
+
+async def test_replicas_route_by_model_too(
+    two_models_two_replicas: tuple[ProcessGroup, Stack],
+) -> None:
+    _, stack = two_models_two_replicas
+    for process in stack.service_processes:  # each replica reads the engines' models
+        await until_awaited(
+            lambda p=process: models_read_at(p.metrics_url), "a replica's models", 15.0
+        )
+    statuses = []
+    async with aiohttp.ClientSession() as session:
+        for i in range(20):
+            model = "llama" if i % 2 else "qwen-7b"
+            key = "sk-chat-demo" if i % 4 < 2 else "sk-batch-demo"  # both replicas get some
+            async with session.post(
+                f"{stack.url}/v1/chat/completions", json=chat(model=model), headers=auth(key)
+            ) as response:
+                statuses.append(response.status)
+    assert statuses == [200] * 20
     for address, log in stack.request_logs.items():
         seen = {record.get("model") for record in read_request_log(log)}
         assert seen in ({"llama"}, {"qwen-7b"}), (address, seen)

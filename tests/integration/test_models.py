@@ -7,6 +7,7 @@ unknown model is answered 404 by the gateway, and ``GET /v1/models`` lists the f
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -109,9 +110,7 @@ async def test_replicas_route_by_model_too(
 ) -> None:
     _, stack = two_models_two_replicas
     for process in stack.service_processes:  # each replica reads the engines' models
-        await until_awaited(
-            lambda p=process: models_read_at(p.metrics_url), "a replica's models", 15.0
-        )
+        await until_awaited(partial(models_read_at, process.metrics_url), "its models", 15.0)
     statuses = []
     async with aiohttp.ClientSession() as session:
         for i in range(20):

@@ -1,18 +1,20 @@
 """docker-compose.yml, the Envoy configs it mounts, and Prometheus: valid, fresh, consistent.
 
-- ``docker-compose config`` (Debian's 1.29, no engine needed) accepts the stack, and the
-  stack with the vLLM override and profile;
+- ``docker-compose config`` (Debian's 1.29, no engine needed) accepts the stack, the stack
+  with the vLLM override and profile, and the stack with the models override (two models and
+  LoRA adapters on simulated engines);
 - ``deploy/compose/envoy*.yaml`` equal a fresh ``fairlane render-envoy`` of their deployment
   files and pass ``envoy --mode validate``;
 - the compose file and the Envoy config agree: the ext_proc cluster is every replica of the
   service (``fairlane-1``..), each on its gRPC port and with a completion cluster of its own,
   all sharing the ``redis`` service as the deployment file's ``state``; the backend endpoints
   are the backend services' names and container ports as ``dns://`` backends (exactly every
-  replica's ``--backend`` list, region by region, whose ``#seats=N`` match the deployment
-  file's ``seats``), Envoy takes them from the service over EDS, no address is pinned, the
-  listener and admin ports are the published ones, Prometheus scrapes the
-  ports the processes listen on, Grafana's datasource is the Prometheus service, and every
-  bind-mounted file exists in the repository;
+  replica's ``--backend`` list, region by region, whose ``#seats=N`` and ``#models=A|B`` match
+  the deployment file's ``seats`` and ``models``; declared models are what each engine's
+  command serves, as the simulator's own parser reads it), Envoy takes them from the service
+  over EDS, no address is pinned, the listener and admin ports are the published ones,
+  Prometheus scrapes the ports the processes listen on, Grafana's datasource is the
+  Prometheus service, and every bind-mounted file exists in the repository;
 - ``promtool check config`` accepts deploy/prometheus/prometheus.yml (and its rule file).
 
 The tests read ``docker-compose config``'s resolved output, not the raw file, so the
@@ -21,7 +23,9 @@ override's merges and the interpolated defaults are what gets checked.
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +40,13 @@ from extproc.envoy.render import render
 from extproc.envoy.replicas import replica_cluster_name
 from extproc.fleet.discovery import FleetSpec
 from extproc.wire import BACKEND_CLUSTER, EXTPROC_CLUSTER
+from loadtests.sim.cli import add_arguments as add_sim_arguments
+from loadtests.sim.cli import config_from_args as sim_config
 from tests.deploy.conftest import REPO, run_tool
 
 COMPOSE = REPO / "docker-compose.yml"
 VLLM_OVERRIDE = REPO / "deploy" / "compose" / "vllm.yml"
+MODELS_OVERRIDE = REPO / "deploy" / "compose" / "models.yml"
 PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
 ENVOY_CONFIG_IN_CONTAINER = "/etc/envoy/envoy.yaml"
 
@@ -69,7 +76,15 @@ VLLM = Variant(
     REPO / "deploy" / "compose" / "envoy-vllm.yaml",
     ("vllm-a", "vllm-b"),
 )
-VARIANTS = [pytest.param(v, id=v.name) for v in (SIMS, VLLM)]
+MODELS = Variant(
+    "models",
+    ("-f", "docker-compose.yml", "-f", "deploy/compose/models.yml"),
+    REPO / "deploy" / "compose" / "fairlane-models.yaml",
+    REPO / "deploy" / "compose" / "envoy-models.yaml",
+    ("sim-llama-1", "sim-llama-2", "sim-qwen"),
+)
+VARIANTS = [pytest.param(v, id=v.name) for v in (SIMS, VLLM, MODELS)]
+ALL_BACKEND_SERVICES = {*SIMS.backend_services, *VLLM.backend_services, *MODELS.backend_services}
 
 
 def compose_config(docker_compose: str, variant: Variant) -> dict[str, Any]:
@@ -96,7 +111,8 @@ def envoy_bootstrap(variant: Variant) -> dict[str, Any]:
 
 
 def flags(command: list[str]) -> dict[str, list[str]]:
-    """``--key=value`` / ``--key value`` arguments by key (values in order)."""
+    """``--key=value`` / ``--key value`` arguments by key (values in order); a ``--key``
+    followed by another ``--flag`` (or nothing) is a switch, with the value ``""``."""
     found: dict[str, list[str]] = {}
     index = 0
     while index < len(command):
@@ -106,8 +122,10 @@ def flags(command: list[str]) -> dict[str, list[str]]:
                 key, value = arg[2:].split("=", 1)
             else:
                 key = arg[2:]
-                value = command[index + 1] if index + 1 < len(command) else ""
-                index += 1
+                following = command[index + 1] if index + 1 < len(command) else "--"
+                switch = following.startswith("--")
+                value = "" if switch else following
+                index += 0 if switch else 1
             found.setdefault(key, []).append(value)
         index += 1
     return found
@@ -157,6 +175,19 @@ def cluster(bootstrap: dict[str, Any], name: str) -> dict[str, Any]:
     return found
 
 
+def served_by(command: list[str]) -> tuple[str, ...]:
+    """The names an engine's command makes it answer to, as its own parser reads them:
+    the served names, then the LoRA adapters (the order of its ``/v1/models``)."""
+    if command[0] == "sim":
+        parser = argparse.ArgumentParser(prog="fairlane sim")
+        add_sim_arguments(parser)
+        config = sim_config(parser.parse_args(command[1:]))  # refuses what the sim refuses
+        return (*config.served, *(module.name for module in config.lora_modules))
+    # vllm serve MODEL: served as MODEL (none of these examples passes it other flags)
+    assert not any(a.startswith(("--served-model-name", "--lora-modules")) for a in command)
+    return (command[0],)
+
+
 def replicas(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The service's replicas: every compose service that runs ``fairlane serve``."""
     return {
@@ -177,11 +208,10 @@ def test_compose_config_accepts_the_stack(stack: tuple[Variant, dict[str, Any]])
     assert set(variant.backend_services) <= set(services)
     # what runs: the variant's backends; the others are behind a profile it does not enable
     active = {"vllm"} if variant is VLLM else set()
-    all_backends = {*SIMS.backend_services, *VLLM.backend_services}
     for name, service in services.items():
         profiles = set(service.get("profiles", []))
         runs = not profiles or bool(profiles & active)
-        expected = name in variant.backend_services or name not in all_backends
+        expected = name in variant.backend_services or name not in ALL_BACKEND_SERVICES
         assert runs == expected, f"{name}: profiles {sorted(profiles)}"
 
 
@@ -295,19 +325,48 @@ def test_backends_agree_everywhere(stack: tuple[Variant, dict[str, Any]]) -> Non
     (backend_urls,) = backend_lists
     fleet = FleetSpec.parse(backend_urls)  # as `fairlane serve` reads them
     assert not fleet.static
-    in_service = [(d.region, d.name, d.port, d.seats, d.credential) for d in fleet.dns]
-    assert {(name, port) for _, name, port, _, _ in in_service} == in_compose
+    in_service = [(d.region, d.name, d.port, d.seats, d.credential, d.models) for d in fleet.dns]
+    assert {(name, port) for _, name, port, *_ in in_service} == in_compose
     # the deployment file's backends: the same names, regions in the same order, the same
-    # declared seats and key references (the service's to use; Envoy has no use for them)
+    # declared seats, key references and models (the service's to use; Envoy has no use for
+    # them)
     params = load_deployment(variant.deployment).params
     assert not params.backends
-    in_deployment = [(d.region, d.name, d.port, d.seats, d.credential) for d in params.dns_backends]
+    in_deployment = [
+        (d.region, d.name, d.port, d.seats, d.credential, d.models) for d in params.dns_backends
+    ]
     assert in_deployment == in_service
     assert params.regions == fleet.regions
     backends = cluster(envoy_bootstrap(variant), BACKEND_CLUSTER)
     assert backends["type"] == "EDS" and "load_assignment" not in backends
     (source,) = backends["eds_cluster_config"]["eds_config"]["api_config_source"]["grpc_services"]
     assert source["envoy_grpc"]["cluster_name"] == EXTPROC_CLUSTER
+
+
+def test_declared_models_are_what_the_engines_serve(
+    stack: tuple[Variant, dict[str, Any]],
+) -> None:
+    """A backend's declared models (``#models=``) are exactly the names its engine's command
+    serves, LoRA adapters included: a wrong declaration would route requests to an engine
+    that answers 404 until its /v1/models is read. The models stack declares every backend,
+    serves two base models, and its adapters run on one of them."""
+    variant, config = stack
+    services = config["services"]
+    fleet = FleetSpec.parse(flags(next(iter(replicas(config).values()))["command"])["backend"])
+    declared = {spec.name: spec.models for spec in fleet.dns}
+    for name in variant.backend_services:
+        if declared[name]:
+            assert declared[name] == served_by(services[name]["command"]), name
+    if variant is not MODELS:
+        return
+    assert all(declared.values())
+    assert {models[0] for models in declared.values()} == {"llama-8b", "qwen-7b"}
+    llama = services["sim-llama-1"]["command"]
+    assert services["sim-llama-2"]["command"] == llama
+    assert flags(llama)["max-loras"] == ["2"] and flags(llama)["enable-lora"] == [""]
+    # the curl in the override's comment asks for models the fleet declares
+    asked = re.findall(r'"model": "([^"]+)"', MODELS_OVERRIDE.read_text())
+    assert asked and set(asked) <= {m for models in declared.values() for m in models}
 
 
 def test_engine_keys_are_secrets_the_engines_and_the_service_share(
@@ -322,7 +381,7 @@ def test_engine_keys_are_secrets_the_engines_and_the_service_share(
         for spec in FleetSpec.parse(flags(replica["command"])["backend"]).dns
     }
     if references == {None}:
-        assert variant is SIMS  # the simulators want no key
+        assert variant is not VLLM  # the simulators want no key
         return
     (reference,) = references
     assert reference is not None and reference.startswith("file:/run/secrets/")
@@ -366,7 +425,7 @@ def test_prometheus_scrapes_what_runs(stack: tuple[Variant, dict[str, Any]]) -> 
     assert jobs["envoy"]["static_configs"][0]["targets"] == [f"envoy:{admin_port}"]
 
     (dns,) = jobs["vllm"]["dns_sd_configs"]
-    assert set(SIMS.backend_services + VLLM.backend_services) == set(dns["names"])
+    assert set(dns["names"]) == ALL_BACKEND_SERVICES
     for name in variant.backend_services:
         assert dns["port"] == int(flags(services[name]["command"])["port"][0])
 
@@ -411,9 +470,11 @@ def test_every_bind_mount_exists(stack: tuple[Variant, dict[str, Any]]) -> None:
 
 
 def test_fairlane_image_is_built_from_this_repo(stack: tuple[Variant, dict[str, Any]]) -> None:
-    _, config = stack
-    for name in (*replicas(config), "sim-a", "sim-b"):
-        service = config["services"][name]
+    variant, config = stack
+    services = config["services"]
+    simulators = [n for n in variant.backend_services if services[n]["command"][0] == "sim"]
+    for name in (*replicas(config), "sim-a", "sim-b", *simulators):
+        service = services[name]
         assert Path(service["build"]["context"]) == REPO
     dockerfile = (REPO / "Dockerfile").read_text()
     assert "FROM python:3.11-slim" in dockerfile

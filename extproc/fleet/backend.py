@@ -387,6 +387,7 @@ class Backend:
         "membership",
         "metrics",
         "models",
+        "models_expected",
         "models_read_at",
         "peer_in_flight",
         "peer_in_flight_at_scrape",
@@ -451,6 +452,8 @@ class Backend:
         """What the engine answers to: its ``/v1/models`` once read, the deployment's
         declared names until then; None when neither says: any model."""
         self.models_read_at = -math.inf
+        self.models_expected = False
+        """Joined a fleet whose models were known: no request until its own are read."""
         self.membership: Membership = "serving"
         self._clock = clock
 
@@ -935,6 +938,8 @@ class BackendPool:
         """Bumped whenever an engine's models change (``set_models``, a declared backend
         joining): 0 while none is known."""
         self._serving: dict[tuple[str, int, int], list[Backend]] = {}
+        self._fleet_version = 0
+        """Bumped when a backend joins or leaves: what ``serving`` remembers is per fleet."""
         self._pools: dict[tuple[str, int, int], str] = {}
 
     def set_models(self, backend: Backend, models: ServedModels) -> None:
@@ -950,7 +955,7 @@ class BackendPool:
         lookup per request, not a walk of the fleet."""
         if model is None or not self.models_version:
             return self.backends
-        key = (model, self.models_version, id(self.backends))
+        key = (model, self.models_version, self._fleet_version)
         found = self._serving.get(key)
         if found is None:
             if len(self._serving) >= SERVING_MEMORY:  # clients may name any model: bounded
@@ -964,7 +969,7 @@ class BackendPool:
         model's engines are not known: the tier's one band (``extproc.core.bands``)."""
         if model is None or not self.models_version:
             return ""
-        key = (model, self.models_version, id(self.backends))
+        key = (model, self.models_version, self._fleet_version)
         pool = self._pools.get(key)
         if pool is None:
             if len(self._pools) >= SERVING_MEMORY:
@@ -989,11 +994,14 @@ class BackendPool:
         backend.membership = "warming"
         if backend.models is not None:
             self.models_version += 1
+        elif self.models_version:
+            backend.models_expected = True
         if spec.region not in self.regions:
             self.regions = [*self.regions, spec.region]
         rank = {region: i for i, region in enumerate(self.regions)}
         self.backends = sorted([*self.backends, backend], key=lambda b: rank[b.region])
         self.by_address = {**self.by_address, spec.address: backend}
+        self._fleet_version += 1
         return backend
 
     def remove(self, address: str) -> Backend | None:
@@ -1004,6 +1012,7 @@ class BackendPool:
             return None
         self.backends = [b for b in self.backends if b is not backend]
         self.by_address = {a: b for a, b in self.by_address.items() if b is not backend}
+        self._fleet_version += 1
         return backend
 
     def healthy(self) -> list[Backend]:

@@ -81,12 +81,21 @@ class Serving(Protocol):
     @property
     def models(self) -> ServedModels | None: ...
 
+    @property
+    def models_expected(self) -> bool: ...
+
 
 def may_serve(backend: Serving, model: str | None) -> bool:
     """Whether a request for ``model`` may go to ``backend``: any request when it names no
-    model or the engine's models were never read."""
+    model, or the engine's models were never read, unless it joined a fleet whose models
+    are known (``models_expected``): it then waits for its own list, read within a health
+    round, rather than take another model's requests meanwhile."""
     served = backend.models
-    return model is None or served is None or served.serves(model)
+    if model is None:
+        return True
+    if served is None:
+        return not backend.models_expected
+    return served.serves(model)
 
 
 def fleet_models(backends: Iterable[Serving]) -> ServedModels:

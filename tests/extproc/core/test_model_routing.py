@@ -282,3 +282,13 @@ def test_declared_models_route_until_the_engine_says_otherwise() -> None:
 def test_a_malformed_models_option_names_what_is_wrong(bad: str) -> None:
     with pytest.raises(ValueError, match="models must be names separated by"):
         parse_backend(f"http://127.0.0.1:8101#{bad}")
+
+
+def test_an_engine_joining_a_fleet_of_known_models_takes_nothing_until_its_own_are_read() -> None:
+    gateway = two_pools()
+    pool = gateway.admission.pool
+    joined = pool.add(BackendSpec("127.0.0.1", 8103, "a"))
+    assert joined.models_expected
+    assert joined not in pool.serving("llama") and joined not in pool.serving("qwen-7b")
+    pool.set_models(joined, QWEN)
+    assert joined in pool.serving("qwen-7b") and joined not in pool.serving("llama")

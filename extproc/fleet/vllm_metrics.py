@@ -107,7 +107,8 @@ class LoraSlots:
 # ``vllm:num_requests_waiting_by_reason`` out of ``vllm:num_requests_waiting``; the label
 # block runs to the last ``}`` of the line because label values may hold spaces or braces.
 _SAMPLE = re.compile(
-    r"\n(vllm:(?:num_requests_(?:waiting|running)|kv_cache_usage_perc|cache_config_info"
+    r"\n(vllm:(?:num_requests_(?:waiting|running|waiting_by_reason)|kv_cache_usage_perc"
+    r"|cache_config_info"
     r"|lora_requests_info"
     r"|(?:inter_token_latency|time_per_output_token)_seconds_(?:sum|count)))"
     r"(\{[^\n]*\})?[ \t]+([^ \t\n]*)"
@@ -118,6 +119,8 @@ _BLOCK_SIZE = re.compile(r'[{,]block_size="(\d+)"')
 _NUM_GPU_BLOCKS = re.compile(r'[{,]num_gpu_blocks="(\d+)"')
 _LORA_LABELS = re.compile(r'[{,](max_lora|running_lora_adapters|waiting_lora_adapters)="([^"]*)"')
 LORA_INFO = "vllm:lora_requests_info"
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+_DEFERRED = re.compile(r'[{,]reason="deferred"')
 
 
 def parse_metrics(text: str, scraped_at: float) -> EngineMetrics:
@@ -125,9 +128,14 @@ def parse_metrics(text: str, scraped_at: float) -> EngineMetrics:
     values: dict[str, list[float]] = {}
     cache_configs: list[str] = []
     lora: tuple[float, str] | None = None
+    deferred = 0.0
     for match in _SAMPLE.finditer("\n" + text):  # the leading newline lets line 1 match too
         if match[1] == CACHE_CONFIG:
             cache_configs.append(match[2] or "")
+            continue
+        if match[1] == WAITING_BY_REASON:
+            if _DEFERRED.search(match[2] or ""):
+                deferred += _number(WAITING_BY_REASON, match[3])
             continue
         if match[1] == LORA_INFO:  # one series per state; its value is when it was set
             stamp = _number(LORA_INFO, match[3])
@@ -144,7 +152,10 @@ def parse_metrics(text: str, scraped_at: float) -> EngineMetrics:
     if kv > 1.0 + 1e-9:
         raise MetricsError(f"{KV_CACHE_USAGE} is {kv}, above 1")
     return EngineMetrics(
-        waiting=sum(_required(values, WAITING)),
+        # Requests vLLM defers (waiting for a LoRA slot, say) hold no seat and block no one:
+        # the requests behind them are scheduled. Only the others are a queue to the gates
+        # and to seat learning.
+        waiting=max(0.0, sum(_required(values, WAITING)) - deferred),
         running=sum(_required(values, RUNNING)),
         kv_cache_usage=kv,
         itl_sum_s=None if itl_sum is None else sum(itl_sum),

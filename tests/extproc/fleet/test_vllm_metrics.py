@@ -230,3 +230,10 @@ def test_lora_slots_come_from_the_newest_lora_requests_info_series() -> None:
     slots = parse_metrics(text, 0.0).lora
     assert slots == LoraSlots(2, frozenset({"ad1", "ad2"}), frozenset({"ad3"}))
     assert parse_metrics(page(), 0.0).lora is None  # no LoRA: no slots
+
+
+def test_requests_vllm_defers_are_no_queue_to_the_gates() -> None:
+    deferred = 'vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="deferred"}'
+    text = page(waiting="5.0") + f"{deferred} 3.0\n"
+    assert parse_metrics(text, 0.0).waiting == 2.0  # 3 wait for a LoRA slot, not a seat
+    assert parse_metrics(page(waiting="5.0"), 0.0).waiting == 5.0  # only capacity given

@@ -30,7 +30,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from extproc.core.admission import Admission
-from extproc.core.bands import tier_of
+from extproc.core.bands import pool_of, tier_of
 from extproc.core.counters import GatewayStats, Histogram
 from extproc.core.overload import OverloadControl
 from extproc.fleet.membership import CHANGES, Membership
@@ -137,10 +137,17 @@ class GatewayCollector(Collector):
             "How long the oldest request held in a tier's queue has waited (starvation).",
             labels=["tier"],
         )
+        by_pool = GaugeMetricFamily(
+            "fairlane_pool_queue_depth",
+            "Requests held in the gateway's queue, per tier and model pool (the pool is "
+            "empty on a fleet of one model).",
+            labels=["tier", "pool"],
+        )
         depths: Counter[str] = Counter()
         waits: dict[str, float] = {}
         for band, count in scheduler.depths().items():  # a tier's bands: one per model pool
             tier = tier_of(band)
+            by_pool.add_metric([tier, pool_of(band)], count)
             depths[tier] += count
             waits[tier] = max(waits.get(tier, 0.0), scheduler.oldest_wait_s(band))
         for tier, count in depths.items():
@@ -156,7 +163,7 @@ class GatewayCollector(Collector):
             by_tier.add_metric([configured.name], counts.pop(configured.name, 0))
         for removed, count in counts.items():  # a tier a reload removed, still finishing
             by_tier.add_metric([removed], count)
-        return (depth, oldest, by_tier)
+        return (depth, by_pool, oldest, by_tier)
 
     def _slos(self) -> Iterable[Metric]:
         """The policy's promises, so alerts and dashboards compare against them by tier."""

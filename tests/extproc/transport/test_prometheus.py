@@ -18,6 +18,7 @@ from extproc.fleet.seats import FALLBACK_SEATS
 from extproc.fleet.vllm_metrics import EngineMetrics
 from extproc.transport.prometheus import GatewayCollector
 from tests.exported_metrics import gateway_exposition, parse_samples
+from tests.extproc.core.test_model_routing import chat, two_pools
 from tests.extproc.factories import (
     API,
     BATCH,
@@ -250,3 +251,13 @@ def test_each_engines_models_are_exported_with_their_parent() -> None:
     labels = {"backend": first.address, "region": first.region}
     assert value(text, "fairlane_backend_model", **labels, model="tiny", parent="") == 1
     assert value(text, "fairlane_backend_model", **labels, model="ad1", parent="tiny") == 1
+
+
+def test_the_queue_is_exported_per_tier_and_model_pool() -> None:
+    gateway = two_pools(limit=2)
+    for i in range(4):  # batch takes one free seat a scrape: the rest wait in qwen's band
+        gateway.handle(chat("qwen-7b", request_id=f"q{i}", key="sk-batch-demo"))
+    text = exposition(gateway)
+    assert value(text, "fairlane_pool_queue_depth", tier="batch", pool="qwen-7b") == 3
+    assert value(text, "fairlane_pool_queue_depth", tier="batch", pool="") == 0
+    assert value(text, "fairlane_queue_depth", tier="batch") == 3

@@ -24,6 +24,7 @@ from extproc.envoy.render import render
 from extproc.fleet.discovery import FleetSpec
 from extproc.wire import BACKEND_CLUSTER, EXTPROC_CLUSTER
 from tests.deploy.conftest import REPO
+from tests.deploy.manifests import container, find_object, load_objects
 
 KUBE = REPO / "deploy" / "kubernetes"
 DEPLOYMENT = KUBE / "deployment.yaml"
@@ -32,22 +33,11 @@ MANIFESTS = sorted((KUBE / "manifests").glob("*.yaml"))
 
 
 def objects() -> list[dict[str, Any]]:
-    found = []
-    for path in MANIFESTS:
-        found += [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
-    return found
+    return load_objects(MANIFESTS)
 
 
 def find(kind: str, name: str) -> dict[str, Any]:
-    (found,) = [o for o in objects() if o["kind"] == kind and o["metadata"]["name"] == name]
-    return found
-
-
-def container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
-    (found,) = [
-        c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name
-    ]
-    return found
+    return find_object(MANIFESTS, kind, name)
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])

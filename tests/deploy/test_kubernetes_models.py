@@ -25,6 +25,7 @@ from extproc.envoy.render import render
 from extproc.fleet.discovery import DnsBackendSpec, FleetSpec
 from extproc.wire import BACKEND_CLUSTER, EXTPROC_CLUSTER
 from tests.deploy.conftest import REPO
+from tests.deploy.manifests import container, find_object, load_objects
 
 EXAMPLE = REPO / "deploy" / "kubernetes" / "models"
 DEPLOYMENT = EXAMPLE / "deployment.yaml"
@@ -35,22 +36,11 @@ ENGINES = {"vllm-llama": ("llama-8b", "sql", "law"), "vllm-qwen": ("qwen-7b",)}
 
 
 def objects() -> list[dict[str, Any]]:
-    found = []
-    for path in MANIFESTS:
-        found += [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
-    return found
+    return load_objects(MANIFESTS)
 
 
 def find(kind: str, name: str) -> dict[str, Any]:
-    (found,) = [o for o in objects() if o["kind"] == kind and o["metadata"]["name"] == name]
-    return found
-
-
-def container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
-    (found,) = [
-        c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name
-    ]
-    return found
+    return find_object(MANIFESTS, kind, name)
 
 
 def values_after(args: list[str], flag: str) -> list[str]:

@@ -1,5 +1,6 @@
-"""The Kubernetes example (deploy/kubernetes/): valid against the Kubernetes API schemas,
-offline, and consistent with the Envoy config it mounts.
+"""The Kubernetes examples (deploy/kubernetes/, and deploy/kubernetes/models/ with two
+models): valid against the Kubernetes API schemas, offline, and consistent with the Envoy
+config they mount. What only the two-model example has: ``test_kubernetes_models.py``.
 
 No API server runs here, so nothing is applied: ``kubernetes-validate`` (a dev dependency,
 from PyPI) checks every manifest against the OpenAPI schemas of the Kubernetes release it
@@ -24,23 +25,21 @@ from extproc.envoy.render import render
 from extproc.fleet.discovery import FleetSpec
 from extproc.wire import BACKEND_CLUSTER, EXTPROC_CLUSTER
 from tests.deploy.conftest import REPO
-from tests.deploy.manifests import container, find_object, load_objects
+from tests.deploy.manifests import Example, container
 
 KUBE = REPO / "deploy" / "kubernetes"
-DEPLOYMENT = KUBE / "deployment.yaml"
-ENVOY_CONFIG = KUBE / "envoy.yaml"
-MANIFESTS = sorted((KUBE / "manifests").glob("*.yaml"))
-
-
-def objects() -> list[dict[str, Any]]:
-    return load_objects(MANIFESTS)
+SINGLE = Example(KUBE)
+TWO_MODELS = Example(KUBE / "models")
+EXAMPLES = pytest.mark.parametrize("example", [SINGLE, TWO_MODELS], ids=["single", "models"])
+DEPLOYMENT = SINGLE.deployment
+MANIFESTS = [path for example in (SINGLE, TWO_MODELS) for path in example.manifests]
 
 
 def find(kind: str, name: str) -> dict[str, Any]:
-    return find_object(MANIFESTS, kind, name)
+    return SINGLE.find(kind, name)
 
 
-@pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
+@pytest.mark.parametrize("path", MANIFESTS, ids=[str(p.relative_to(KUBE)) for p in MANIFESTS])
 def test_every_manifest_is_valid_kubernetes(path: Path) -> None:
     version = kubernetes_validate.latest_version()
     for doc in yaml.safe_load_all(path.read_text()):
@@ -56,17 +55,20 @@ def test_the_validator_catches_a_mistake() -> None:
         kubernetes_validate.validate(broken, kubernetes_validate.latest_version(), strict=True)
 
 
-def test_rendered_envoy_config_is_fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+@EXAMPLES
+def test_rendered_envoy_config_is_fresh(example: Example, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)  # the header names the files relative to the working directory
-    fresh = render(load_deployment(DEPLOYMENT.relative_to(REPO))).text
-    assert ENVOY_CONFIG.read_text() == fresh, (
-        "deploy/kubernetes/envoy.yaml is stale: fairlane render-envoy "
-        "deploy/kubernetes/deployment.yaml -o deploy/kubernetes/envoy.yaml"
+    deployment = example.deployment.relative_to(REPO)
+    config = example.envoy_config.relative_to(REPO)
+    fresh = render(load_deployment(deployment)).text
+    assert example.envoy_config.read_text() == fresh, (
+        f"{config} is stale: fairlane render-envoy {deployment} -o {config}"
     )
 
 
-def test_rendered_envoy_config_validates() -> None:
-    validate(ENVOY_CONFIG)
+@EXAMPLES
+def test_rendered_envoy_config_validates(example: Example) -> None:
+    validate(example.envoy_config)
 
 
 def test_the_service_follows_the_headless_vllm_service() -> None:
@@ -99,21 +101,24 @@ def test_the_service_follows_the_headless_vllm_service() -> None:
     assert f"--port={params.extproc_port}" in args and params.extproc_host == "127.0.0.1"
 
 
-def test_envoy_mounts_the_config_and_learns_the_backends_over_eds() -> None:
-    gateway = find("Deployment", "fairlane")
+@EXAMPLES
+def test_envoy_mounts_the_config_and_learns_the_backends_over_eds(example: Example) -> None:
+    gateway = example.find("Deployment", "fairlane")
     envoy = container(gateway, "envoy")
     assert envoy["image"] == "envoyproxy/envoy:v1.40.0"
     (mount,) = envoy["volumeMounts"]
     config_path = envoy["args"][envoy["args"].index("-c") + 1]
-    assert config_path == f"{mount['mountPath']}/{ENVOY_CONFIG.name}"
+    assert config_path == f"{mount['mountPath']}/{example.envoy_config.name}"
     (volume,) = gateway["spec"]["template"]["spec"]["volumes"]
     assert volume["name"] == mount["name"]
-    kustomization = yaml.safe_load((KUBE / "kustomization.yaml").read_text())
+    kustomization = yaml.safe_load(example.kustomization.read_text())
     (generated,) = kustomization["configMapGenerator"]
     assert generated["name"] == volume["configMap"]["name"]
-    assert generated["files"] == [ENVOY_CONFIG.name]
-    assert sorted(kustomization["resources"]) == sorted(str(p.relative_to(KUBE)) for p in MANIFESTS)
-    bootstrap = yaml.safe_load(ENVOY_CONFIG.read_text())
+    assert generated["files"] == [example.envoy_config.name]
+    assert sorted(kustomization["resources"]) == sorted(
+        str(p.relative_to(example.directory)) for p in example.manifests
+    )
+    bootstrap = yaml.safe_load(example.envoy_config.read_text())
     clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
     backends = clusters[BACKEND_CLUSTER]
     assert backends["type"] == "EDS"
@@ -122,7 +127,7 @@ def test_envoy_mounts_the_config_and_learns_the_backends_over_eds() -> None:
     listener = bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]
     (http,) = envoy["ports"]
     assert listener["port_value"] == http["containerPort"]
-    service = find("Service", "fairlane")
+    service = example.find("Service", "fairlane")
     assert service["spec"]["selector"] == gateway["spec"]["template"]["metadata"]["labels"]
 
 

@@ -1,13 +1,12 @@
 """The two-model Kubernetes example (deploy/kubernetes/models/): valid against the Kubernetes
 API schemas, offline, and consistent with its deployment file and the Envoy config it mounts.
 
-As for the single-model example (``test_kubernetes.py``), nothing is applied: every manifest
-passes ``kubernetes-validate`` (strict), ``envoy.yaml`` is a fresh render that passes
-``envoy --mode validate``, and the pieces agree: one headless Service and one Deployment per
-model, the service's ``--backend`` flags are those Services' DNS names and ports with the
-models each Deployment's pods serve (``--served-model-name`` and the ``--lora-modules``
-names), exactly as the deployment file's ``backends`` say, and the Envoy container mounts
-the ConfigMap the kustomization makes from ``envoy.yaml``.
+What both examples share (valid manifests, a fresh and valid ``envoy.yaml`` mounted from
+the kustomization's ConfigMap) is checked for both in ``test_kubernetes.py``; here, what
+this one adds: one headless Service and one Deployment per model, the service's
+``--backend`` flags are those Services' DNS names and ports with the models each
+Deployment's pods serve (``--served-model-name`` and the ``--lora-modules`` names), exactly
+as the deployment file's ``backends`` say.
 """
 
 from __future__ import annotations
@@ -15,32 +14,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
 import yaml
 
-from extproc.envoy.binary import validate
 from extproc.envoy.deployment import load_deployment
-from extproc.envoy.render import render
 from extproc.fleet.discovery import DnsBackendSpec, FleetSpec
-from extproc.wire import BACKEND_CLUSTER, EXTPROC_CLUSTER
 from tests.deploy.conftest import REPO
-from tests.deploy.manifests import container, find_object, load_objects
+from tests.deploy.manifests import Example, container
 
-EXAMPLE = REPO / "deploy" / "kubernetes" / "models"
-DEPLOYMENT = EXAMPLE / "deployment.yaml"
-ENVOY_CONFIG = EXAMPLE / "envoy.yaml"
-MANIFESTS = sorted((EXAMPLE / "manifests").glob("*.yaml"))
+EXAMPLE = Example(REPO / "deploy" / "kubernetes" / "models")
 ENGINES = {"vllm-llama": ("llama-8b", "sql", "law"), "vllm-qwen": ("qwen-7b",)}
 """Each engine Deployment (and its headless Service) and what its pods serve."""
 
 
-def objects() -> list[dict[str, Any]]:
-    return load_objects(MANIFESTS)
-
-
 def find(kind: str, name: str) -> dict[str, Any]:
-    return find_object(MANIFESTS, kind, name)
+    return EXAMPLE.find(kind, name)
 
 
 def values_after(args: list[str], flag: str) -> list[str]:
@@ -68,27 +56,6 @@ def served_by(args: list[str]) -> tuple[str, ...]:
 def service_backends() -> FleetSpec:
     args = container(find("Deployment", "fairlane"), "fairlane")["args"]
     return FleetSpec.parse(a.removeprefix("--backend=") for a in args if a.startswith("--backend="))
-
-
-@pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
-def test_every_manifest_is_valid_kubernetes(path: Path) -> None:
-    version = kubernetes_validate.latest_version()
-    for doc in yaml.safe_load_all(path.read_text()):
-        if doc:
-            kubernetes_validate.validate(doc, version, strict=True)
-
-
-def test_rendered_envoy_config_is_fresh(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(REPO)  # the header names the files relative to the working directory
-    fresh = render(load_deployment(DEPLOYMENT.relative_to(REPO))).text
-    assert ENVOY_CONFIG.read_text() == fresh, (
-        "deploy/kubernetes/models/envoy.yaml is stale: fairlane render-envoy "
-        "deploy/kubernetes/models/deployment.yaml -o deploy/kubernetes/models/envoy.yaml"
-    )
-
-
-def test_rendered_envoy_config_validates() -> None:
-    validate(ENVOY_CONFIG)
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
@@ -145,7 +112,7 @@ def test_the_service_names_both_pools_with_their_models() -> None:
     def described(specs: tuple[DnsBackendSpec, ...]) -> list[tuple[object, ...]]:
         return [(d.region, d.name, d.port, d.seats, d.credential, d.models) for d in specs]
 
-    params = load_deployment(DEPLOYMENT).params
+    params = load_deployment(EXAMPLE.deployment).params
     assert not params.backends
     assert described(params.dns_backends) == described(fleet.dns)
     args = container(find("Deployment", "fairlane"), "fairlane")["args"]
@@ -153,39 +120,11 @@ def test_the_service_names_both_pools_with_their_models() -> None:
 
 
 def test_every_object_is_in_one_namespace_the_example_creates() -> None:
-    (namespace,) = [o for o in objects() if o["kind"] == "Namespace"]
+    objects = EXAMPLE.objects()
+    (namespace,) = [o for o in objects if o["kind"] == "Namespace"]
     name = namespace["metadata"]["name"]
-    others = [o for o in objects() if o["kind"] != "Namespace"]
+    others = [o for o in objects if o["kind"] != "Namespace"]
     assert {o["metadata"]["namespace"] for o in others} == {name}
-    kustomization = yaml.safe_load((EXAMPLE / "kustomization.yaml").read_text())
+    kustomization = yaml.safe_load(EXAMPLE.kustomization.read_text())
     (generated,) = kustomization["configMapGenerator"]
     assert generated["namespace"] == name
-
-
-def test_envoy_mounts_the_config_and_learns_the_backends_over_eds() -> None:
-    gateway = find("Deployment", "fairlane")
-    envoy = container(gateway, "envoy")
-    assert envoy["image"] == "envoyproxy/envoy:v1.40.0"
-    (mount,) = envoy["volumeMounts"]
-    config_path = envoy["args"][envoy["args"].index("-c") + 1]
-    assert config_path == f"{mount['mountPath']}/{ENVOY_CONFIG.name}"
-    (volume,) = gateway["spec"]["template"]["spec"]["volumes"]
-    assert volume["name"] == mount["name"]
-    kustomization = yaml.safe_load((EXAMPLE / "kustomization.yaml").read_text())
-    (generated,) = kustomization["configMapGenerator"]
-    assert generated["name"] == volume["configMap"]["name"]
-    assert generated["files"] == [ENVOY_CONFIG.name]
-    assert sorted(kustomization["resources"]) == sorted(
-        str(p.relative_to(EXAMPLE)) for p in MANIFESTS
-    )
-    bootstrap = yaml.safe_load(ENVOY_CONFIG.read_text())
-    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
-    backends = clusters[BACKEND_CLUSTER]
-    assert backends["type"] == "EDS"
-    (source,) = backends["eds_cluster_config"]["eds_config"]["api_config_source"]["grpc_services"]
-    assert source["envoy_grpc"]["cluster_name"] == EXTPROC_CLUSTER
-    listener = bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]
-    (http,) = envoy["ports"]
-    assert listener["port_value"] == http["containerPort"]
-    service = find("Service", "fairlane")
-    assert service["spec"]["selector"] == gateway["spec"]["template"]["metadata"]["labels"]

@@ -715,15 +715,25 @@ async def rapid_reset_fresh_connections(bench: Bench) -> Row:
     return Row("2", "rapid reset, fresh connections", result)
 
 
-async def oversized_pings(bench: Bench) -> Row:
+async def flood_unread_from(bench: Bench, flood: bytes, open_stream: bool) -> tuple[Unread, float]:
+    """``flood`` sent over and over by a client that never reads (with one stream open, so
+    the connection is not idle, when ``open_stream``): what it took, and the service's peak
+    RSS above its size at the start."""
     connection = await bench.connect(reading=False)
     start_rss = bench.sampler.now() or 0
     try:
-        ping = frame(h2raw.PING, 0, 0, bytes(16 << 10))
-        got = await flood_unread(connection, ping * 64, bench.options.seconds)
+        if open_stream:
+            _, headers = connection.open_stream(PROCESS_METHOD)
+            connection.send(headers)
+        got = await flood_unread(connection, flood, bench.options.seconds)
     finally:
         await connection.close()
-    above = bench.sampler.peak - start_rss
+    return got, bench.sampler.peak - start_rss
+
+
+async def oversized_pings(bench: Bench) -> Row:
+    ping = frame(h2raw.PING, 0, 0, bytes(16 << 10))
+    got, above = await flood_unread_from(bench, ping * 64, open_stream=False)
     result = (
         f"16 KiB PINGs, never reading: {mib(got.sent)} taken, "
         f"{closed_text(got.closed_after_s, bench.options.seconds)}; "
@@ -740,15 +750,7 @@ async def oversized_pings(bench: Bench) -> Row:
 
 async def unread_acknowledgements(bench: Bench, key: str, what: str, one: bytes) -> Row:
     """A flood of frames each asking for an acknowledgement the client never reads."""
-    connection = await bench.connect(reading=False)
-    start_rss = bench.sampler.now() or 0
-    try:
-        _, headers = connection.open_stream(PROCESS_METHOD)  # not an idle connection
-        connection.send(headers)
-        got = await flood_unread(connection, one * 2000, bench.options.seconds)
-    finally:
-        await connection.close()
-    above = bench.sampler.peak - start_rss
+    got, above = await flood_unread_from(bench, one * 2000, open_stream=True)
     result = (
         f"{what}, never reading: {mib(got.sent)} taken "
         f"({got.sent // len(one):,} frames), "

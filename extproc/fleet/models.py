@@ -35,10 +35,6 @@ class ServedModels:
     def serves(self, model: str) -> bool:
         return model in self.bases or model in self.adapters
 
-    @property
-    def names(self) -> frozenset[str]:
-        return self.bases | frozenset(self.adapters)
-
     def pool_name(self, model: str) -> str:
         """The name of the pool this engine runs ``model`` on: its smallest base name (an
         adapter runs on its base, which is one of them)."""

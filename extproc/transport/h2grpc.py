@@ -75,7 +75,6 @@ class GrpcServer:
 
     def __init__(self, limits: ServerLimits) -> None:
         self.limits = limits
-        self.max_message_bytes = limits.max_message_bytes
         self.framing_limits = http2.Limits(
             max_concurrent_streams=limits.max_concurrent_streams,
             stream_window=limits.stream_window_bytes,
@@ -467,7 +466,7 @@ class _Stream:
     def feed(self, data: bytes) -> None:
         buffer = self._buffer
         buffer += data
-        limit = self.connection.server.max_message_bytes
+        limit = self.connection.server.limits.max_message_bytes
         while len(buffer) >= 5:
             length = int.from_bytes(buffer[1:5], "big")
             if buffer[0] != 0:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import struct
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol, cast
 
 import hpack
@@ -141,33 +142,16 @@ class _Stream:
         self.remote_closed = False
 
 
+@dataclass(frozen=True, slots=True)
 class Limits:
     """What one connection lets a peer make it hold (see the module docstring)."""
 
-    __slots__ = (
-        "max_concurrent_streams",
-        "max_header_list_size",
-        "max_idle_frames",
-        "max_ping_strikes",
-        "ping_min_interval_s",
-        "stream_window",
-    )
-
-    def __init__(
-        self,
-        max_concurrent_streams: int = 1024,
-        stream_window: int = STREAM_WINDOW,
-        max_header_list_size: int = MAX_HEADER_LIST_SIZE_BYTES,
-        max_idle_frames: int = MAX_IDLE_FRAMES,
-        ping_min_interval_s: float = PING_MIN_INTERVAL_S,
-        max_ping_strikes: int = MAX_PING_STRIKES,
-    ) -> None:
-        self.max_concurrent_streams = max_concurrent_streams
-        self.stream_window = stream_window
-        self.max_header_list_size = max_header_list_size
-        self.max_idle_frames = max_idle_frames
-        self.ping_min_interval_s = ping_min_interval_s
-        self.max_ping_strikes = max_ping_strikes
+    max_concurrent_streams: int = 1024
+    stream_window: int = STREAM_WINDOW
+    max_header_list_size: int = MAX_HEADER_LIST_SIZE_BYTES
+    max_idle_frames: int = MAX_IDLE_FRAMES
+    ping_min_interval_s: float = PING_MIN_INTERVAL_S
+    max_ping_strikes: int = MAX_PING_STRIKES
 
 
 class ServerConnection:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from extproc.policy import Policy
+from extproc.policy import DEFAULT_MAX_BODY_BYTES, Policy
 from extproc.wire import BUFFER_HEADROOM_BYTES, EXTPROC_STREAM_HEADROOM
 
 MESSAGE_FRAMING_BYTES = 64 << 10
@@ -21,7 +21,7 @@ MESSAGE_FRAMING_BYTES = 64 << 10
 
 @dataclass(frozen=True)
 class ServerLimits:
-    max_message_bytes: int = 8 * (1 << 20) + BUFFER_HEADROOM_BYTES + MESSAGE_FRAMING_BYTES
+    max_message_bytes: int = DEFAULT_MAX_BODY_BYTES + BUFFER_HEADROOM_BYTES + MESSAGE_FRAMING_BYTES
     """The largest gRPC message accepted (the body of the largest request, and its framing)."""
     max_concurrent_streams: int = 10_000 + EXTPROC_STREAM_HEADROOM
     """Per connection, advertised and enforced: every held request is one stream."""

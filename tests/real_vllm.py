@@ -83,10 +83,11 @@ def running(
         "DO_NOT_TRACK": "1",
     }
     log_path = log_dir / "vllm.log"
-    # Not through ProcessGroup: it starts each child in a new session, and with the kernel's
-    # autogroup scheduling a vLLM in its own session starves its API server on 2 cores (its
-    # engine process spins on the second core while waiting for the worker), so streams arrive
-    # seconds late in one burst and /metrics lags. In the test's own session it streams evenly.
+    # Not through ProcessGroup: it starts each child in a new process session, and with the
+    # kernel's autogroup scheduling a vLLM in its own process session starves its API server
+    # on 2 cores (its engine process spins on the second core while waiting for the worker),
+    # so streams arrive seconds late in one burst and /metrics lags. In the test's own
+    # process session it streams evenly.
     with open(log_path, "wb") as log:
         popen = subprocess.Popen(
             argv,

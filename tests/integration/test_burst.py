@@ -1,4 +1,4 @@
-"""Issue 13: a burst of 10,000 requests in one second leaves nothing behind once drained.
+"""A burst of 10,000 requests in one second leaves nothing behind once drained.
 
 A real stack (Envoy, the service, one simulator) with small queues, so most of the burst is
 refused at once: 429 (queue full) or 503 (Envoy's shed twin or the service refusing for

@@ -1,4 +1,4 @@
-"""Precise prefix routing through the real Envoy (issue 18).
+"""Precise prefix routing through the real Envoy.
 
 Two simulated engines publish their KV events (``fairlane up``'s default: each simulator
 gets ``--kv-events-config``, the service ``--tokenizer builtin`` and each backend's

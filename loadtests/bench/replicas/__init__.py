@@ -1,1 +1,1 @@
-"""Benchmarks of replicas sharing state through Redis (issue 14): what the exchange costs."""
+"""Benchmarks of replicas sharing state through Redis: what the exchange costs."""

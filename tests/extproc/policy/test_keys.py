@@ -166,7 +166,7 @@ def test_only_plaintext_keys_are_warned_about_with_their_line(
 
 def test_past_twenty_plaintext_keys_the_rest_are_summed_up_in_one_warning() -> None:
     # A policy in force keeps its warnings: 100,000 tenants with plain keys would keep
-    # 100,000 of them (~0.5 KiB each, issue 16's memory per tenant).
+    # 100,000 of them (~0.5 KiB each, as much as the rest of a tenant's memory).
     policy = policy_of(*(tenant(f"t{i}", f"sk-plain-{i:04d}") for i in range(PLAINTEXT + 5)))
     listed, summary = policy.warnings[:PLAINTEXT], policy.warnings[PLAINTEXT:]
     assert [w.split(": warning: ")[0] for w in listed][-1] == f"p.yaml:{5 + 3 * PLAINTEXT}: " + (

@@ -233,7 +233,7 @@ def test_duplicate_tenant_names_and_keys_within_a_tenant() -> None:
 
 
 def test_checking_many_tenants_for_duplicates_takes_linear_time() -> None:
-    """Issue 13: a policy of 20,000 tenants was checked for duplicate names by scanning
+    """A policy of 20,000 tenants was checked for duplicate names by scanning
     every tenant read so far (2e8 comparisons, 16 s here); the check is a set now (0.3 s).
     The tree is built in code, so the bound measures the tenants' reading, not PyYAML."""
     tenants = represent(

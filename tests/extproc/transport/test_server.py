@@ -42,7 +42,7 @@ async def test_watch_picks_up_a_change(tmp_path: Path) -> None:
 
 
 async def test_a_slow_reload_does_not_stall_the_loop(tmp_path: Path) -> None:
-    """Issue 13: a policy whose parse takes most of a second is parsed off the loop; a timer
+    """A policy whose parse takes most of a second is parsed off the loop; a timer
     task that should wake every 5 ms keeps waking while it parses, and the new policy is
     then in force. Parsed on the loop, the timer would wait the whole parse. In a thread it
     waits for the GIL: its 5 ms switch interval, and the garbage collector's full passes,

@@ -1,4 +1,4 @@
-"""The cross-check of issue 16: the discrete-event run and the real run of the same A/B
+"""The cross-check: the discrete-event run and the real run of the same A/B
 scenario agree within 15 % on its headline figures.
 
 Each case runs the scenario's fairlane arm for real (Envoy, the service and two HTTP

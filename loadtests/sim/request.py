@@ -302,7 +302,7 @@ def unknown_model(model: Any, served_models: tuple[str, ...]) -> ApiError:
     )
 
 
-def _served_model(
+def served_model(
     body: Mapping[str, Any], served_models: tuple[str, ...], adapters: Container[str] = ()
 ) -> tuple[str, str | None]:
     """The model a request is answered as, and the LoRA adapter it names (or None).
@@ -337,7 +337,7 @@ def _model_ids(tokenizer: PromptTokenizer, body: Mapping[str, Any]) -> list[int]
     return ids
 
 
-def _prompt_ids(
+def prompt_ids(
     chat: bool, body: Mapping[str, Any], tokenizer: PromptTokenizer | None = None
 ) -> list[int]:
     """The prompt's token ids: the rendered chat, or a completion's one prompt (token ids
@@ -408,7 +408,7 @@ def _effective_max_tokens(max_tokens: int | None, token_num: int, max_model_len:
 
 
 def _output_len(
-    body: Mapping[str, Any], prompt_ids: list[int], effective_max: int, seed: int
+    body: Mapping[str, Any], token_ids: list[int], effective_max: int, seed: int
 ) -> int:
     """How many tokens the answer will have: all it may with ``ignore_eos``, else where
     the seeded EOS falls, never below ``min_tokens``."""
@@ -422,7 +422,7 @@ def _output_len(
         )
     if body.get("ignore_eos"):
         return effective_max
-    natural = natural_output_len(prompt_ids, seed)
+    natural = natural_output_len(token_ids, seed)
     return max(min_tokens, min(natural, effective_max))
 
 
@@ -440,8 +440,8 @@ def parse_generate(
     prompt is tokenized by ``tokenizer`` (the model's) when given, else by
     ``extproc.core.prompt``; ``adapters`` are the LoRA adapter names ``model`` may take."""
     _validate(chat, body)
-    model, lora_name = _served_model(body, served_models, adapters)
-    prompt_ids = _prompt_ids(chat, body, tokenizer)
+    model, lora_name = served_model(body, served_models, adapters)
+    prompt_token_ids = prompt_ids(chat, body, tokenizer)
     body_priority = _opt_int(body, "priority")
     hdr_priority = header_priority(headers)
     priority = hdr_priority if hdr_priority is not None else (body_priority or 0)
@@ -449,8 +449,8 @@ def parse_generate(
     if n is not None and n != 1:
         raise ApiError("The simulator supports only n=1.", param="n")
     params_max_tokens = _requested_max_tokens(chat, body)
-    effective_max = _effective_max_tokens(params_max_tokens, len(prompt_ids), max_model_len)
-    output_len = _output_len(body, prompt_ids, effective_max, seed)
+    effective_max = _effective_max_tokens(params_max_tokens, len(prompt_token_ids), max_model_len)
+    output_len = _output_len(body, prompt_token_ids, effective_max, seed)
     stream = bool(body.get("stream", False))
     options = body.get("stream_options")
     include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
@@ -459,7 +459,7 @@ def parse_generate(
         chat=chat,
         model=model,
         request_id=("chatcmpl-" if chat else "cmpl-") + base_id,
-        prompt_token_ids=prompt_ids,
+        prompt_token_ids=prompt_token_ids,
         max_tokens=effective_max,
         params_max_tokens=params_max_tokens,
         output_len=output_len,

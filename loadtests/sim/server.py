@@ -64,6 +64,7 @@ from loadtests.sim.response import (
     system_fingerprint,
 )
 from loadtests.sim.runner import Runner
+from loadtests.sim.tokenize import tokenize_answer
 
 FAULT_METRICS = (None, "garbage", "hang", "no-itl")
 ITL_SERIES = b"vllm:inter_token_latency_seconds"
@@ -279,6 +280,7 @@ class SimServer:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
         app.router.add_get("/health", self.health)
         if self.config.fault_metrics is None:
             app.router.add_get("/metrics", self.metrics_handler)
@@ -331,6 +333,18 @@ class SimServer:
         the next step's events, as vLLM's does. The bench empties caches between arms."""
         success = self.engine.pool.reset()
         return web.Response(body=dumps({"success": success}), content_type="application/json")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``: the ids a generate request with this body would have
+        (``loadtests.sim.tokenize``), for routers that match them against KV events."""
+        try:
+            body = parse_body(await request.read())
+            answer = tokenize_answer(
+                body, self.config.served, self.max_model_len, self.tokenizer, self.loras
+            )
+        except ApiError as err:
+            return _error_response(err)
+        return web.Response(body=dumps(answer), content_type="application/json")
 
     async def models(self, _: web.Request) -> web.Response:
         body = models_body(

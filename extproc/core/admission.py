@@ -199,6 +199,7 @@ class Admission:
         grants the new limits allowed at once."""
         self.policy = policy
         self.budgets.configure(policy)
+        self.pool.set_loadable({n: a.base for n, a in policy.runtime_adapters.items()})
         self._bands = {
             t.name: BandConfig(t.name, t.rank, t.queue_limit, t.aging_rate, t.aging_cap)
             for t in policy.tiers
@@ -536,6 +537,7 @@ class Admission:
             priority,
             now,
             stale,
+            self.pool.loadable,
         )
 
         def admits(b: Backend) -> bool:  # every filter (``extproc.core.filters``)

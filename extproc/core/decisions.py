@@ -19,6 +19,18 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterLoad:
+    """A runtime LoRA adapter the chosen engine must load before the request goes there
+    (``extproc.fleet.adapters``)."""
+
+    address: str
+    """``ip:port`` of the engine."""
+    name: str
+    base: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
 class Forward:
     """Let the request go upstream, rewritten."""
 
@@ -34,6 +46,9 @@ class Forward:
     """Set when the gateway may cancel this request while it runs (``Gateway.preempted``):
     the transport keeps its stream open until the answer starts, and tells admission so
     (``Admission.cancellable``)."""
+    load: AdapterLoad | None = None
+    """Set when the first endpoint must load the request's adapter first: the transport
+    awaits the load, and answers 503 when it fails."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,14 +24,21 @@ from extproc.core.bands import tier_of
 from extproc.core.body import parse_body, with_member
 from extproc.core.classify import RequestClass, authenticate, classify
 from extproc.core.counters import GatewayStats
-from extproc.core.decisions import Decision, Forward, Hold, Respond
+from extproc.core.decisions import AdapterLoad, Decision, Forward, Hold, Respond
 from extproc.core.errors import Rejection, error_body
 from extproc.core.events import Completion, RequestInfo
 from extproc.core.feedback import settle
 from extproc.core.gates import unusable_metrics, unusable_since
-from extproc.core.model_routing import MODELS_PATH, model_unavailable, models_answer, route_model
+from extproc.core.model_routing import (
+    MODEL_RETRY_AFTER_S,
+    MODELS_PATH,
+    model_unavailable,
+    models_answer,
+    route_model,
+)
 from extproc.core.overload import OverloadControl
 from extproc.core.picker import choose
+from extproc.fleet.models import needs_load
 from extproc.policy import PolicyStore
 from extproc.wire import (
     HEDGE_ON_TIMEOUT_HEADER,
@@ -181,11 +188,10 @@ class Gateway:
         grants = tuple(self.admission.abandon(hold.request_id))
         if cancelled:
             return Decision(None, grants)
-        backends = self.admission.pool.backends
         model = hold.request.model
         rejection = (
             self._no_usable_metrics(hold.tier)
-            or model_unavailable(backends, model, hold.tier)
+            or model_unavailable(self.admission.pool, model, hold.tier)
             or Rejection(
                 503,
                 f"request waited {hold.deadline_s:g}s in the {hold.tier!r} queue "
@@ -277,7 +283,7 @@ class Gateway:
         tenant = authenticate(self.policies.current, info)
         pool = self.admission.pool
         if info.path.partition("?")[0] == MODELS_PATH:
-            listed = models_answer(pool.backends, tenant)
+            listed = models_answer(pool.backends, tenant, pool.loadable)
             if listed is not None:
                 return Respond(200, listed, {"content-type": "application/json"})
         policy = self.policies.current
@@ -308,10 +314,11 @@ class Gateway:
         }
         if request.path != info.path:
             set_headers[":path"] = request.path
+        endpoints, load = self._adapter_load(request, grant.endpoints)
         # Retries and hedges go only to the endpoints the picker listed: past the list,
         # Envoy's fallback load balancer would pick any host its own health check passes,
         # including one the service left out (garbage metrics, cooling off, saturated).
-        alternates = len(grant.endpoints) - 1
+        alternates = len(endpoints) - 1
         set_headers[MAX_RETRIES_HEADER] = str(alternates)
         if request.tier.hedge_after_ms is not None and alternates:
             # Envoy's router reads these from a trusted filter (mutation_rules allow_envoy)
@@ -341,12 +348,48 @@ class Gateway:
             raw = json.dumps(body, separators=(",", ":")).encode()
         return Forward(
             body=with_member(raw, body, "priority", grant.priority),
-            endpoints=grant.endpoints,
+            endpoints=endpoints,
             set_headers=set_headers,
             remove_headers=strip,
             metadata=metadata,
             # Its client gets nothing before the whole answer: it can still be cancelled.
             cancel_id=request_id if request.tier.preemptible and not request.stream else None,
+            load=load,
+        )
+
+    def _adapter_load(
+        self, request: RequestClass, endpoints: tuple[str, ...]
+    ) -> tuple[tuple[str, ...], AdapterLoad | None]:
+        """The endpoints for a request, and the runtime adapter the first must load before
+        it goes there (None: nothing to load). Alternates that would need a load of their
+        own are left out: a retry there would be answered 404 by the engine."""
+        adapter = self.policies.current.runtime_adapters.get(request.model or "")
+        if adapter is None or request.model is None:
+            return endpoints, None
+        pool = self.admission.pool
+
+        def must_load(address: str) -> bool:
+            backend = pool.by_address.get(address)
+            return backend is not None and needs_load(backend.models, request.model, pool.loadable)
+
+        if not must_load(endpoints[0]):
+            return endpoints, None
+        kept = (endpoints[0], *(a for a in endpoints[1:] if not must_load(a)))
+        return kept, AdapterLoad(endpoints[0], request.model, adapter.base, adapter.path)
+
+    def adapter_unavailable(self, load: AdapterLoad, tier: str, reason: str) -> Respond:
+        """The answer for a request whose engine could not load its adapter: nothing
+        reached the engine, so the client may send it again (that engine is left out of
+        loads for a while, ``Backend.no_loads_until``)."""
+        return self.respond_to(
+            Rejection(
+                503,
+                f"the adapter `{load.name}` could not be loaded on an engine ({reason}); "
+                "retry later",
+                code="adapter_unavailable",
+                headers={"retry-after": str(MODEL_RETRY_AFTER_S)},
+                tier=tier,
+            )
         )
 
     def preempted(self, tier: str) -> Respond:

@@ -21,7 +21,15 @@ from collections.abc import Sequence
 from extproc.core.classify import RequestClass
 from extproc.core.errors import Rejection
 from extproc.fleet.backend import Backend, BackendPool
-from extproc.fleet.models import ServedModels, fleet_models, may_serve, several_models
+from extproc.fleet.models import (
+    NOTHING_LOADABLE,
+    Loadable,
+    ServedModels,
+    fleet_models,
+    may_serve,
+    needs_load,
+    several_models,
+)
 from extproc.policy import Policy, Tenant
 from extproc.policy.models import may_request, may_use, resolve_model
 
@@ -62,13 +70,18 @@ def route_model(
     return request if served == asked else dataclasses.replace(request, model=served)
 
 
-def model_unavailable(
-    backends: Sequence[Backend], model: str | None, tier: str
-) -> Rejection | None:
-    """The 503 for a request whose wait ended while no healthy engine served its model;
-    None when one does (the request waited for room, not for its model)."""
-    if model is None or any(b.healthy and may_serve(b, model) for b in backends):
+def model_unavailable(pool: BackendPool, model: str | None, tier: str) -> Rejection | None:
+    """The 503 for a request whose wait ended while no healthy engine served its model
+    (nor could load it: a runtime adapter whose loads failed); None when one does (the
+    request waited for room, not for its model)."""
+    if model is None:
         return None
+    now, loadable = pool.clock(), pool.loadable
+    for backend in pool.backends:
+        if not (backend.healthy and may_serve(backend, model, loadable)):
+            continue
+        if now >= backend.no_loads_until or not needs_load(backend.models, model, loadable):
+            return None
     return Rejection(
         503,
         f"no engine serving `{model}` is available right now; retry later",
@@ -78,12 +91,19 @@ def model_unavailable(
     )
 
 
-def models_answer(backends: Sequence[Backend], tenant: Tenant) -> bytes | None:
-    """OpenAI's model list of what the live fleet serves that ``tenant`` may use; None
-    while no engine's models are known (the request then goes to an engine, as before)."""
+def models_answer(
+    backends: Sequence[Backend], tenant: Tenant, loadable: Loadable = NOTHING_LOADABLE
+) -> bytes | None:
+    """OpenAI's model list of what the live fleet serves that ``tenant`` may use, runtime
+    adapters whose base it serves included; None while no engine's models are known (the
+    request then goes to an engine, as before)."""
     if all(b.models is None for b in backends):
         return None
     served: ServedModels = fleet_models(b for b in backends if b.healthy)
+    adapters = dict(served.adapters)
+    for name, base in loadable.items():
+        if base in served.bases:
+            adapters.setdefault(name, base)
     created = int(time.time())
     data = [
         {"id": name, "object": "model", "created": created, "owned_by": "fairlane", "parent": None}
@@ -92,7 +112,7 @@ def models_answer(backends: Sequence[Backend], tenant: Tenant) -> bytes | None:
     ]
     data += [
         {"id": name, "object": "model", "created": created, "owned_by": "fairlane", "parent": base}
-        for name, base in sorted(served.adapters.items())
+        for name, base in sorted(adapters.items())
         if may_use(tenant, name)
     ]
     return json.dumps({"object": "list", "data": data}, separators=(",", ":")).encode()

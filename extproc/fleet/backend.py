@@ -33,7 +33,14 @@ from typing import Literal, Protocol
 from urllib.parse import urlsplit
 
 from extproc.fleet.kv_events import KVBlockIndex
-from extproc.fleet.models import MAX_NAME_CHARS, ServedModels, may_serve, several_models
+from extproc.fleet.models import (
+    MAX_NAME_CHARS,
+    NOTHING_LOADABLE,
+    Loadable,
+    ServedModels,
+    may_serve,
+    several_models,
+)
 from extproc.fleet.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_CAPACITY_BLOCKS, PrefixLRU
 from extproc.fleet.seats import Seats, restarted
 from extproc.fleet.shared_scrape import SharedScrape
@@ -389,6 +396,7 @@ class Backend:
         "models",
         "models_expected",
         "models_read_at",
+        "no_loads_until",
         "peer_in_flight",
         "peer_in_flight_at_scrape",
         "peer_in_flight_by_rank",
@@ -454,6 +462,9 @@ class Backend:
         self.models_read_at = -math.inf
         self.models_expected = False
         """Joined a fleet whose models were known: no request until its own are read."""
+        self.no_loads_until = -math.inf
+        """Until then no runtime adapter is loaded here: its last load failed (LoRA or
+        runtime updating off, a bad path); tried again after a while, as it may be fixed."""
         self.membership: Membership = "serving"
         self._clock = clock
 
@@ -941,6 +952,9 @@ class BackendPool:
         self._fleet_version = 0
         """Bumped when a backend joins or leaves: what ``serving`` remembers is per fleet."""
         self._pools: dict[tuple[str, int, int], str] = {}
+        self.loadable: Loadable = NOTHING_LOADABLE
+        """The policy's runtime adapters (``set_loadable``): they may go where their base
+        is served."""
 
     def set_models(self, backend: Backend, models: ServedModels) -> None:
         """What ``backend`` serves now (its ``/v1/models``)."""
@@ -948,6 +962,13 @@ class BackendPool:
         self.models_version += 1
         self._serving.clear()
         self._pools.clear()
+
+    def set_loadable(self, loadable: Loadable) -> None:
+        """The runtime adapters of a (re)loaded policy: adapter name -> base model."""
+        if dict(loadable) != dict(self.loadable):
+            self.loadable = dict(loadable)
+            self._serving.clear()
+            self._pools.clear()
 
     def serving(self, model: str | None) -> list[Backend]:
         """The backends a request for ``model`` may go to (``extproc.fleet.models.may_serve``),
@@ -960,7 +981,8 @@ class BackendPool:
         if found is None:
             if len(self._serving) >= SERVING_MEMORY:  # clients may name any model: bounded
                 self._serving.clear()
-            found = self._serving[key] = [b for b in self.backends if may_serve(b, model)]
+            loadable = self.loadable
+            found = self._serving[key] = [b for b in self.backends if may_serve(b, model, loadable)]
         return found
 
     def pool_of(self, model: str | None) -> str:

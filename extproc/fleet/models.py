@@ -5,13 +5,16 @@ vLLM lists every name it answers to: the base model under each ``--served-model-
 go only to an engine that answers to its ``model``; the gateway refuses a model no engine
 serves before it queues. An engine not read yet is taken to serve anything, as every engine
 was before models were read: a fleet whose ``/v1/models`` cannot be read routes as it always
-did, and a failed read keeps the last set known.
+did, and a failed read keeps the last set known. A runtime adapter of the policy's (``loadable``:
+adapter -> base) may also go to an engine that serves its base, which loads it first
+(``extproc.fleet.adapters``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol
 
 MAX_MODELS = 1024
@@ -81,17 +84,38 @@ class Serving(Protocol):
     def models_expected(self) -> bool: ...
 
 
-def may_serve(backend: Serving, model: str | None) -> bool:
+Loadable = Mapping[str, str]
+"""Runtime adapters the policy lets the gateway load: adapter name -> base model name."""
+
+NOTHING_LOADABLE: Loadable = MappingProxyType({})
+
+
+def may_serve(backend: Serving, model: str | None, loadable: Loadable = NOTHING_LOADABLE) -> bool:
     """Whether a request for ``model`` may go to ``backend``: any request when it names no
     model, or the engine's models were never read, unless it joined a fleet whose models
     are known (``models_expected``): it then waits for its own list, read within a health
-    round, rather than take another model's requests meanwhile."""
+    round, rather than take another model's requests meanwhile. A loadable adapter may go
+    where its base is served (``needs_load``)."""
     served = backend.models
     if model is None:
         return True
     if served is None:
         return not backend.models_expected
-    return served.serves(model)
+    return served.serves(model) or needs_load(served, model, loadable)
+
+
+def needs_load(served: ServedModels | None, model: str | None, loadable: Loadable) -> bool:
+    """Whether an engine serving ``served`` runs ``model`` only once it loads it: a runtime
+    adapter it does not list, whose base it serves."""
+    if model is None or served is None or served.serves(model):
+        return False
+    base = loadable.get(model)
+    return base is not None and base in served.bases
+
+
+def with_adapter(served: ServedModels, name: str, base: str) -> ServedModels:
+    """``served`` once the engine has loaded adapter ``name`` on ``base``."""
+    return ServedModels(served.bases, {**served.adapters, name: base})
 
 
 def fleet_models(backends: Iterable[Serving]) -> ServedModels:

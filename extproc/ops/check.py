@@ -3,7 +3,7 @@
 Run it before deploying a policy (or in CI): it exits 1 with one ``file:line: field:
 message`` line per problem, the same errors a running service logs when it refuses to
 reload the file, and otherwise prints the tiers, tenants (with the models each may use),
-model aliases and rules as the gateway will use them.
+model aliases, runtime adapters and rules as the gateway will use them.
 API keys are never printed, only their first characters (or where they come from:
 ``sha256:1f2e…``, ``env:NAME``, ``file:PATH``). What works but should change is a warning
 on stderr with its ``file:line``, without failing: a plaintext key in the policy, with the
@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def describe(policy: Policy, out: TextIO) -> None:
-    """The human summary: settings, then tiers, tenants, model aliases and rules as
-    tables."""
+    """The human summary: settings, then tiers, tenants, model aliases, runtime adapters
+    and rules as tables."""
     print(
         f"{policy.source}: OK, {len(policy.tiers)} tiers, {len(policy.tenants)} tenants, "
         f"{len(policy.rules)} rules, {len(policy.model_aliases)} model aliases",
@@ -94,6 +94,11 @@ def describe(policy: Policy, out: TextIO) -> None:
             for target in targets
         ]
         sections.append((_ALIAS_HEADINGS, rows))
+    if policy.runtime_adapters:
+        adapters: list[Sequence[str]] = [
+            (n, a.base, a.path) for n, a in policy.runtime_adapters.items()
+        ]
+        sections.append((_ADAPTER_HEADINGS, adapters))
     if policy.rules:
         sections.append((_RULE_HEADINGS, [_rule_row(rule) for rule in policy.rules]))
     for headings, rows in sections:
@@ -103,6 +108,7 @@ def describe(policy: Policy, out: TextIO) -> None:
 
 
 _TIER_HEADINGS = ("TIER", "RANK", "VLLM PRIORITY", "QUEUE LIMIT", "DEADLINE", "SLO", "ALIASES")
+_ADAPTER_HEADINGS = ("RUNTIME ADAPTER", "BASE", "LOADED FROM")
 _SCHEDULING_HEADINGS = ("TIER", "GATE", "RESERVED", "AGING", "EARLY SHED")
 _TENANT_HEADINGS = (
     "TENANT",

@@ -207,6 +207,24 @@ ModelAliases = Mapping[str, tuple[AliasTarget, ...]]
 NO_MODEL_ALIASES: ModelAliases = MappingProxyType({})
 
 
+@dataclass(frozen=True, slots=True)
+class RuntimeAdapter:
+    """A LoRA adapter the gateway may load onto an engine of its base model when a request
+    names it and the chosen engine does not hold it (vLLM's ``/v1/load_lora_adapter``)."""
+
+    base: str
+    """The served base model the adapter runs on: engines serving it may load it."""
+    path: str
+    """Where the engine reads the adapter from (its ``lora_path``: a directory on the
+    engine's machine, or whatever a LoRA resolver of the engine's understands)."""
+
+
+RuntimeAdapters = Mapping[str, RuntimeAdapter]
+"""An adapter's name -> its base and path (``Policy.runtime_adapters``)."""
+
+NO_RUNTIME_ADAPTERS: RuntimeAdapters = MappingProxyType({})
+
+
 ConditionOp = Literal["equals", "in", "present", "gt", "ge", "lt", "le", "regex"]
 
 
@@ -395,6 +413,11 @@ class Policy:
     """A client's model name -> the served models it is sent to, with their weights
     (``extproc.policy.models.resolve_model``). Read-only: a ``dict`` given here is copied
     into a ``MappingProxyType``. Left out of the hash (a mapping has none) but compared."""
+    runtime_adapters: RuntimeAdapters = field(
+        default_factory=lambda: NO_RUNTIME_ADAPTERS, hash=False
+    )
+    """LoRA adapters loaded onto engines at run time (opt-in: empty, nothing is loaded).
+    Read-only like ``model_aliases``."""
     source: str = "<policy>"
     warnings: tuple[str, ...] = field(default=(), compare=False)
     """``file:line: field: message`` for what works but should change (a plain API key in
@@ -418,6 +441,11 @@ class Policy:
             if chained:
                 raise ValueError(f"model alias {name!r} points to alias {chained[0]!r}")
         object.__setattr__(self, "model_aliases", MappingProxyType(aliases))
+        adapters = dict(self.runtime_adapters)
+        for name in adapters:
+            if name in aliases:
+                raise ValueError(f"{name!r} is both a model alias and a runtime adapter")
+        object.__setattr__(self, "runtime_adapters", MappingProxyType(adapters))
         by_name = {tier.name: tier for tier in self.tiers}
         by_word = dict(by_name)
         for tier in self.tiers:

@@ -9,7 +9,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,6 +37,7 @@ from extproc.policy.model import (
     PolicyError,
     Routing,
     Rule,
+    RuntimeAdapter,
     Tenant,
     Tier,
 )
@@ -101,7 +102,8 @@ _TENANT_KEYS = (
     "models",
     "default_model",
 )
-_MODELS_KEYS = ("aliases",)
+_MODELS_KEYS = ("aliases", "adapters")
+_ADAPTER_KEYS = ("base", "path")
 _ALIAS_TARGET_KEYS = ("model", "weight")
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _BUDGET_KEYS = ("tokens_per_minute", "requests_per_minute", "concurrent")
@@ -181,6 +183,7 @@ def _read_policy(reader: LocatedReader, root: Node, keys_dir: Path) -> Policy | 
         tenants=tuple(tenants),
         rules=tuple(rules),
         model_aliases=aliases.read,
+        runtime_adapters=aliases.adapters,
         source=reader.filename,
         warnings=tuple(reader.warnings),
         key_files=_key_files(tenants, keys_dir),
@@ -537,6 +540,9 @@ class _Aliases:
     """False when the ``models`` section itself could not be read: which names are aliases
     is unknown, so no ``default_model`` is judged (the section's own error is reported)."""
 
+    adapters: dict[str, RuntimeAdapter] = field(default_factory=dict)
+    """The valid runtime adapters (``models.adapters``)."""
+
     def judges(self, name: str) -> bool:
         return self.known and name not in self.broken
 
@@ -545,11 +551,14 @@ _NO_ALIASES = _Aliases({}, set())
 
 
 def _read_models(reader: LocatedReader, node: Node) -> _Aliases:
-    """``models: {aliases: {NAME: MODEL | [{model: MODEL, weight: W}, ...]}}``."""
+    """``models: {aliases: {NAME: MODEL | [{model: MODEL, weight: W}, ...]},
+    adapters: {NAME: {base: MODEL, path: PATH}}}``."""
     errors_before = len(reader.errors)
     items = reader.mapping(node, "models", _MODELS_KEYS)
+    adapters = _read_adapters(reader, items["adapters"]) if "adapters" in items else {}
     if "aliases" not in items:
-        return _Aliases({}, set(), known=len(reader.errors) == errors_before)
+        known = len(reader.errors) == errors_before
+        return _Aliases({}, set(), known=known, adapters=adapters)
     aliases_node = items["aliases"]
     if not isinstance(aliases_node, MappingNode):
         reader.error(
@@ -579,6 +588,13 @@ def _read_models(reader: LocatedReader, node: Node) -> _Aliases:
                     "so point it at a served model",
                 )
                 broken.add(name)
+    for name in adapters.keys() & values.keys():
+        reader.error(
+            key_nodes.get(name, aliases_node),
+            join_path("models.aliases", name),
+            f"{name!r} is also a runtime adapter (models.adapters): a name is one or the other",
+        )
+        broken.add(name)
     return _Aliases(
         {
             name: tuple(target for _, _, target in targets)
@@ -586,7 +602,34 @@ def _read_models(reader: LocatedReader, node: Node) -> _Aliases:
             if name not in broken
         },
         broken,
+        adapters=adapters,
     )
+
+
+def _read_adapters(reader: LocatedReader, node: Node) -> dict[str, RuntimeAdapter]:
+    """``models.adapters``: each adapter's name -> ``{base: MODEL, path: PATH}``."""
+    if not isinstance(node, MappingNode):
+        reader.error(node, "models.adapters", f"must be a mapping, not {kind_of(node)}")
+        return {}
+    values = reader.mapping(node, "models.adapters", None)
+    key_nodes = {key.value: key for key, _ in node.value if isinstance(key, ScalarNode)}
+    adapters: dict[str, RuntimeAdapter] = {}
+    for name, value_node in values.items():
+        path = join_path("models.adapters", name)
+        errors_before = len(reader.errors)
+        _model_name(reader, key_nodes.get(name, value_node), path)
+        fields = reader.mapping(value_node, path, _ADAPTER_KEYS)
+        if not _required(reader, value_node, fields, path, "base", "path"):
+            continue
+        base = _model_name(reader, fields["base"], f"{path}.base")
+        where = reader.string(fields["path"], f"{path}.path")
+        if where is not None and not where.strip():
+            reader.error(fields["path"], f"{path}.path", "must not be empty")
+        if base is not None and base == name:
+            reader.error(fields["base"], f"{path}.base", "an adapter is not its own base")
+        if len(reader.errors) == errors_before and base is not None and where is not None:
+            adapters[name] = RuntimeAdapter(base, where)
+    return adapters
 
 
 def _read_alias_targets(

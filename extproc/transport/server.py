@@ -28,6 +28,7 @@ from extproc.core.gateway import Gateway
 from extproc.core.overload import OverloadControl
 from extproc.core.prefix import EngineHashing, PromptTokenizer
 from extproc.core.prompt import BuiltinTokenizer
+from extproc.fleet.adapters import AdapterLoader
 from extproc.fleet.backend import Backend, BackendPool, BackendSpec
 from extproc.fleet.discovery import ANY_BACKEND_SYNTAX, DnsBackendSpec, FleetSpec
 from extproc.fleet.membership import Changes, Membership
@@ -158,8 +159,9 @@ class Service:
         self.server = GrpcServer(
             ServerLimits.for_policy(self.policies.current, config.max_connections)
         )
+        self.adapters = AdapterLoader(self.pool, authorization=self._engine_authorization)
         add_external_processor(
-            ExternalProcessor(self.held, self.ages, self.credentials),
+            ExternalProcessor(self.held, self.ages, self.credentials, self.adapters),
             self.server,
         )
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(self.held), self.server)
@@ -308,6 +310,7 @@ class Service:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.kv_feeds is not None:
             await self.kv_feeds.stop()
+        await self.adapters.close()
         if self._metrics is not None:
             await self._metrics.cleanup()
 

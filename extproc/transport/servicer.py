@@ -30,7 +30,8 @@ from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.runtime.v3 import rtds_pb2_grpc
 
-from extproc.core.decisions import Forward, Hold
+from extproc.core.decisions import Forward, Hold, Respond
+from extproc.fleet.adapters import AdapterLoader
 from extproc.transport import codec
 from extproc.transport.credentials import BackendCredentials
 from extproc.transport.endpoints import EndpointSet
@@ -71,8 +72,11 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
         held: HeldRequests,
         ages: Ages | None = None,
         credentials: BackendCredentials | None = None,
+        adapters: AdapterLoader | None = None,
     ) -> None:
         self.held = held
+        self._adapters = adapters
+        """Loads runtime LoRA adapters a forward asks for; None: forwards go as they are."""
         self._service_time = held.gateway.stats.service_time
         self._ages = ages or Ages()
         self._credentials = credentials
@@ -125,6 +129,10 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
                     # takes the request out of its queue.
                     outcome = await self.held.outcome(outcome)
                     started = perf_counter()
+                if isinstance(outcome, Forward) and outcome.load is not None:
+                    busy_s += perf_counter() - started
+                    outcome = await self._load_adapter(outcome)
+                    started = perf_counter()
                 if isinstance(outcome, Forward):
                     if self._credentials is not None:
                         outcome = self._credentials.apply(outcome)
@@ -148,6 +156,18 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
             aclose = getattr(messages, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+    async def _load_adapter(self, forward: Forward) -> Forward | Respond:
+        """``forward`` once its engine has loaded its adapter, or the 503 that says it
+        could not (the seat it was granted is given back when Envoy logs the answer)."""
+        load = forward.load
+        if load is None or self._adapters is None:
+            return forward
+        reason = await self._adapters.load(load.address, load.name, load.base, load.path)
+        if reason is None:
+            return forward
+        tier = forward.metadata.get(TIER_KEY, "")
+        return self.held.gateway.adapter_unavailable(load, tier, reason)
 
     async def _while_running(
         self,

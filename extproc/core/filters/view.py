@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from extproc.fleet.models import NOTHING_LOADABLE, Loadable
 
 if TYPE_CHECKING:
     from extproc.policy import Tier
@@ -28,3 +30,5 @@ class View:
     """The vLLM priority the band's next request would go with (the queue gate's input)."""
     now: float
     stale_after_s: float
+    loadable: Loadable = field(default_factory=lambda: NOTHING_LOADABLE)
+    """The policy's runtime adapters (adapter -> base): loaded where their base is served."""

@@ -292,3 +292,107 @@ def test_an_engine_joining_a_fleet_of_known_models_takes_nothing_until_its_own_a
     assert joined not in pool.serving("llama") and joined not in pool.serving("qwen-7b")
     pool.set_models(joined, QWEN)
     assert joined in pool.serving("qwen-7b") and joined not in pool.serving("llama")
+
+
+RUNTIME_ADAPTER = """
+models:
+  adapters:
+    qwen-med: {base: qwen-7b, path: /adapters/qwen-med}
+"""
+
+
+def with_runtime_adapter() -> Gateway:
+    """Two pools whose qwen engine may load ``qwen-med`` at run time, with a free slot."""
+    gateway = two_pools()
+    with_models_policy(gateway, RUNTIME_ADAPTER)
+    qwen = gateway.admission.pool.backends[1]
+    assert qwen.metrics is not None
+    qwen.metrics = dataclasses.replace(qwen.metrics, lora=LoraSlots(2, frozenset(), frozenset()))
+    return gateway
+
+
+def test_a_runtime_adapter_goes_to_an_engine_of_its_base_which_loads_it_first() -> None:
+    gateway = with_runtime_adapter()
+    qwen = gateway.admission.pool.backends[1]
+    decision = gateway.handle(chat("qwen-med")).answer
+    assert isinstance(decision, Forward)
+    assert decision.endpoints == (qwen.address,)
+    assert decision.load is not None
+    assert (decision.load.address, decision.load.name, decision.load.base, decision.load.path) == (
+        qwen.address,
+        "qwen-med",
+        "qwen-7b",
+        "/adapters/qwen-med",
+    )
+    assert json.loads(decision.body)["model"] == "qwen-med"
+
+
+def test_an_engine_that_holds_the_runtime_adapter_needs_no_load() -> None:
+    gateway = with_runtime_adapter()
+    pool = gateway.admission.pool
+    pool.set_models(pool.backends[1], ServedModels(QWEN.bases, {"qwen-med": "qwen-7b"}))
+    decision = gateway.handle(chat("qwen-med")).answer
+    assert isinstance(decision, Forward) and decision.load is None
+
+
+def test_runtime_adapters_are_opt_in_and_listed_only_where_their_base_is_served() -> None:
+    gateway = two_pools()  # no models.adapters: an adapter no engine lists is unknown
+    status, error = error_of(gateway.handle(chat("qwen-med")).answer)
+    assert (status, error["code"]) == (404, "model_not_found")
+    gateway = with_runtime_adapter()
+    info = RequestInfo(
+        "GET", "/v1/models", {":method": "GET", "authorization": "Bearer sk-chat-demo"}, b"", "m"
+    )
+    answer = gateway.handle(info).answer
+    assert isinstance(answer, Respond)
+    listed = {c["id"]: c["parent"] for c in json.loads(answer.body)["data"]}
+    assert listed["qwen-med"] == "qwen-7b"
+    gateway.admission.pool.backends[1].healthy = False  # its base's engine is gone
+    answer = gateway.handle(info).answer
+    assert isinstance(answer, Respond)
+    assert "qwen-med" not in {c["id"] for c in json.loads(answer.body)["data"]}
+
+
+def test_an_engine_whose_load_failed_takes_no_load_until_it_may_retry() -> None:
+    gateway = with_runtime_adapter()
+    pool = gateway.admission.pool
+    qwen = pool.backends[1]
+    qwen.no_loads_until = pool.clock() + 60
+    hold = gateway.handle(chat("qwen-med")).answer
+    assert isinstance(hold, Hold)  # waits: no engine may load it now
+    status, error = error_of(gateway.give_up(hold).answer)
+    assert (status, error["code"]) == (503, "model_unavailable")
+    qwen.no_loads_until = pool.clock()
+    decision = gateway.handle(chat("qwen-med", request_id="r2")).answer
+    assert isinstance(decision, Forward) and decision.load is not None
+
+
+def test_a_failed_load_is_a_503_with_retry_after_that_names_the_adapter() -> None:
+    gateway = with_runtime_adapter()
+    decision = gateway.handle(chat("qwen-med")).answer
+    assert isinstance(decision, Forward) and decision.load is not None
+    answer = gateway.adapter_unavailable(decision.load, "interactive", "HTTP 404: Not Found")
+    status, error = error_of(answer)
+    assert (status, error["code"]) == (503, "adapter_unavailable")
+    assert "qwen-med" in str(error["message"]) and answer.headers["retry-after"] == "1"
+
+
+def test_alternates_that_would_need_a_load_of_their_own_are_left_out() -> None:
+    gateway = make_gateway()
+    pool = gateway.admission.pool
+    for backend in pool.backends:
+        pool.set_models(backend, QWEN)
+        assert backend.metrics is not None
+        backend.metrics = dataclasses.replace(
+            backend.metrics, lora=LoraSlots(2, frozenset(), frozenset())
+        )
+    with_models_policy(gateway, RUNTIME_ADAPTER)
+    decision = gateway.handle(chat("qwen-med")).answer
+    assert isinstance(decision, Forward) and decision.load is not None
+    assert decision.endpoints == (decision.load.address,)
+    holder = next(b for b in pool.backends if b.address != decision.load.address)
+    pool.set_models(holder, ServedModels(QWEN.bases, {**QWEN.adapters, "qwen-med": "qwen-7b"}))
+    # the engine holding it wins over one that would load it
+    decision = gateway.handle(chat("qwen-med", request_id="r2")).answer
+    assert isinstance(decision, Forward) and decision.load is None
+    assert decision.endpoints[0] == holder.address

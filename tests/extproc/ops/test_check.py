@@ -93,6 +93,11 @@ def test_example_policy_is_described(capsys: pytest.CaptureFixture[str]) -> None
         ["chat-latest", "llama-70b-v2", "90", "90%"],
         ["chat-latest", "llama-70b-v3", "10", "10%"],
     ]
+    adapters_at = next(i for i, line in enumerate(lines) if line.startswith("RUNTIME ADAPTER "))
+    assert [line.split() for line in lines[adapters_at : adapters_at + 2]] == [
+        ["RUNTIME", "ADAPTER", "BASE", "LOADED", "FROM"],
+        ["support-tone", "llama-8b", "/adapters/support-tone"],
+    ]
 
 
 def cells(lines: list[str]) -> list[list[str]]:

@@ -273,7 +273,7 @@ LONG = "m" * 257
         (
             "  aliases:\n",
             "  alias:\n",
-            ["m.yaml:4: models.alias: unknown field (expected one of: aliases)"],
+            ["m.yaml:4: models.alias: unknown field (expected one of: aliases, adapters)"],
         ),
         (
             BASE[BASE.index("models:") : BASE.index("tenants:")],
@@ -465,3 +465,48 @@ def test_resolve_model_refuses_a_draw_outside_0_1(draw: float) -> None:
 def test_tenants_compare_with_their_models() -> None:
     assert tenant("a") != tenant("b")
     assert dataclasses.replace(tenant("a"), default_model="a") != tenant("a")
+
+
+ADAPTERS = MINIMAL_TIERS + "models:\n  adapters:\nADAPTERS" + BOB
+"""Line 5 is the first adapter."""
+
+
+def with_adapters(adapters: str) -> str:
+    return ADAPTERS.replace("ADAPTERS", adapters)
+
+
+def test_runtime_adapters_are_read_with_their_base_and_path() -> None:
+    text = with_adapters("    sql: {base: llama-8b, path: /adapters/sql}\n")
+    assert {n: (a.base, a.path) for n, a in policy_of(text).runtime_adapters.items()} == {
+        "sql": ("llama-8b", "/adapters/sql")
+    }
+    assert not policy_of().runtime_adapters  # opt-in: none unless listed
+
+
+@pytest.mark.parametrize(
+    ("adapters", "error"),
+    [
+        ("    sql: {base: llama-8b}\n", "m.yaml:5: models.adapters.sql.path: is required"),
+        ("    sql: {path: /a}\n", "m.yaml:5: models.adapters.sql.base: is required"),
+        ('    sql: {base: llama-8b, path: " "}\n', "m.yaml:5: models.adapters.sql.path: must"),
+        ("    sql: {base: sql, path: /a}\n", "m.yaml:5: models.adapters.sql.base: an adapter"),
+        ("    'sq*': {base: b, path: /a}\n", "m.yaml:5: models.adapters.sq*: 'sq*' is a pattern"),
+        ("    sql: {base: b, path: /a, rank: 8}\n", "m.yaml:5: models.adapters.sql.rank: unknown"),
+        ("    - sql\n", "m.yaml:5: models.adapters: must be a mapping, not a list"),
+    ],
+)
+def test_a_bad_runtime_adapter_is_located(adapters: str, error: str) -> None:
+    errors = errors_of(with_adapters(adapters))
+    assert len(errors) == 1 and errors[0].startswith(error), errors
+
+
+def test_a_name_cannot_be_both_an_alias_and_a_runtime_adapter() -> None:
+    text = (
+        MINIMAL_TIERS
+        + ("models:\n  aliases:\n    sql: llama-8b\n  adapters:\n    sql: {base: b, path: /a}\n")
+        + BOB
+    )
+    assert errors_of(text) == [
+        "m.yaml:5: models.aliases.sql: 'sql' is also a runtime adapter (models.adapters): "
+        "a name is one or the other"
+    ]

@@ -7,7 +7,9 @@ benchmark *ran* (0) or could not (1); targets that fail are reported, not an err
 the harness is used to measure schedulers that do not meet them yet.
 
 A ``kind: overhead`` scenario (``overhead.yaml``) goes to :mod:`loadtests.bench.overhead.runner`;
-``--backend`` runs the arms against existing engines instead of simulators.
+``--backend`` runs the arms against existing engines instead of simulators, ``--engine``
+against real engines the bench starts (:mod:`loadtests.bench.engine`); both pin the engines
+and the gateway's side to separate cores.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from loadtests.bench import cpu, report
 from loadtests.bench.arms import start_arm
 from loadtests.bench.cachestats import window_hit_rate
 from loadtests.bench.client import RequestRecord, run_load
+from loadtests.bench.engine import EngineError, Placement, check_arguments, run_placement
+from loadtests.bench.engine import add_arguments as add_engine_arguments
 from loadtests.bench.external import (
     RESET_NEEDS,
     BackendError,
@@ -40,6 +44,7 @@ from loadtests.bench.external import (
     reset_prefix_caches,
 )
 from loadtests.bench.gateway_metrics import predicted_tokens, prefix_matches, scrape_all
+from loadtests.bench.pinning import PinningError, affinities, cpu_list_text
 from loadtests.bench.replica_flows import placement, replica_flows
 from loadtests.bench.results import ArmResult, BenchResults
 from loadtests.bench.scenario import (
@@ -105,6 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # The precise arms' matching, as `fairlane serve` takes it: with --backend, the engines'
     # tokenizer and hash settings (simulators: their builtin tokenizer, vLLM's defaults).
     add_kv_event_arguments(parser)
+    add_engine_arguments(parser)
 
 
 def raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -121,9 +127,11 @@ def run_arm(
     log_dir: Path,
     external: tuple[BackendSpec, ...] = (),
     policy: Path | None = None,
+    placed: Placement | None = None,
 ) -> tuple[list[RequestRecord], ArmResult]:
     """Start the arm, play the workload, stop everything; records and the arm's summary.
-    ``policy``: the file the gateway reads (default: the scenario's, see ``start_arm``).
+    ``policy``: the file the gateway reads (default: the scenario's, see ``start_arm``);
+    ``placed``: the engines the bench started and the cores it pinned (their CPU counted).
 
     A process of the arm that dies ends the load early and fails the arm with
     :class:`ChildExited` (which process, its exit, its log's last lines); the group still
@@ -136,23 +144,29 @@ def run_arm(
             f"{arm.name}: up at {running.url} ({len(running.pids)} processes); "
             f"{scenario.wall_duration_s:.1f} s of load"
         )
-        before = cpu.sample(running.pids)
+        where = placed or Placement(external)
+        pids = {**running.pids, **where.engine_pids()}
+        core_sets = where.core_sets()
+        before = cpu.sample(pids, core_sets)
         load = run_load(
             scenario,
             arm.name,
             scenario.groups_of(arm),
             running.url,
             running.backend_urls,
-            healthy=lambda: all(child.alive() for child in group.children),
+            healthy=lambda: all(child.alive() for child in group.children) and where.alive(),
         )
         group.check_alive(f"arm {arm.name}")
-        after = cpu.sample(running.pids)
+        where.check_alive(f"arm {arm.name}")
+        after = cpu.sample(pids, core_sets)
+        allowed = affinities({**pids, cpu.LOADGEN: os.getpid()}) if core_sets else {}
         gateway = scrape_all(running.service_metrics)
     replicas = replica_flows(gateway) if running.replicated else {}
     texts = list(gateway.values())
     matches, predicted = prefix_matches(texts), predicted_tokens(texts)
     records, capped = load.records, load.capped
-    usage = cpu.usage(before, after)
+    usage = cpu.usage(before, after, {n: cpu_list_text(c) for n, c in core_sets.items()})
+    usage.affinity = allowed
     usage.loop_lag_max_s, usage.machine_peak = load.loop_lag_max_s, load.machine_peak
     usage.speedup = scenario.speedup
     usage.warnings = cpu.warnings(usage)
@@ -233,9 +247,16 @@ def _shown(path: Path) -> str:
     return str(path.resolve()) if relative.startswith("..") else relative
 
 
-def bench(scenario: Scenario, out: Path, external: tuple[BackendSpec, ...] = ()) -> BenchResults:
+def bench(
+    scenario: Scenario,
+    out: Path,
+    external: tuple[BackendSpec, ...] = (),
+    placed: Placement | None = None,
+) -> BenchResults:
     """Run every arm and write the report; the results (also written to ``out``).
-    ``external``: existing backends (``--backend``) instead of simulated ones."""
+    ``external``: existing backends (``--backend``) instead of simulated ones; ``placed``:
+    the engines the bench started (``--engine``, their backends are ``external``) and how
+    the run was pinned."""
     records: dict[str, list[RequestRecord]] = {}
     arms: dict[str, ArmResult] = {}
     failed: dict[str, str] = {}
@@ -253,7 +274,7 @@ def bench(scenario: Scenario, out: Path, external: tuple[BackendSpec, ...] = ())
                 )
         try:
             records[arm.name], arms[arm.name] = run_arm(
-                scenario, arm.name, out / "logs" / arm.name, external, policy_file
+                scenario, arm.name, out / "logs" / arm.name, external, policy_file, placed
             )
         except (NotReady, EnvoyConfigError, OSError, RuntimeError) as exc:
             # The arm's processes are already stopped (ProcessGroup); the other arms still
@@ -263,8 +284,11 @@ def bench(scenario: Scenario, out: Path, external: tuple[BackendSpec, ...] = ())
     weights = {t.name: t.weight for t in load_policy(scenario.policy).tenants}
     summaries = {name: arm.summary for name, arm in arms.items()}
     targets = evaluate(scenario.targets, summaries, weights)
+    described = scenario_json(scenario, external, policy_file, caches_kept)
+    if placed is not None and placed.pinning is not None:
+        described["pinning"] = placed.pinning.to_json()
     results = BenchResults(
-        scenario=scenario_json(scenario, external, policy_file, caches_kept),
+        scenario=described,
         arms=arms,
         failed_arms=failed,
         targets=[mark_suspect(t, arms) for t in targets],
@@ -304,10 +328,14 @@ def _print_arm(name: str, arm: ArmResult, groups: list[str]) -> None:
 
 
 def print_summary(results: BenchResults, out: Path) -> None:
+    pinning = report.pinning_text(results.scenario)
+    if pinning:
+        print(pinning)
     external = results.scenario["backends"].get("external")
     if external:
+        given = "--engine" if report.engines_started(results.scenario) else "--backend"
         print(
-            f"engines: {', '.join(external)} (--backend): their scheduling policy is their "
+            f"engines: {', '.join(external)} ({given}): their scheduling policy is their "
             "own, the same for every arm (FIFO vs priority is not switched per arm)"
         )
     groups = report.groups_sharing_a_tier(results.scenario)
@@ -342,9 +370,10 @@ def run(args: argparse.Namespace) -> int:
             tokenizer=args.tokenizer,
             kv_hash_flags=kv_hash_arguments(args),
         )
+        scenario = check_arguments(args, scenario)
         external = external_backends(args.backend)
         check_precise(scenario, external)
-    except (ScenarioError, BackendError) as exc:
+    except (ScenarioError, BackendError, PinningError) as exc:
         print(f"fairlane bench: {exc}", file=sys.stderr)
         return 1
     note = policy_note(scenario, load_scenario(args.scenario).speedup)
@@ -358,9 +387,15 @@ def run(args: argparse.Namespace) -> int:
     )
     previous = signal.signal(signal.SIGTERM, raise_interrupt)
     try:
-        results = bench(scenario, out, external)
+        with run_placement(args, scenario, external, out / "logs" / "engines") as placed:
+            for line in placed.describe():
+                _log(line)
+            results = bench(scenario, out, placed.backends, placed)
     except KeyboardInterrupt:
         _log("interrupted; every process was stopped")
+        return 1
+    except (EngineError, NotReady) as exc:
+        _log(f"the engines did not start: {exc}")
         return 1
     except (OSError, ValueError) as exc:
         _log(f"failed: {exc}")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.bench.client import RequestRecord
+from loadtests.bench.cpu import GATEWAY_LIMIT_FRACTION
 from loadtests.bench.external import RESET_NEEDS
 from loadtests.bench.replica_flows import placement
 from loadtests.bench.results import ArmResult, BenchResults, Figures
@@ -133,8 +134,13 @@ def fleet_line(sc: Mapping[str, Any]) -> str:
     per arm), or existing engines given with ``--backend`` (their policy is their own)."""
     external = sc["backends"].get("external")
     if external:
+        given = (
+            "real engine(s) the bench started (--engine)"
+            if engines_started(sc)
+            else "existing backend(s) given with --backend"
+        )
         return (
-            f"- fleet: {len(external)} existing backend(s) given with --backend "
+            f"- fleet: {len(external)} {given} "
             f"({', '.join(external)}); **their scheduling policy is their own** (whatever "
             "they were started with): FIFO vs priority cannot be switched per arm, so every "
             "arm runs on it, and fairlane's injected priority orders requests inside the "
@@ -148,6 +154,35 @@ def fleet_line(sc: Mapping[str, Any]) -> str:
         "FIFO: Envoy round-robin, vLLM fcfs; least-request / random: Envoy's LEAST_REQUEST / "
         "RANDOM, vLLM fcfs; fairlane: the gateway with "
         f"{policy_text(sc)}, vLLM priority."
+    )
+
+
+def engines_started(sc: Mapping[str, Any]) -> bool:
+    """The engines were started (and pinned) by the bench (``--engine``)."""
+    return bool((sc.get("pinning") or {}).get("engines_pinned"))
+
+
+def pinning_text(sc: Mapping[str, Any]) -> str | None:
+    """Which cores the engines and the gateway's side ran on (None: nothing was pinned)."""
+    pinning = sc.get("pinning")
+    if not pinning:
+        return None
+    engines = pinning.get("engines") or {}
+    if pinning["engines_pinned"]:
+        each = ", ".join(f"{name} on CPUs {cpus}" for name, cpus in engines.items())
+        where = (
+            f"engines started by the bench and pinned to CPUs {pinning['engine_cpus']} "
+            f"({each}, OpenMP threads bound there)"
+        )
+    else:
+        where = (
+            "engines **not pinned by the bench** (started by someone else: they may run on "
+            "any core, the gateway's too)"
+        )
+    return (
+        f"pinning: {where}; the gateway (Envoy, the service, its replicas) and the load "
+        f"generator pinned to CPUs {pinning['gateway_cpus']}; an arm is CPU-bound when those "
+        f"cores were over {GATEWAY_LIMIT_FRACTION:.0%} busy"
     )
 
 
@@ -176,6 +211,7 @@ def _head_lines(results: BenchResults) -> list[str]:
         f"({sc['duration_s'] / sc['speedup']:.1f} s wall per arm), warm-up "
         f"{sc['warmup_s']:g} s left out of latency percentiles and goodput; seed {sc['seed']}.",
         fleet_line(sc),
+        *([f"- {pinning_text(sc)}"] if sc.get("pinning") else []),
         *models_line(sc),
         *(
             [
@@ -374,8 +410,12 @@ def _cpu_lines(results: BenchResults) -> list[str]:
     arms, names = results.arms, list(results.arms)
     lines = ["", "## CPU (cores used during the workload: CPU seconds / wall seconds)", ""]
     rows = [
-        [p, *(fmt(arms[n].cpu.cores.get(p)) for n in names)]
+        [_pinned_label(arms, p), *(fmt(arms[n].cpu.cores.get(p)) for n in names)]
         for p in _names_in(arms, lambda a: a.cpu.cores)
+    ]
+    rows += [
+        [f"{core_set} CPUs {cpus} busy", *(_busy(arms[n], core_set) for n in names)]
+        for core_set, cpus in _core_sets(arms).items()
     ]
     rows += [
         [
@@ -400,6 +440,26 @@ def _cpu_lines(results: BenchResults) -> list[str]:
     if warnings:
         lines += ["", "### Warnings", "", *warnings]
     return lines
+
+
+def _pinned_label(arms: Mapping[str, ArmResult], process: str) -> str:
+    """``process``, with the cores it was allowed when the run was pinned."""
+    cpus = next((a.cpu.affinity[process] for a in arms.values() if process in a.cpu.affinity), None)
+    return process if cpus is None else f"{process} (CPUs {cpus})"
+
+
+def _core_sets(arms: Mapping[str, ArmResult]) -> dict[str, str]:
+    """Every pinned core set of the run and its cores, in the order first seen."""
+    found: dict[str, str] = {}
+    for arm in arms.values():
+        for name, use in arm.cpu.core_sets.items():
+            found.setdefault(name, use.cpus)
+    return found
+
+
+def _busy(arm: ArmResult, core_set: str) -> str:
+    use = arm.cpu.core_sets.get(core_set)
+    return "-" if use is None else f"{use.busy:.0%}"
 
 
 def _replica_lines(results: BenchResults) -> list[str]:

@@ -23,11 +23,30 @@ from typing import Any, Literal
 from loadtests.bench.scenario.document import ScenarioError
 from loadtests.bench.scenario.policy import rescaled_policy_errors
 
-ArmKind = Literal["fifo", "vllm-priority", "least-request", "random", "fairlane"]
+ArmKind = Literal[
+    "fifo",
+    "vllm-priority",
+    "least-request",
+    "random",
+    "fairlane",
+    "vllm-router",
+    "vllm-router-cache",
+    "vllm-router-kv",
+    "litellm",
+    "litellm-priority",
+]
 # Arms without the gateway: a plain Envoy straight to the simulators, with this lb policy
 # (vllm-priority: round-robin, each request carrying its tier's priority to the engine).
 ENVOY_ONLY_KINDS: tuple[str, ...] = ("fifo", "vllm-priority", "least-request", "random")
-ARM_KINDS: tuple[str, ...] = (*ENVOY_ONLY_KINDS, "fairlane")
+# Arms with another gateway in front of the same engines (loadtests.bench.peers.kinds).
+PEER_KINDS: tuple[str, ...] = (
+    "vllm-router",
+    "vllm-router-cache",
+    "vllm-router-kv",
+    "litellm",
+    "litellm-priority",
+)
+ARM_KINDS: tuple[str, ...] = (*ENVOY_ONLY_KINDS, "fairlane", *PEER_KINDS)
 DistKind = Literal["fixed", "uniform", "lognormal"]
 # Metrics a target may check; see targets.metric_value for their definitions.
 LATENCY_METRICS = (
@@ -175,6 +194,30 @@ class Backends:
         return ("--model", names[0], *served)
 
 
+# Flags the harness gives a real engine it starts (``engine.flags``): where it listens, what
+# it serves, and its KV events ports (``engine.kv_events``).
+RESERVED_ENGINE_FLAGS = (
+    "--port",
+    "--host",
+    "--model",
+    "--served-model-name",
+    "--kv-events-config",
+)
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """The real engines ``fairlane bench SCENARIO --engine vllm-cpu`` starts for the
+    scenario (in place of the simulated ``backends``), pinned to the engine cores: how many,
+    their flags past the model and the address, and their environment. With ``kv_events``
+    each publishes its KV events on ports the harness picks and names in its backend."""
+
+    count: int = 1
+    flags: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    kv_events: bool = False
+
+
 PREFIX_INDEXES = ("approximate", "precise")
 
 
@@ -250,6 +293,8 @@ class Scenario:
     """The engines' hash settings for the precise arms' service (``--kv-hash-seed``,
     ``--prefix-caching-hash-algo``, as ``fairlane serve`` takes them); empty: vLLM's
     defaults, which the simulators use."""
+    engine: EngineSetup | None = None
+    """The real engines to start with ``--engine`` (None: the scenario names none)."""
 
     @property
     def wall_duration_s(self) -> float:

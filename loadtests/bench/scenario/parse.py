@@ -36,9 +36,11 @@ from loadtests.bench.scenario.model import (
     ENVOY_ONLY_KINDS,
     METRICS,
     PREFIX_INDEXES,
+    RESERVED_ENGINE_FLAGS,
     RESERVED_SIM_FLAGS,
     Arm,
     Backends,
+    EngineSetup,
     Group,
     Scenario,
     Target,
@@ -57,6 +59,7 @@ SCENARIO_FIELDS = (
     "max_requests",
     "model",
     "backends",
+    "engine",
     "policy",
     "groups",
     "arms",
@@ -114,6 +117,7 @@ def _read_scenario(reader: FieldReader, root: Field) -> Scenario | None:
     before_fleet = len(reader.errors)
     backends = _read_backends(reader, top)
     fleet_read = len(reader.errors) == before_fleet
+    engine = _read_engine(reader, top)
     policy = read_policy(reader, top, speedup)
     policy_field = top.get("policy")
     rescaled = policy_field is not None and is_default_policy(reader.value(policy_field))
@@ -144,6 +148,7 @@ def _read_scenario(reader: FieldReader, root: Field) -> Scenario | None:
         model=model,
         path=reader.path,
         policy_rescaled=rescaled,
+        engine=engine,
     )
 
 
@@ -171,6 +176,34 @@ def _read_backends(reader: FieldReader, top: Section) -> Backends:
     overrides = _read_overrides(reader, raw.get("overrides"), count or 1)
     models = _read_models(reader, raw.get("models"), count or 1)
     return Backends(count or 1, profile or "", tuple(flags or ()), overrides, models)
+
+
+def _read_engine(reader: FieldReader, top: Section) -> EngineSetup | None:
+    """``engine``: the real engines ``--engine`` starts (count, flags, env, kv_events)."""
+    field = top.get("engine")
+    if field is None or reader.value(field) is None:
+        return None
+    raw = reader.section(field, ("count", "flags", "env", "kv_events"))
+    if raw is None:
+        return None
+    count = reader.get(raw, "count", integer_at_least(1), "an integer >= 1", 1)
+    flags = reader.get(raw, "flags", string_list, "a list of strings", [])
+    env = reader.get(raw, "env", _string_map, "a mapping of names to strings", {})
+    kv_events = reader.get(raw, "kv_events", boolean, "true or false", False)
+    for flag in flags or []:
+        if flag.split("=", 1)[0] in RESERVED_ENGINE_FLAGS:
+            reader.error_in(raw, "flags", f"{flag} is set by the harness for each engine")
+    if count is None or flags is None or env is None or kv_events is None:
+        return None
+    return EngineSetup(count, tuple(flags), tuple(sorted(env.items())), kv_events)
+
+
+def _string_map(value: Any) -> dict[str, str] | None:
+    if isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        return value
+    return None
 
 
 def _reserved_hint(flag: str) -> str:

@@ -27,8 +27,9 @@ Until a count is learned (and when none is declared), the backend gets ``fallbac
 or a quarter more on big engines): as the gateway fills an engine whose size it does not
 know, the estimate grows a step per scrape until the engine shows a queue, which teaches the
 real number. Learning costs that one step of over-commitment, once per engine start: a few
-requests wait inside vLLM, and chat that arrives before they drain may wait for a seat
-(declare ``seats`` to avoid even that). An engine that never shows a queue stays on the
+requests wait inside vLLM. The tiers that keep seats count only the seats the engine has
+shown (``shown``), so chat is never sent into that queue: it takes a shown seat, by
+preemption if it must. An engine that never shows a queue stays on the
 estimate, which follows what it demonstrably runs: neither nothing nor everything.
 
 A count declared in the deployment (``seats`` on a backend) wins over any observation. Pure
@@ -87,6 +88,17 @@ class Seats:
         if self.learned is not None:
             return self.learned
         return max(self.fallback, probe(self.peak_running))
+
+    @property
+    def shown(self) -> int:
+        """The seats the engine has shown it has: ``count`` without the probe's guess (an
+        unknown engine's extra seat may not exist: a request sent to it can wait in vLLM
+        for a whole running request to finish)."""
+        if self.declared is not None:
+            return self.declared
+        if self.learned is not None:
+            return self.learned
+        return max(self.fallback, self.peak_running)
 
     @property
     def source(self) -> SeatSource:

@@ -41,6 +41,7 @@ from tests.deploy.metric_names import (
     unknown_names,
     vllm_sample_names,
 )
+from tests.polling import until
 
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "fairlane.json"
 DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
@@ -395,6 +396,7 @@ def test_every_panel_shows_data_from_a_live_stack(tmp_path: Path, processes: Any
     from extproc.ops.processes import free_port, wait_http_ready
     from extproc.ops.up import Stack, StackConfig
     from extproc.policy import DEFAULT_POLICY_PATH
+    from tests.exported_metrics import parse_samples
 
     binary = require_tool("prometheus")
     policy = tmp_path / "policy.yaml"
@@ -442,33 +444,52 @@ def test_every_panel_shows_data_from_a_live_stack(tmp_path: Path, processes: Any
     base = f"http://127.0.0.1:{prom_port}"
     wait_http_ready(f"{base}/-/ready", prom, timeout=30)
 
+    def reloaded(result: str) -> bool:
+        """Whether every replica has counted a policy reload with ``result``."""
+        for service in stack.service_processes:
+            url = f"http://127.0.0.1:{service.metrics_port}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as response:
+                samples = parse_samples(response.read().decode())
+            if not samples.get(("fairlane_policy_reloads_total", frozenset({("result", result)}))):
+                return False
+        return True
+
     async def traffic_and_reloads() -> dict[tuple[str, int], int]:
         drive = asyncio.create_task(_drive(stack.url, 12))
-        await asyncio.sleep(3)
+        await asyncio.sleep(3)  # traffic under the first policy
         policy.write_text(policy.read_text().replace("priority: 20", "priority: 21"))
-        await asyncio.sleep(3)
+        await until(lambda: reloaded("ok"), "every replica to reload the policy", 15.0, 0.1)
         policy.write_text("tiers: [\n")  # rejected: the previous policy stays
+        await until(lambda: reloaded("error"), "every replica to refuse the policy", 15.0, 0.1)
         return await drive
 
     started = time.time()
     seen = asyncio.run(traffic_and_reloads())
     assert seen.get(("batch", 429)), f"the batch flood was never shed: {seen}"
     assert seen.get(("nobody", 401)), seen
-    time.sleep(3)  # a few more scrapes and rule evaluations
 
-    up = {r["metric"]["job"]: r["value"][1] for r in _query(base, "up")}
-    assert set(up) == set(targets) and set(up.values()) == {"1"}, up
-    dashboard = load()
-    empty = []
-    for panel in data_panels(dashboard):
-        for target in panel["targets"]:
-            expr = interpolate(target["expr"], dashboard).replace("[5m]", "[1m]")
-            expr = expr.replace(f"[{BUILTIN_VARIABLES['__rate_interval']}]", "[1m]")
-            if not _query(base, expr, started) and panel["title"] not in MAY_BE_EMPTY:
-                empty.append(f"{panel['title']} / {target['refId']}: {expr}")
+    def missing() -> list[str]:
+        """What Prometheus does not show yet: a target down, a panel or rule without data."""
+        up = {r["metric"]["job"]: r["value"][1] for r in _query(base, "up")}
+        found = [] if set(up) == set(targets) and set(up.values()) == {"1"} else [f"up: {up}"]
+        dashboard = load()
+        for panel in data_panels(dashboard):
+            for target in panel["targets"]:
+                expr = interpolate(target["expr"], dashboard).replace("[5m]", "[1m]")
+                expr = expr.replace(f"[{BUILTIN_VARIABLES['__rate_interval']}]", "[1m]")
+                if not _query(base, expr, started) and panel["title"] not in MAY_BE_EMPTY:
+                    found.append(f"{panel['title']} / {target['refId']}: {expr}")
+        for rule in load_rules_for_live():
+            if not _query(base, rule, started):
+                found.append(f"recording rule {rule} has no series")
+        return found
+
+    # Prometheus scrapes and evaluates every second: what the traffic left shows up within
+    # a few rounds.
+    deadline = time.monotonic() + 30
+    while (empty := missing()) and time.monotonic() < deadline:
+        time.sleep(1)
     assert empty == []
-    for rule in load_rules_for_live():
-        assert _query(base, rule, started), f"recording rule {rule} has no series"
 
 
 def load_rules_for_live() -> list[str]:

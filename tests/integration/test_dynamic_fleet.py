@@ -246,6 +246,10 @@ class Load:
     def failed(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.status != 200]
 
+    def answered_since(self, since: float) -> int:
+        """How many requests sent after ``since`` have been answered (or failed)."""
+        return sum(1 for o in self.outcomes if o.sent_at >= since)
+
 
 def arrivals(fleet: Fleet, ip: str, since: float) -> list[float]:
     """When the engine at ``ip`` received each load request sent after ``since``."""
@@ -270,10 +274,12 @@ async def test_new_engines_get_traffic_within_two_resolution_periods(tmp_path: P
             lambda: all(arrivals(fleet, ip, appeared) for ip in new), "the new engines' traffic"
         )
         first = {ip: arrivals(fleet, ip, appeared)[0] - appeared for ip in new}
-        await asyncio.sleep(6 * PERIOD_S)  # let the four share the load
+        settled = appeared + 2 * PERIOD_S
+        await until(  # the four share the load: a few dozen requests each
+            lambda: load.answered_since(settled) >= 24 * len(IPS), "requests on the four engines"
+        )
         hosts = fleet.envoy_hosts()
     assert not load.failed(), load.failed()[:5]
-    settled = appeared + 2 * PERIOD_S
     shares = {ip: len(arrivals(fleet, ip, settled)) for ip in IPS}
     total = sum(shares.values())
     print(
@@ -320,7 +326,9 @@ async def test_scale_down_drains_departing_engines_without_a_failed_request(
             removed_at = time.time()
             for ip in IPS[1:]:  # nothing is sent there any more: stop them, as a pod would
                 fleet.sims[ip].popen.terminate()
-            await asyncio.sleep(2 * PERIOD_S)
+            await until(
+                lambda: load.answered_since(removed_at) >= 16, "requests sent after the removal"
+            )
         late = {ip: arrivals(fleet, ip, removed_at) for ip in IPS[1:]}
         finished_there = [
             o
@@ -359,7 +367,14 @@ async def test_a_rolling_replacement_of_every_engine_fails_no_request(tmp_path: 
             fleet.resolve_to(step)
             timings.append(await until(settled, f"the fleet becoming {step}"))
         moved_at = time.time()
-        await asyncio.sleep(2 * PERIOD_S)
+        await until(
+            lambda: (
+                load.answered_since(moved_at) >= 12
+                and bool(arrivals(fleet, IPS[2], moved_at))
+                and bool(arrivals(fleet, IPS[3], moved_at))
+            ),
+            "requests sent after the last step, on both new engines",
+        )
     print(
         "\nrolling replacement {11,12} -> {12,13} -> {13,14}: each step settled in "
         + ", ".join(f"{t:.2f}s" for t in timings)
@@ -384,7 +399,10 @@ async def test_a_dns_outage_keeps_the_last_known_set_and_is_counted(tmp_path: Pa
             ),
             "the failed resolutions counted",
         )
-        await asyncio.sleep(PERIOD_S)
+        await until(
+            lambda: all(arrivals(fleet, ip, outage) for ip in IPS[:2]),
+            "both engines served during the outage",
+        )
         during = fleet.members()
         served_during = {ip: len(arrivals(fleet, ip, outage)) for ip in IPS[:2]}
         failures = fleet.counter("fairlane_dns_failures_total", name=source)

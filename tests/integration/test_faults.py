@@ -219,11 +219,15 @@ async def test_killed_backend_costs_no_non_streamed_request(tmp_path: Path) -> N
             received = {r["headers"].get("x-test-id") for r in requests_by_backend(stack)[victim]}
             return sum(1 for t in received if t and t.startswith("w") and t not in answered)
 
+        def on_survivor() -> bool:
+            received = requests_by_backend(stack)[survivor]
+            return any((r["headers"].get("x-test-id") or "").startswith("w") for r in received)
+
         workers = [asyncio.create_task(worker(w)) for w in range(10)]
-        await asyncio.sleep(1.0)  # the trickle is under way on both backends
         # Kill it while requests are mid-generation there (two, so that one finishing in
         # the instant between this check and the kill still leaves one to be cut).
         try:
+            await until(on_survivor, "the trickle under way on the survivor too", timeout_s=10.0)
             await until(
                 lambda: running_on_victim() >= 2,
                 "two trickle requests running on the victim at once",
@@ -368,8 +372,8 @@ async def test_slow_backend_is_hedged_for_interactive_only(tmp_path: Path) -> No
         assert body.rstrip().endswith(b"data: [DONE]")
         assert sorted(where(stack, "hedged-stream")) == sorted([slow, fast])
 
-        # The hedged-away attempts were reset; let the gateway see both requests finish.
-        await asyncio.sleep(0.5)
+        # The hedged-away attempts were reset; the gateway sees both requests finish.
+        assert await wait_gateway_idle(stack) == 0
         outcome = await send(session, stack, "batch", key="sk-batch-demo")
         assert outcome.status == 200, outcome
         assert where(stack, "batch") == [slow]

@@ -150,11 +150,20 @@ async def test_a_streamed_batch_request_is_never_preempted(stack: Stack) -> None
 
     await _until("the engine to be idle", idle)
     batch = await _seat_taken_by_batch(stack, stream=True)
+    finished: list[str] = []
+    batch.add_done_callback(lambda _: finished.append("batch"))
     chat_task = asyncio.create_task(post(stack, chat(max_tokens=4), auth("sk-chat-demo")))
-    await asyncio.sleep(2)
-    assert not batch.done() and not chat_task.done(), "chat took the streamed request's seat"
+    chat_task.add_done_callback(lambda _: finished.append("chat"))
+    url = f"http://127.0.0.1:{stack.metrics_port}/metrics"
+
+    async def chat_waits() -> bool:  # held by the gateway, or queued in the engine
+        held = await _sum_of(url, "fairlane_queue_depth{", 'tier="interactive"')
+        return held + await _engine_gauge(stack, "vllm:num_requests_waiting{") >= 1
+
+    await _until("the chat request to wait for the seat", chat_waits)
     batch_status, _, batch_body = await batch
     assert batch_status == 200
     assert b"[DONE]" in batch_body  # the whole stream, to its end
     status, _, body = await chat_task
     assert status == 200, body
+    assert finished == ["batch", "chat"], "chat took the streamed request's seat"

@@ -13,6 +13,7 @@ replicas' metrics (which replica a key hashes to depends on the ports).
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -215,17 +216,22 @@ async def test_redis_stopped_then_started_empty_fails_no_request(
     assert services is not None and services.redis is not None and services.redis_url
     redis_port = services.redis_port
     assert redis_port is not None
-    loop = asyncio.get_running_loop()
-    stop_at = loop.time() + 9.0
+    stop = asyncio.Event()
     outcomes: list[Outcome] = []
+
+    async def served(what: str, count: int = 10) -> None:
+        """Until ``count`` more requests of the load have been answered."""
+        target = len(outcomes) + count
+        await until(lambda: len(outcomes) >= target, timeout_s=30.0, what=what)
+
     async with aiohttp.ClientSession() as session:
 
         async def client(key: str) -> None:
-            while loop.time() < stop_at:
+            while not stop.is_set():
                 outcomes.append(await post(session, stack, key, chat("hi", 2)))
 
         load = asyncio.gather(*(client("sk-chat-demo") for _ in range(3)))
-        await asyncio.sleep(2.0)
+        await served("requests answered with the state shared")
         services.redis.popen.kill()
         services.redis.popen.wait()
         await until(
@@ -233,7 +239,8 @@ async def test_redis_stopped_then_started_empty_fails_no_request(
             timeout_s=5.0,  # the replicas' grace (1 s) and the scrapes, on a busy machine
             what="every replica cut off",
         )
-        await asyncio.sleep(3.0)
+        await asyncio.sleep(3.0)  # the outage lasts three seconds
+        await served("requests answered while Redis is down")
 
         def rejoined(replica: str) -> bool:
             page = metrics(stack, replica)  # one scrape: each is a blocking round trip
@@ -250,6 +257,8 @@ async def test_redis_stopped_then_started_empty_fails_no_request(
                 timeout_s=5.0,
                 what="every replica shares state again, all three seen",
             )
+            await served("requests answered once it is back")
+            stop.set()
             await load
     statuses = [o[2] for o in outcomes]
     failed = [o[3][:200] for o in outcomes if o[2] != 200]
@@ -297,7 +306,13 @@ async def test_a_light_tenant_is_served_fairly_across_replicas(tmp_path: Path) -
                     assert status == 200
 
             heavies = asyncio.gather(*(heavy(key) for key in HEAVY_KEYS))
-            await asyncio.sleep(1.0)  # heavy's backlog is queued on every replica
+
+            def queued() -> float:
+                pages = [metrics(stack, r) for r in REPLICAS]
+                return sum(sample(page, "fairlane_queue_depth", tier="api") for page in pages)
+
+            # 12 outstanding on 2 seats: about 10 queued, over the replicas
+            await until(lambda: queued() >= len(HEAVY_KEYS) - 4, what="heavy's backlog queued")
             loaded = await light(8)
             await heavies
     assert statistics.median(loaded) <= 3.5 * alone, (alone, loaded)
@@ -328,7 +343,7 @@ async def test_a_killed_replica_fails_no_request_it_did_not_hold(tmp_path: Path)
         }
         headers = {"authorization": "Bearer sk-chat-demo"}
         loop = asyncio.get_running_loop()
-        stop_at = loop.time() + 5.0
+        stop_at = math.inf  # set when the replica is killed
         async with aiohttp.ClientSession() as session:
 
             async def client() -> None:
@@ -338,8 +353,18 @@ async def test_a_killed_replica_fails_no_request_it_did_not_hold(tmp_path: Path)
                     async with session.post(url, json=body, headers=headers) as response:
                         results.append((started, response.status, await response.read()))
 
-            async def kill_after(delay: float) -> tuple[float, float, dict[str, float]]:
-                await asyncio.sleep(delay)
+            def loaded() -> bool:
+                served = sum(1 for _, status, _ in results if status == 200)
+                return (
+                    served > 20 and holder(admitted(stack, "interactive", "chat-app")) is not None
+                )
+
+            async def kill_when_loaded() -> tuple[float, float, dict[str, float]]:
+                nonlocal stop_at
+                try:
+                    await until(loaded, timeout_s=30.0, what="20 requests served by one replica")
+                finally:
+                    stop_at = loop.time() + 3.0  # the load runs on for three seconds
                 victim = holder(admitted(stack, "interactive", "chat-app"))
                 assert victim is not None, admitted(stack, "interactive", "chat-app")
                 stack.kill_replica(victim)
@@ -353,7 +378,7 @@ async def test_a_killed_replica_fails_no_request_it_did_not_hold(tmp_path: Path)
                 counted_from = loop.time()
                 return killed, counted_from, admitted(stack, "interactive", "chat-app", survivors)
 
-            killer = asyncio.create_task(kill_after(2.0))
+            killer = asyncio.create_task(kill_when_loaded())
             await asyncio.gather(*(client() for _ in range(4)))
             killed_at, counted_from, settled = await killer  # the survivors', a second after
             moved = admitted(stack, "interactive", "chat-app", list(settled))

@@ -1,4 +1,4 @@
-"""Stopping the service under traffic, through the real Envoy (issue: failure modes).
+"""Stopping the service under traffic, through the real Envoy.
 
 SIGTERM starts a drain: new ext_proc streams are refused (Envoy fails them closed, 503), a
 request already released upstream is untouched, and a request still held when the drain
@@ -20,6 +20,7 @@ import pytest
 
 from tests.integration.conftest import auth, chat, start_stack
 from tests.integration.test_gateway_e2e import in_flight_reaches, metric_reaches
+from tests.polling import until
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +49,10 @@ async def test_sigterm_drains_then_answers_held_requests_503(tmp_path: Path) -> 
             assert not held.done()
             os.kill(service.popen.pid, signal.SIGTERM)
             stopped_at = time.monotonic()
-            await asyncio.sleep(0.5)
+            await until(
+                lambda: "stopping: draining" in service.log_path.read_text(),
+                "the service to start its drain",
+            )
             refused, _, refused_body = await post(session, url, "sk-chat-demo", 4)
 
             status, headers, body = await held

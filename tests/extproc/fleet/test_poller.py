@@ -2,18 +2,20 @@
 
 import asyncio
 import logging
+from collections.abc import Callable, Iterator
 
 import aiohttp
 import pytest
 from aiohttp import web
 
 from extproc.core.gates import passes
-from extproc.fleet.backend import BackendPool, BackendSpec
+from extproc.fleet.backend import Backend, BackendPool, BackendSpec
 from extproc.fleet.poller import Poller
 from extproc.ops.processes import free_port
 from extproc.policy.model import Gate
 from loadtests.sim.server import SimConfig
 from loadtests.sim.server import start as start_sim
+from tests.polling import until
 
 
 async def test_health_polling_marks_a_dead_backend_down_and_a_live_one_up() -> None:
@@ -63,13 +65,19 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
     return runner, port
 
 
-async def _until(condition: object, timeout_s: float = 5.0) -> None:
-    assert callable(condition)
-    for _ in range(int(timeout_s / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not met in time")
+async def _until(condition: Callable[[], object], timeout_s: float = 5.0) -> None:
+    await until(condition, "the backend's state", timeout_s)
+
+
+class Walked(list[Backend]):
+    """A pool's backends that count how often they were walked: the poller walks them
+    once a round."""
+
+    walks = 0
+
+    def __iter__(self) -> Iterator[Backend]:
+        self.walks += 1
+        return super().__iter__()
 
 
 async def test_scraping_a_simulated_vllm_tracks_waiting_running_kv_and_itl() -> None:
@@ -284,9 +292,10 @@ async def test_a_replica_that_scrapes_no_engine_keeps_polling_and_takes_one_over
     runner, port = await _serve(app)
     pool = BackendPool([BackendSpec("127.0.0.1", port)])
     pool.backends[0].scrape_here = False
+    pool.backends = walked = Walked(pool.backends)
     watch = asyncio.create_task(Poller(pool).watch_metrics(interval_s=0.01, timeout_s=1.0))
     try:
-        await asyncio.sleep(0.1)  # ten rounds with nothing to scrape
+        await _until(lambda: walked.walks >= 10 or watch.done())  # rounds with nothing to scrape
         assert not watch.done() and hits == 0
         pool.backends[0].scrape_here = True  # its scraper died: take it over
         await _until(lambda: pool.backends[0].metrics is not None)

@@ -189,7 +189,7 @@ async def test_stop_refuses_new_streams_and_cancels_the_rest_after_the_grace(
     held = chat(channel, [b"hold"])
     await asyncio.wait_for(calls.started.wait(), WAIT_S)
     stopping = asyncio.create_task(server.stop(0.3))
-    await asyncio.sleep(0.1)
+    await until(lambda: server._stopping, "the server to start stopping")
     with pytest.raises(grpc.aio.AioRpcError):
         await chat(channel, [b"late"]).read()
     await asyncio.wait_for(stopping, WAIT_S)

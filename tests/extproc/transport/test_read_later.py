@@ -15,18 +15,29 @@ from tests.polling import until
 TEXT = " ".join(f"kaloto{n} the generation" for n in range(800))
 
 
+class Watched(OverloadControl):
+    """Counts the loop's questions: it asks whether the service is overloaded once a period."""
+
+    asked = 0
+
+    @property
+    def overloaded(self) -> bool:
+        self.asked += 1
+        return super().overloaded
+
+
 async def test_waiting_prompts_are_read_a_piece_a_period_and_not_while_overloaded() -> None:
     tokenizer = BuiltinTokenizer()
     pieces = tokenizer.body_pieces({"prompt": TEXT})
     assert pieces is not None
     list(pieces.pieces)
     assert len(tokenizer.later) == 1
-    overload = OverloadControl()
+    overload = Watched()
     overload.behind = True  # overloaded: requests first
     task = asyncio.create_task(read_later(tokenizer, overload, period_s=0.001, idle_s=0.001))
     try:
         misses = tokenizer.cache.misses
-        await asyncio.sleep(0.05)
+        await until(lambda: overload.asked >= 20, "twenty periods while overloaded", 5.0, 0.002)
         assert tokenizer.cache.misses == misses and len(tokenizer.later) == 1
         overload.behind = False
         await until(lambda: len(tokenizer.later) == 0, "the waiting prompt read", 5.0, 0.002)

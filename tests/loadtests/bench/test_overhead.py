@@ -10,7 +10,7 @@ import math
 
 from extproc.core.errors import error_body
 from extproc.fleet.vllm_metrics import parse_metrics
-from extproc.ops.processes import free_port
+from extproc.ops.processes import free_port, port_open
 from loadtests.bench.overhead import backend, loadgen, phase, rates
 from loadtests.bench.overhead.loadgen import (
     CONNECTION_ERROR,
@@ -23,6 +23,7 @@ from loadtests.bench.overhead.loadgen import (
     Sample,
     classify,
 )
+from tests.polling import until
 
 
 def _run(service_cpu: float | None = 2.0) -> phase.RunResult:
@@ -65,7 +66,7 @@ def test_generator_against_the_instant_backend() -> None:
     async def scenario() -> tuple[int, list[float], int]:
         port = free_port()
         server = asyncio.create_task(backend.serve_backend(port))
-        await asyncio.sleep(0.2)
+        await until(lambda: server.done() or port_open(port), "the backend to listen")
         try:
             gen = loadgen.LoadGenerator(port)
             status = await gen.one()

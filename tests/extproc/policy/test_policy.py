@@ -6,7 +6,6 @@ import logging
 import os
 import textwrap
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -232,21 +231,18 @@ def test_duplicate_tenant_names_and_keys_within_a_tenant() -> None:
     assert errors == ["p.yaml:15: tenants[1].name: tenant 'alice' is defined twice"]
 
 
-def test_checking_many_tenants_for_duplicates_takes_linear_time() -> None:
-    """A policy of 20,000 tenants was checked for duplicate names by scanning
-    every tenant read so far (2e8 comparisons, 16 s here); the check is a set now (0.3 s).
-    The tree is built in code, so the bound measures the tenants' reading, not PyYAML."""
+def test_a_duplicate_among_many_tenants_is_found() -> None:
+    """20,000 tenants and one name defined twice: the duplicate is reported where it is.
+    The check is a set, not a scan of every tenant read so far (its time: ``python -m
+    loadtests.bench.micro``, ``tenants-parse``)."""
     tenants = represent(
         [{"name": f"t{i}", "api_keys": [f"sk-t{i}-key"], "tiers": ["slow"]} for i in range(20_000)]
         + [{"name": "t7", "api_keys": ["sk-again"], "tiers": ["slow"]}]
     )
     reader = LocatedReader("p.yaml")
-    started = time.perf_counter()
     read = parse_module._read_tenants(reader, tenants, {"slow": 1})
-    elapsed = time.perf_counter() - started
     assert len(read) == 20_000
     assert reader.errors == ["p.yaml: tenants[20000].name: tenant 't7' is defined twice"]
-    assert elapsed < 4.0, f"reading 20,000 tenants took {elapsed:.1f} s"
 
 
 def test_missing_required_fields_point_at_their_mapping() -> None:

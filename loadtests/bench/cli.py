@@ -186,7 +186,7 @@ def run_arm(
         kind=arm.kind,
         balanced=arm.balanced,
         groups=[g.name for g in scenario.groups_of(arm)],
-        pids=running.pids,
+        pids=pids,
         capped=capped,
         wall_s=time.monotonic() - started,
         cpu=usage,

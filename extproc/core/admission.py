@@ -3,30 +3,14 @@
 ``submit`` queues a request in the fair scheduler (one band per tier, aging between bands,
 VTC between flows inside a band) and immediately dispatches whatever may go, so a request
 granted on the spot never needs a hold message. ``dispatch`` runs again whenever a backend
-may have gained room: a completion released a slot, a scrape showed an engine draining, a
-backend recovered, the policy changed.
-
-A request may leave its queue for a backend only when, together:
-
-- the backend passes the tier's **gate** (``extproc.core.gates``): fresh scraped vLLM metrics
-  show a short enough waiting queue (plus our grants it has not yet counted), KV cache and
-  inter-token latency within bounds, the gateway's own in-flight count under the cap;
-- the tier's **reservation** check passes (``extproc.core.reservations``): less urgent tiers
-  never take the seats an active more urgent tier holds, a reserve sized to that tier's
-  recent demand, out of the fleet's seats (``extproc.fleet.seats``: learned from the engines);
-- the backend has a seat for it: a free one, or for a tier allowed to queue inside vLLM
-  (``max_waiting``), a place in its short queue; and it is under the policy's safety cap
-  ``max_in_flight_per_backend``. For a tier that keeps seats, a backend with a free seat
-  wins over one without, because vLLM never preempts a running request to seat a waiting
-  one.
-
-Which of the backends that may take it serves it is decided per request, when it is granted
-(``extproc.core.picker.choose``): queue depth, KV-cache use, region and the prompt's prefix
-affinity; the chosen backend then records the prompt's block hashes as held there.
-
-Each grant records the request as in flight until its completion arrives (or, if that event
-is lost, until ``expire`` reclaims it), carries the continuous vLLM priority, and charges the
-flow's virtual counter; the completion corrects the output-token estimate.
+may have gained room: a completion, a scrape showing an engine draining, a recovery, a new
+policy. A request leaves its queue for a backend only when the backend passes the tier's
+gate (``extproc.core.gates``), the tier's reservation check allows it
+(``extproc.core.reservations``: less urgent tiers never take the seats an active more urgent
+tier holds), and the backend has a seat for it under the policy's per-backend cap. Which of
+the backends that may take it serves it is decided when it is granted
+(``extproc.core.picker.choose``). Each grant is in flight until its completion (or
+``expire``), carries the vLLM priority and charges its flow; ``Admission`` has the rules.
 """
 
 from __future__ import annotations
@@ -139,6 +123,30 @@ class Admission:
     ``dispatch``, ``release``, ``abandon``, ``configure``, ``expire``) returns the grants it
     made, and the caller (the transport) wakes whoever waits for them. Time is the pool's
     clock, the one that stamps scraped metrics, so gates and queues never disagree on now.
+
+    A request may leave its queue for a backend only when, together:
+
+    - the backend passes the tier's **gate** (``extproc.core.gates``): fresh scraped vLLM
+      metrics show a short enough waiting queue (plus our grants it has not yet counted), KV
+      cache and inter-token latency within bounds, the gateway's own in-flight count under the
+      cap;
+    - the tier's **reservation** check passes (``extproc.core.reservations``): less urgent tiers
+      never take the seats an active more urgent tier holds, a reserve sized to that tier's
+      recent demand, out of the fleet's seats (``extproc.fleet.seats``: learned from the
+      engines);
+    - the backend has a seat for it: a free one, or for a tier allowed to queue inside vLLM
+      (``max_waiting``), a place in its short queue; and it is under the policy's safety cap
+      ``max_in_flight_per_backend``. For a tier that keeps seats, a backend with a free seat
+      wins over one without, because vLLM never preempts a running request to seat a waiting
+      one.
+
+    Which of the backends that may take it serves it is decided per request, when it is granted
+    (``extproc.core.picker.choose``): queue depth, KV-cache use, region and the prompt's prefix
+    affinity; the chosen backend then records the prompt's block hashes as held there.
+
+    Each grant records the request as in flight until its completion arrives (or, if that event
+    is lost, until ``expire`` reclaims it), carries the continuous vLLM priority, and charges
+    the flow's virtual counter; the completion corrects the output-token estimate.
     """
 
     def __init__(self, pool: BackendPool, policy: Policy, rng: random.Random | None = None) -> None:

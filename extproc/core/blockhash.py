@@ -2,22 +2,15 @@
 
 Precise prefix routing (``extproc.fleet.kv_events``) matches a request's blocks against the
 blocks an engine says it holds, so the gateway must hash exactly as the engine does
-(``shared/reference/vllm.md`` A4, ``vllm/v1/core/kv_cache_utils.py``):
-
-- only full blocks of ``block_size`` token ids are hashed;
-- ``h_i = H((h_{i-1} or NONE_HASH, tuple(block_token_ids), extra_keys))``, where
-  ``extra_keys`` is None for plain text, and ``(("cache_salt", salt),)`` on the first
-  block of a request that carries a ``cache_salt``;
-- ``H`` is the engine's ``--prefix-caching-hash-algo``: ``sha256`` (pickle, vLLM 0.32's
-  default) or ``sha256_cbor`` (canonical CBOR);
-- ``NONE_HASH = H(seed)``, the seed being the engine's ``PYTHONHASHSEED`` when it has one
-  and ``"vllm-none-hash"`` otherwise.
-
-The KV events carry each hash as the last 8 bytes of its digest read as a big-endian int
-(``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the default; ``event_key``), so that 64-bit
-int is what indexes compare. The xxhash algorithms are not offered: their seed is random
-per engine process unless ``PYTHONHASHSEED`` is set, and they need a package the gateway
-does not otherwise use.
+(``shared/reference/vllm.md`` A4, ``vllm/v1/core/kv_cache_utils.py``): only full blocks of
+``block_size`` token ids, ``h_i = H((h_{i-1} or NONE_HASH, tuple(block_token_ids),
+extra_keys))`` with the request's ``cache_salt`` in the first block's extra keys, ``H`` the
+engine's ``--prefix-caching-hash-algo`` (``sha256`` over pickle, vLLM 0.32's default, or
+``sha256_cbor``) and ``NONE_HASH = H(seed)``, the seed being the engine's ``PYTHONHASHSEED``
+or ``"vllm-none-hash"``. The KV events carry each hash as the last 8 bytes of its digest,
+a big-endian int (``event_key``): that is what indexes compare. The xxhash algorithms are
+not offered: their seed is random per engine process unless ``PYTHONHASHSEED`` is set, and
+they need a package the gateway does not otherwise use.
 """
 
 from __future__ import annotations

@@ -3,19 +3,13 @@ why it is not.
 
 The gateway parses every body, reads a few fields (``extproc.core.classify``) and sends the
 whole object upstream re-encoded with the vLLM priority added. So beyond "is it JSON", it
-refuses what it could not forward as the client meant it, before anything is queued:
-
-- bytes that are not UTF-8 (RFC 8259: JSON between systems is UTF-8);
-- ``NaN``, ``Infinity`` and ``-Infinity``, which Python's ``json`` accepts but JSON has
-  not, and numbers too large for a float (``1e999``), which would be re-encoded as
-  ``Infinity``;
-- strings holding a lone UTF-16 surrogate (``"\\ud800"``): no Unicode character, they cannot
-  be encoded as UTF-8 (the engine's tokenizer fails on them).
-
-Each refusal is OpenAI's error shape with ``param`` naming the field (``messages[0].content``).
-What it costs a valid body: the strict decode and parse replace ``json.loads``' own (the
-decoder is built once), a Python call per float literal, and a search for a ``\\ud800``-style
-escape; only a body holding one is walked to confirm and locate it.
+refuses what it could not forward as the client meant it, before anything is queued: bytes
+that are not UTF-8 (RFC 8259); ``NaN``, ``Infinity`` and numbers too large for a float
+(``1e999``), which Python's ``json`` accepts and would re-encode as ``Infinity``; strings
+holding a lone UTF-16 surrogate, which cannot be encoded as UTF-8. Each refusal is OpenAI's
+error shape with ``param`` naming the field (``messages[0].content``). A valid body pays for
+this with a strict decode, a Python call per float literal and a search for a
+``\\ud800``-style escape; only a body holding one is walked to locate it.
 """
 
 from __future__ import annotations

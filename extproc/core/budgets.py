@@ -1,45 +1,17 @@
 """Token budgets: how much a tenant (and each of its end users) may use per minute.
 
-A tenant's ``budget`` and its ``user_budget`` (``extproc.policy.Budget``) each bound up to
-three things: tokens per minute, requests per minute, and requests in progress at once. A
-request is checked against every budget that applies to it when it is submitted, before it
-takes a queue slot, and refused with a 429 (``rate_limit_exceeded``, OpenAI's
-``x-ratelimit-*`` headers and ``retry-after``) when one would be exceeded.
+A tenant's ``budget`` and ``user_budget`` (``extproc.policy.Budget``) each bound tokens per
+minute, requests per minute and requests in progress. A request is checked against every
+budget that applies when it is submitted, before it takes a queue slot, and refused with a
+429 (``rate_limit_exceeded``, OpenAI's ``x-ratelimit-*`` headers, ``retry-after``) when one
+would be exceeded. Tokens are charged as input plus an output estimate and corrected at
+completion, like the fairness counters. Each key's meter is a leaky bucket draining at the
+limit's rate (OpenAI's own shape): three numbers per key, O(1) per request, and a flooding
+tenant is served smoothly at its rate instead of in bursts when a window expires.
 
-What is charged, and when (the same estimate and correction as the fairness counters):
-
-- at submission: one request, and ``input + output estimate`` tokens, where the estimate is
-  ``max_tokens`` or the policy's ``fairness.default_output_tokens``; a request whose cost
-  alone is over the tokens limit can never fit, and is refused at once ("too large");
-- at completion: the output estimate is corrected to the count the completion reported
-  (``extproc.core.feedback``);
-- a request that leaves its queue without reaching a backend (deadline, client gone) gets
-  its tokens back; its request still counts.
-
-**The meter.** Each budgeted key (a tenant, or a tenant's user) keeps, per limit, what it has
-used, draining continuously at the limit's rate (a leaky bucket: ``tokens_per_minute / 60``
-a second); a request fits when what is used plus its cost is within the limit. That is a
-token bucket of capacity ``limit`` refilled at ``limit`` a minute, OpenAI's own shape (its
-``x-ratelimit-reset-*`` is the time to drain to nothing). Three numbers per key, O(1) per
-request, nothing that grows with traffic. Under a flood the tenant is served at its rate,
-smoothly: ``limit`` per minute give or take one request's cost, a request admitted as soon
-as its cost has drained. A tenant back from idle may spend its whole limit at once, so its
-first minute can reach twice the limit (the burst, then the rate).
-
-Measured before this design, a sliding window (a ring of 12 five-second slots) did worse on
-both counts the issue targets (``fairlane bench budget-flood``): a flooding tenant took its
-whole minute's budget in one burst as soon as a slot expired, then nothing for the rest of
-the minute; the bursts of 75 requests at once slowed the other tenants' p95 latency 1.5-1.7x,
-and a charge counting for 55 to 60 s let the flood through early.
-
-**Replicas.** Budgets are fleet-wide: every charge and refund is also written to a ledger
-(``take_ledger``) that the shared-state exchange sends to the other replicas, and each
-replica adds the others' to its own meters (``charge_elsewhere``). Requests in progress are
-a whole state: each replica reports its own (``active``), and the others' sum counts
-against ``concurrent`` (``set_active_elsewhere``). A replica cut off from the others
-enforces its share of each limit (``share``).
-
-No I/O and no clock of its own: every call takes ``now`` (the admission clock).
+Budgets are fleet-wide: replicas exchange their charges and their requests in progress, and a
+replica cut off from the others enforces its share of each limit. ``Budgets`` has the
+details. No I/O and no clock of its own: every call takes ``now`` (the admission clock).
 """
 
 from __future__ import annotations
@@ -159,7 +131,35 @@ plus output estimate) and the output estimate. A plain tuple: one is made per re
 
 
 class Budgets:
-    """Every budgeted key's meter, and the tickets of the requests charged to them."""
+    """Every budgeted key's meter, and the tickets of the requests charged to them.
+
+    What is charged, and when (the same estimate and correction as the fairness counters):
+
+    - at submission: one request, and ``input + output estimate`` tokens, where the estimate is
+      ``max_tokens`` or the policy's ``fairness.default_output_tokens``; a request whose cost alone
+      is over the tokens limit can never fit, and is refused at once ("too large");
+    - at completion: the output estimate is corrected to the count the completion reported
+      (``extproc.core.feedback``);
+    - a request that leaves its queue without reaching a backend (deadline, client gone) gets its
+      tokens back; its request still counts.
+
+    **The meter.** Each budgeted key (a tenant, or a tenant's user) keeps, per limit, what it has
+    used, draining continuously at the limit's rate (a leaky bucket: ``tokens_per_minute / 60`` a
+    second); a request fits when what is used plus its cost is within the limit. That is a token
+    bucket of capacity ``limit`` refilled at ``limit`` a minute, OpenAI's own shape (its
+    ``x-ratelimit-reset-*`` is the time to drain to nothing). Under a flood the tenant is served at
+    its rate, smoothly: ``limit`` per minute give or take one request's cost, a request admitted as
+    soon as its cost has drained. A tenant back from idle may spend its whole limit at once, so its
+    first minute can reach twice the limit (the burst, then the rate). A sliding window of slots,
+    tried first, let a flooding tenant take its whole minute in one burst whenever a slot expired,
+    slowing the other tenants (docs/benchmarks/internals.md, ``budget-flood``).
+
+    **Replicas.** Every charge and refund is also written to a ledger (``take_ledger``) that the
+    shared-state exchange sends to the other replicas, and each replica adds the others' to its own
+    meters (``charge_elsewhere``). Requests in progress are a whole state: each replica reports its
+    own (``active``), and the others' sum counts against ``concurrent`` (``set_active_elsewhere``).
+    A replica cut off from the others enforces its share of each limit (``share``).
+    """
 
     def __init__(self) -> None:
         self._usage: dict[Key, Usage] = {}

@@ -4,21 +4,14 @@ Envoy's gRPC access log reports every finished request (status, duration, upstre
 bytes) without its body passing through Python. That frees the request's backend slot and
 settles its fairness charge: output tokens were charged up front as an estimate
 (``max_tokens``, or the policy's default), and the real count is estimated here from the
-response size.
-
-The byte-to-token rates are vLLM's response shapes as the simulator reproduces them: a
-streamed chat or completion sends one SSE event of about 220-230 bytes per token (ids,
-model name and JSON framing dominate the token's own text); a non-streamed response is
-about 690 bytes of envelope plus about 5 bytes per token of text (measured against the
-real vLLM 0.32 shapes the simulator now reproduces). They are estimates
-within some tens of percent, good enough to stop a flow that asked for ``max_tokens: 4096``
-and got 50 from paying for 4096; they are not a bill.
+response size, at vLLM's response shapes as the simulator reproduces them (the constants
+below): within some tens of percent, enough to stop a flow that asked for 4096 tokens and got
+50 from paying for 4096, not a bill.
 
 A completion is also the gateway's view of a backend's health from inside the traffic: a
-5xx, or a status 0 with no response byte (the connection died before anything came back),
-counts as a failure of the backend that answered (or, when none did, the one it was sent
-to); any other status as a success. ``Backend.note_outcome`` sets a backend aside after
-several failures in a row. ``Gateway.completed`` applies both.
+5xx, or a status 0 with no response byte, counts as a failure of the backend that answered
+(or, when none did, the one it was sent to); any other status as a success.
+``Backend.note_outcome`` sets a backend aside after several failures in a row.
 """
 
 from __future__ import annotations

@@ -4,40 +4,14 @@ Backpressure, after TNG's LLM-Server: a request leaves the gateway's queue only 
 engine is not yet backed up, so the queueing (where fairness and priority are decided)
 happens here rather than in vLLM's FCFS-ish waiting queue. Each tier has a ``Gate``; a
 backend passes it when every bound the gate sets holds on the backend's last scrape plus
-the grants the gateway made since (:meth:`Backend.effective_waiting`).
+the grants the gateway made since (``Backend.effective_waiting``). ``passes`` states each
+bound's meaning. Stale or missing metrics count as saturated; when no backend has usable
+metrics, ``unusable_metrics`` says why, for the answer to the client.
 
-Semantics, precisely:
-
-- ``max_waiting = N`` admits while ``effective_waiting < N`` (strict), so TNG's "while the
-  queue is below 3" is ``max_waiting: 3``. ``0`` means "only when the queue is empty"
-  (``effective_waiting == 0``), the same as ``1``: a strict bound below zero would never
-  admit, and that is what ``max_in_flight: 0`` or a missing tier is for.
-- ``max_kv_cache_usage``: admits while usage ``<=`` the bound (a fraction, 0..1): the
-  scraped usage plus what the grants since the scrape will hold
-  (``Backend.projected_kv_usage``). With ``final_kv`` (admission sets it for a tier that
-  a more urgent active tier holds a reserve against) the usage is what the requests in
-  flight will hold at their end (``Backend.final_kv_usage``): the headroom the bound
-  leaves must still be there when chat arrives, after batch has generated its output.
-- ``max_itl_s``: admits while the mean inter-token latency of the last scrape interval is
-  ``<=`` the bound; an unknown ITL (idle engine, first scrape) does not block, and neither
-  does a backend whose ``/metrics`` has no ITL histogram: the bound is off for it (its
-  first such scrape logs that), rather than the backend counting as saturated forever.
-- ``max_in_flight``: the gateway's own count of requests it sent to the backend and has
-  not seen finish (all replicas' when they share state), ``<`` the bound (a per-backend cap
-  for the tier).
-- ``None`` switches a bound off.
-
-A backend that is unhealthy (``/health`` fails or its scrapes fail), has never been
-scraped, or whose last good scrape is older than ``stale_after_s`` fails every gate: stale
-metrics count as saturated. When that holds for every backend, no request can go however
-long it waits; ``unusable_metrics`` says why, for the answer to the client.
-
-Defaults (``DEFAULT_GATES``) step down by tier so that a lower tier always stops one step
-before a higher one: batch enters only an empty queue, api while at most one waits,
-interactive while at most two wait. After any lower-tier grant the queue is still short
-enough for the next tier up, so lower tiers can never lock a higher tier out of a backend
-(they can only fill its running batch, which vLLM with ``--scheduling-policy priority``
-preempts for the more urgent request).
+The defaults (``DEFAULT_GATES``) step down by tier so that a lower tier always stops one step
+before a higher one (batch enters only an empty queue, api while at most one waits,
+interactive while at most two wait): lower tiers can never lock a higher tier out of a
+backend, only fill its running batch, which vLLM's priority scheduling preempts.
 """
 
 from __future__ import annotations
@@ -67,6 +41,31 @@ def passes(
     counts only the waiting requests it would wait behind (``Backend.waiting_ahead_of``):
     vLLM's priority queue lets it pass the less urgent ones, judged by the request's own
     vLLM ``priority`` where given.
+
+    Each bound, precisely:
+
+    - ``max_waiting = N`` admits while ``effective_waiting < N`` (strict), so TNG's "while the
+      queue is below 3" is ``max_waiting: 3``. ``0`` means "only when the queue is empty"
+      (``effective_waiting == 0``), the same as ``1``: a strict bound below zero would never admit,
+      and that is what ``max_in_flight: 0`` or a missing tier is for.
+    - ``max_kv_cache_usage``: admits while usage ``<=`` the bound (a fraction, 0..1): the scraped
+      usage plus what the grants since the scrape will hold (``Backend.projected_kv_usage``). With
+      ``final_kv`` (admission sets it for a tier that a more urgent active tier holds a reserve
+      against) the usage is what the requests in flight will hold at their end
+      (``Backend.final_kv_usage``): the headroom the bound leaves must still be there when chat
+      arrives, after batch has generated its output.
+    - ``max_itl_s``: admits while the mean inter-token latency of the last scrape interval is
+      ``<=`` the bound; an unknown ITL (idle engine, first scrape) does not block, and neither does
+      a backend whose ``/metrics`` has no ITL histogram: the bound is off for it (its first such
+      scrape logs that), rather than the backend counting as saturated forever.
+    - ``max_in_flight``: the gateway's own count of requests it sent to the backend and has not
+      seen finish (all replicas' when they share state), ``<`` the bound (a per-backend cap for the
+      tier).
+    - ``None`` switches a bound off.
+
+    A backend that is unhealthy (``/health`` fails or its scrapes fail), has never been scraped, or
+    whose last good scrape is older than ``stale_after_s`` fails every gate: stale metrics count as
+    saturated.
     """
     metrics = backend.metrics
     if not backend.healthy or metrics is None or now - metrics.scraped_at > stale_after_s:

@@ -1,48 +1,17 @@
 """How much traffic to turn away when the service itself is the bottleneck.
 
-The engines' capacity is admission's business; this is about the service's own CPU. Every
-request costs the service a gRPC stream and a decision, so past its capacity requests queue
-inside grpc and the event loop, every decision gets slower, and Envoy's message timeouts
-end them with errors after seconds. Turning requests away inside the service does not fix
-that: a refusal still costs a stream, about half of a full decision. So the service asks
-Envoy to turn away a fraction of new requests before they reach it (a runtime value Envoy
-reads on every request, see ``extproc.transport.runtime``), and itself refuses the least
-urgent tier while it is overloaded.
+The engines' capacity is admission's business; this is about the service's own CPU. Past its
+capacity, requests queue inside grpc and the event loop, every decision gets slower, and
+Envoy's message timeouts end them with errors after seconds. Refusing inside the service does
+not fix that (a refusal still costs a stream, about half a decision), so the service asks
+Envoy to turn away a fraction of new requests before they reach it (a runtime value,
+``extproc.transport.runtime``), and itself refuses the least urgent tier while overloaded.
+Envoy is blind to tiers and the commonest overload is a batch flood, so the least urgent tier
+goes first, and Envoy turns requests away only when that tier is too small a share of the
+service's work for refusing it to help: a batch flood never makes Envoy turn chat away.
 
-Turning requests away in Envoy is blind to tiers (Envoy does not know a request's tier
-before the service classifies it), and the commonest overload is exactly what fairlane is
-for: a flood of batch requests. So the least urgent tier goes first, refused by the service
-while it is behind, and Envoy turns requests away only when that tier is a small share of
-the service's work (``max_least_urgent_share``): then refusing it cannot relieve the
-service, and everyone's requests, chat's included, would otherwise wait in the backlog. A
-batch flood never makes Envoy turn chat away. The work counted is every message the
-service handles for a request: its decision, and for a held one its grant, and its
-completion. Decisions alone are not the work: measured on ``flood-256seat``, 768 batch
-requests held at once were decided in the first second, and when their first completions
-came back together (each one a release, a grant and a forward of a held request) the only
-new decisions were chat's, so Envoy turned chat away.
-
-The signal is how far behind the service is (``extproc.transport.overload`` measures it:
-how old requests are when it decides them, and how late its event loop's timers fire), and
-how busy it was. Once per control period, on how far behind it was in it:
-
-* above ``high_lag_s`` for two periods in a row, or above twice it in one: overloaded;
-  let through less, in proportion to how far behind (twice the bound: half as much, at
-  most ``max_cut`` less and at least ``min_step`` more turned away), so a sudden flood is
-  cut in a period or two and its backlog drains. One period a little over the bound is a
-  hiccup (a collection, the machine's other processes), not overload: measured at half
-  the service's capacity on this 2-core machine, a single 65 ms period had Envoy turn
-  away a quarter of the requests;
-* below ``low_lag_s``: recovering; turn away ``recover_step`` less;
-* in between: unchanged, so the fraction settles where the service just keeps up instead
-  of oscillating around it.
-
-Only a service that is busy can be overloaded by requests. One that falls behind while it
-uses little CPU (``min_busy``) is starved by something else on its machine (an engine on
-the same cores, a CPU limit): turning requests away would not give it time back, only lose
-them, so then the fraction falls as if it had caught up.
-
-Plain arithmetic with no clock or I/O: the transport measures and calls ``period``.
+``OverloadControl`` has the control rule. Plain arithmetic with no clock or I/O: the
+transport measures how far behind the service is and calls ``period``.
 """
 
 from __future__ import annotations
@@ -78,7 +47,31 @@ class OverloadSettings:
 
 
 class OverloadControl:
-    """The fraction of new requests Envoy turns away, recomputed once a period."""
+    """The fraction of new requests Envoy turns away, recomputed once a period.
+
+    The work counted is every message the service handles for a request: its decision, and for a
+    held one its grant, and its completion. Decisions alone are not the work: when many held batch
+    requests complete together, each completion is a release, a grant and a forward, while the only
+    new decisions are chat's (docs/benchmarks/internals.md, ``flood-256seat``).
+
+    The signal is how far behind the service is (``extproc.transport.overload`` measures it: how
+    old requests are when it decides them, and how late its event loop's timers fire), and how busy
+    it was. Once per control period, on how far behind it was in it:
+
+    * above ``high_lag_s`` for two periods in a row, or above twice it in one: overloaded; let
+      through less, in proportion to how far behind (twice the bound: half as much, at most
+      ``max_cut`` less and at least ``min_step`` more turned away), so a sudden flood is cut in a
+      period or two and its backlog drains. One period a little over the bound is a hiccup (a
+      collection, the machine's other processes), not overload;
+    * below ``low_lag_s``: recovering; turn away ``recover_step`` less;
+    * in between: unchanged, so the fraction settles where the service just keeps up instead of
+      oscillating around it.
+
+    Only a service that is busy can be overloaded by requests. One that falls behind while it uses
+    little CPU (``min_busy``) is starved by something else on its machine (an engine on the same
+    cores, a CPU limit): turning requests away would not give it time back, only lose them, so then
+    the fraction falls as if it had caught up.
+    """
 
     def __init__(self, settings: OverloadSettings = OverloadSettings()) -> None:
         self.settings = settings

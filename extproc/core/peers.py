@@ -1,47 +1,17 @@
 """What the other replicas hold: the fleet-wide part of every admission decision.
 
-Replicas (``fairlane serve --state redis://...``) share state by exchanging reports through
-Redis every few milliseconds (``extproc.state``); this module is the plain-data side of
-that exchange, with no I/O. Each replica keeps its own held requests and decides its own
-grants, but it decides them over the whole fleet's demand:
+Replicas (``fairlane serve --state redis://...``) exchange reports through Redis every few
+milliseconds (``extproc.state``); this module is the plain-data side of that exchange, with
+no I/O. Each replica keeps its own held requests and decides its own grants, but over the
+whole fleet's demand: the others' leases count into every backend's load and the tiers'
+reserves, a band waits while another replica holds a more urgent one, VTC counters add the
+others' charges, a tier active anywhere keeps its reserve everywhere, and an urgent request
+may ask another replica to cancel one of its batch requests. ``PeerView`` lists the rules.
 
-- **Leases.** Each report carries the replica's requests in flight per backend and rank.
-  They count into every backend's load (``Backend.note_peers``), the tiers' reservations and
-  the per-backend cap; what they grew by since an engine's scrape, and the KV tokens the
-  replica sent there since (``ReplicaReport.kv_tokens``), count as the engine's queue and
-  KV use that the scrape could not show. A report expires with its replica (the lease
-  TTL), so a dead replica's seats come back by themselves.
-- **Strict priority across replicas.** Each report carries, per band, how many requests
-  wait and how long the oldest has waited. A replica does not grant a band while another
-  replica holds a band that ranks strictly better after aging: the replica of the globally
-  most urgent request grants first.
-- **VTC across replicas.** Every replica adds the others' VTC charges (a log of charges,
-  ``FairScheduler.take_ledger`` / ``charge_elsewhere``) to its flows' counters, so each
-  serves its own queue in the order of the flows' fleet-wide service. Each report also
-  carries, per band, its next flow and that flow's counter, and its oldest wait. A band
-  that drained on one replica restarts at the others' counters
-  (``FairScheduler.raise_floor``), not at 0. A replica leaves room it could use to another
-  whose next flow is owed clearly more, or whose queue has waited far longer
-  (``owed_elsewhere`` below): without that, a replica that rarely sees a free seat
-  (the others refill the seats their own requests free) starves its queue. Envoy sends
-  each client key to one replica (``extproc.envoy.replicas``), so a flow spans replicas
-  only when its tenant sends with several keys; flows on different replicas still compete
-  for the same seats, which is what these rules are for.
-- **Reservation activity.** A tier active on any replica (requests waiting or in flight,
-  or one arrived within its ``reserved_idle_s``) keeps its reserve on every replica.
-- **Preemption across replicas.** Each report carries the requests the replica could cancel
-  per backend and rank (``extproc.core.preemption``). A replica that sends an urgent request
-  to a full engine whose cancellable requests are another replica's asks that replica, in its
-  report (``PreemptAsk``), and the other cancels one as it would for its own. With each
-  client key on one replica, the chat tenant's replica holds no batch: without asks, a chat
-  request waited in vLLM for a batch request to finish (``flood-8seat``, three replicas: chat
-  p90 TTFT 26.9 x no flood, against 1.34 x for one process).
-
-**Cut off.** A replica that cannot reach Redis schedules alone with a conservative share of
-each backend: ``1 / replicas`` of the per-backend cap and of the fleet's seats, replicas
-being the number it last saw alive (``PeerView.cut_off``). The engines' own metrics still
-show the others' traffic, so gates keep working; the share keeps N replicas from each
-filling the fleet's free seats at once.
+**Cut off.** A replica that cannot reach Redis schedules alone on ``1 / replicas`` of each
+backend's cap and of the fleet's seats, replicas being the number it last saw alive: the
+engines' own metrics still show the others' traffic, and the share keeps N replicas from
+each filling the fleet's free seats at once.
 """
 
 from __future__ import annotations
@@ -138,6 +108,39 @@ class PeerView:
     """The other replicas' reports, merged, as of ``read_at`` on the reader's clock.
 
     ``PeerView()`` is a replica alone (the in-process default): it changes no decision.
+
+    What the reports carry, and what each replica does with them:
+
+    - **Leases.** Each report carries the replica's requests in flight per backend and rank. They
+      count into every backend's load (``Backend.note_peers``), the tiers' reservations and the
+      per-backend cap; what they grew by since an engine's scrape, and the KV tokens the replica
+      sent there since (``ReplicaReport.kv_tokens``), count as the engine's queue and KV use that
+      the scrape could not show. A report expires with its replica (the lease TTL), so a dead
+      replica's seats come back by themselves.
+    - **Strict priority across replicas.** Each report carries, per band, how many requests wait
+      and how long the oldest has waited. A replica does not grant a band while another replica
+      holds a band that ranks strictly better after aging: the replica of the globally most urgent
+      request grants first.
+    - **VTC across replicas.** Every replica adds the others' VTC charges
+      (``FairScheduler.take_ledger`` / ``charge_elsewhere``) to its flows' counters, so each serves
+      its own queue in the order of the flows' fleet-wide service. Each report also carries, per
+      band, its next flow, that flow's counter and its oldest wait. A band that drained on one
+      replica restarts at the others' counters (``FairScheduler.raise_floor``), not at 0. A replica
+      leaves room it could use to another whose next flow is owed clearly more, or whose queue has
+      waited far longer (``owed_elsewhere``): without that, a replica that rarely sees a free seat
+      (the others refill the seats their own requests free) starves its queue. Envoy sends each
+      client key to one replica (``extproc.envoy.replicas``), so a flow spans replicas only when
+      its tenant sends with several keys; flows on different replicas still compete for the same
+      seats, which is what these rules are for.
+    - **Reservation activity.** A tier active on any replica (requests waiting or in flight, or one
+      arrived within its ``reserved_idle_s``) keeps its reserve on every replica.
+    - **Preemption across replicas.** Each report carries the requests the replica could cancel per
+      backend and rank (``extproc.core.preemption``). A replica that sends an urgent request to a
+      full engine whose cancellable requests are another replica's asks that replica, in its report
+      (``PreemptAsk``), and the other cancels one as it would for its own. With each client key on
+      one replica, the chat tenant's replica holds no batch: without asks, a chat request waits in
+      vLLM for a batch request to finish (docs/benchmarks/internals.md, ``flood-8seat`` on three
+      replicas).
     """
 
     reports: tuple[ReplicaReport, ...] = ()

@@ -1,29 +1,18 @@
 """Endpoint picking: which of the backends that may take a request serves it, plus alternates.
 
 Admission decides *whether* a request may go and which backends pass its tier's gates (the
-candidates: the filters); this module decides *which* candidate, per request, by a weighted
-score where lower wins (weights from the policy's ``routing``):
+candidates); this module decides *which* candidate, by a weighted score where lower wins
+(weights from the policy's ``routing``): the load scorers of ``extproc.core.scorers``
+(queue depth, KV-cache use, region, LoRA affinity) minus the prompt's prefix affinity, the
+share of its leading blocks the backend holds (by the engine's own KV events when it
+publishes them, else by what it was sent before: ``extproc.core.prefix``). The candidate
+holding the longest prefix stays the choice until its load exceeds the best other's by
+``sticky_margin`` (llm-d's affinity filter), so a conversation keeps its KV cache but a hot
+prefix is copied onto a second backend rather than queued behind the first.
 
-- the load score, the sum of the scorers of ``extproc.core.scorers`` (queue depth, KV-cache
-  use, region, LoRA affinity), each weighted by its ``routing`` field;
-- prefix affinity: ``- prefix_weight * matched / blocks``, the share of the prompt's leading
-  blocks this backend holds: by its own KV events when it publishes them and the engine's
-  tokenizer is configured (precise), else by what it was sent before (approximate;
-  ``extproc.core.prefix``).
-
-Sticky until saturated (llm-d's affinity filter): the
-candidate holding the longest prefix stays the choice while its load score is at most the
-best other candidate's plus ``sticky_margin``, so a conversation keeps its KV cache; beyond
-that it counts as saturated for this request and the best total score among the others wins
-(its prefix weight alone must not keep piling load on it), which copies a hot prefix onto a
-second backend instead of queueing behind the first. When precise matching stopped at one
-request's budget of new text (``extproc.fleet.pieces.COLD_CHARS``), the engines holding
-all that was read tie; what this gateway sent each of them (the approximate index) breaks
-the tie before load does.
-
-The first endpoint serves the first attempt; the alternates (healthy only, another region
-first, then least loaded) serve Envoy's retries and hedges through override_host, which uses
-a listed host even when Envoy's own health check fails it, hence healthy only.
+The alternates (healthy only, another region first, then least loaded) serve Envoy's retries
+and hedges through override_host, which uses a listed host even when Envoy's own health
+check fails it, hence healthy only. ``choose`` has the scoring in full.
 """
 
 from __future__ import annotations
@@ -84,6 +73,24 @@ def choose(
     left), in configured order; ties go to the earlier one, so the local region wins a tie.
     None when no candidate is healthy. ``alternates_from``: a sample of the fleet to take
     the alternates from instead of all of it (a large fleet: ``core.sampling``).
+
+    The score:
+
+    - the load score, the sum of the scorers of ``extproc.core.scorers`` (queue depth, KV-cache
+      use, region, LoRA affinity), each weighted by its ``routing`` field;
+    - prefix affinity: ``- prefix_weight * matched / blocks``, the share of the prompt's leading
+      blocks this backend holds: by its own KV events when it publishes them and the engine's
+      tokenizer is configured (precise), else by what it was sent before (approximate;
+      ``extproc.core.prefix``).
+
+    Sticky until saturated (llm-d's affinity filter): the candidate holding the longest prefix
+    stays the choice while its load score is at most the best other candidate's plus
+    ``sticky_margin``, so a conversation keeps its KV cache; beyond that it counts as saturated
+    for this request and the best total score among the others wins (its prefix weight alone
+    must not keep piling load on it), which copies a hot prefix onto a second backend instead of
+    queueing behind the first. When precise matching stopped at one request's budget of new text
+    (``extproc.fleet.pieces.COLD_CHARS``), the engines holding all that was read tie; what this
+    gateway sent each of them (the approximate index) breaks the tie before load does.
     """
     usable = [b for b in candidates if b.healthy]
     if not usable:

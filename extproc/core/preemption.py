@@ -1,28 +1,18 @@
 """Requests the gateway may still cancel while they run, to seat a more urgent one.
 
 vLLM 0.32 never preempts a running request for a waiting one when its seats are full
-(vLLM #40004): a chat request sent to an engine full of batch waits for a batch request
-to finish, seconds. Keeping seats idle for chat (``extproc.core.reservations``) costs
+(vLLM #40004): a chat request sent to an engine full of batch waits seconds for a batch
+request to finish, and keeping seats idle for chat (``extproc.core.reservations``) costs
 batch those seats. A non-streamed request of a ``preemptible`` tier has sent its client
-nothing yet, so the gateway can cancel it instead: Envoy resets it upstream (vLLM aborts
-a request whose connection closes) and the client gets a 503 with ``retry-after`` before
-any byte of the answer, and sends it again.
+nothing yet, so the gateway can cancel it instead: Envoy resets it upstream (vLLM aborts it)
+and the client gets a 503 with ``retry-after`` before any byte of the answer. Lending a
+reserve to cancellable batch trades an idle seat (1/S of an engine of S seats) for a re-sent
+prefill that stalls all S, so it pays only on small engines: up to ``LEND_MAX_SEATS`` seats
+(docs/benchmarks/internals.md, the flood scenarios' A/B).
 
-**Lending a reserve** to cancellable batch is a trade: a seat kept idle for chat costs its
-engine 1/S of its throughput (S seats), while a preemption costs a re-sent request's
-prefill, during which every one of the engine's S running requests waits. So the cost of
-preempting for every chat arrival grows with S, and that of an idle reserve does not.
-Measured (A/B in one run, default policy): 4-seat engines, batch goodput 75 % -> 89 % of
-FIFO's with lending, chat p90 unchanged; 8 seats 80 % -> 86 %; 32 seats 82 % -> 75 %,
-chat p90 2.09 x -> 1.75 x. Cancellable requests therefore count towards a reserve only on
-engines of at most ``LEND_MAX_SEATS`` seats; on bigger ones the reserve idles as before,
-and preemption serves only a burst of chat beyond it.
-
-This module only keeps the bookkeeping, free of I/O: which in-flight requests the
-transport can cancel (it keeps their ext_proc stream open for that), per backend, in the
-order they were sent. The victim for a more urgent request is on the backend it goes to,
-of the least urgent tier there, and the newest of those: the least work lost.
-``Admission`` decides when.
+This module only keeps the bookkeeping, free of I/O: which in-flight requests the transport
+can cancel, per backend, in the order they were sent. The victim is on the backend the urgent
+request goes to, of the least urgent tier there, the newest: the least work lost.
 """
 
 from __future__ import annotations

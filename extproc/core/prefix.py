@@ -3,25 +3,15 @@
 vLLM caches only full blocks of ``block_size`` tokens, each keyed by a hash chained over
 every block before it (``shared/reference/vllm.md`` A4), so a block is reusable exactly when
 the whole prefix up to it is the same. The gateway mirrors that shape without the engine's
-values: :func:`prefix_blocks` chains Python's own ``hash`` over fixed-size chunks, and a
-per-backend ``PrefixLRU`` (``extproc.fleet.prefix_cache``) remembers the chains recently
-sent there. The hashes only
-need to agree with each other inside one gateway process, never with vLLM's sha256 ones.
-
-On the request path the chunks are characters, not tokens (what llm-d/GIE's approximate
-prefix scorer does): about ``CHARS_PER_TOKEN`` characters make a token, so a block of
-``block_size`` tokens is a chunk of ``block_size * CHARS_PER_TOKEN`` characters. Measured
-on this machine for a 2,092-token (8.8 KB) prompt: tokenising with ``extproc.core.prompt`` costs
-about 430 µs and chaining its token blocks about 35 µs more, while chaining character
-chunks costs about 25 µs (recording the 138 hashes in an LRU about 7 µs, matching them
-about 1 µs). Affinity needs only "same prefix, same leading hashes", which character chunks
-give, so every granted request is hashed, whatever the number of candidates.
-
-When engines publish their KV events, the same prompt is also hashed the engine's way
-(``PromptBlocks.keys``: its tokenizer and chat template, vLLM's chain and seed;
-``extproc.core.blockhash``), and matched against the blocks each engine says it holds
-(``extproc.fleet.kv_events``): exact, and blind to nothing the engine did, at the cost of
-tokenizing (``loadtests/bench/tokenize_cost.py``).
+values: ``prefix_blocks`` chains Python's own ``hash`` over fixed-size chunks, and a
+per-backend ``PrefixLRU`` (``extproc.fleet.prefix_cache``) remembers the chains recently sent
+there. On the request path the chunks are characters, ``CHARS_PER_TOKEN`` to a token (as
+llm-d/GIE's approximate scorer does): affinity needs only "same prefix, same leading
+hashes", and hashing characters costs a fraction of tokenizing (docs/benchmarks/internals.md),
+so every granted request is hashed. When engines publish their KV events, the prompt is also
+hashed the engine's way (``PromptBlocks.keys``, ``extproc.core.blockhash``) and matched
+against the blocks each engine says it holds (``extproc.fleet.kv_events``): exact, at the
+cost of tokenizing (``loadtests/bench/tokenize_cost.py``).
 """
 
 from __future__ import annotations

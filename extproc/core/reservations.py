@@ -1,27 +1,15 @@
 """Capacity reservations: seats that less urgent tiers may not take from busy urgent ones.
 
-Gates (``extproc.core.gates``) keep each engine from backing up; reservations split the fleet's
-seats (``extproc.fleet.seats``: what the engines really run at once, learned from them) between
-tiers, so a flood of batch work cannot occupy every seat the moment chat needs one. vLLM
-never preempts a running request to seat a waiting one, so a chat request that finds every
-seat taken waits for a batch request to finish: seconds. The rule is asymmetric and
-work-conserving:
-
-- a tier may take any free seat that no *more urgent, active* tier still needs for its
-  reservation; so urgent tiers borrow freely from less urgent ones (never the reverse);
-- an idle tier (nothing queued, nothing in flight, no arrival lately) reserves nothing, so
-  with no interactive traffic batch may fill the whole fleet.
-
-**How many seats an active tier reserves** follows its own recent demand, not a fixed
-share: ``Demand`` keeps the time-weighted mean of the tier's requests in flight; ``a`` is
-that mean, or the tier's requests in flight and queued right now if more (a surge must not
-wait a whole averaging window for its seats), and the reserve is the smallest ``r`` with
-``P(N >= r) <= MISS`` for ``N ~ Poisson(a)``: the number of the tier's requests in flight
-that an arrival finds is about Poisson for many
-independent users (M/G/infinity), so at most ``MISS`` of arrivals find all reserved seats
-taken. At least one seat is kept while the tier is active, and never more than the tier's
-``reserved_share`` of the fleet (the policy's ceiling). A fixed share would be either
-mostly idle seats (batch throughput lost) on a big fleet or too few on a small one; the
+Gates (``extproc.core.gates``) keep each engine from backing up; reservations split the
+fleet's seats (``extproc.fleet.seats``: learned from the engines) between tiers, so a flood of
+batch work cannot occupy every seat the moment chat needs one: vLLM never preempts a running
+request to seat a waiting one, so chat would wait seconds for a batch request to finish. The
+rule is asymmetric and work-conserving: a tier may take any free seat that no more urgent,
+active tier still needs (urgent tiers borrow freely from less urgent ones, never the
+reverse), and an idle tier reserves nothing. An active tier reserves what its own recent
+demand needs (``reserved_seats``): the fewest seats that at most ``MISS`` of its arrivals find
+all taken, its requests in flight being about Poisson (M/G/infinity), capped by the tier's
+``reserved_share``. A fixed share would idle seats on a big fleet and starve a small one; this
 reserve's idle part grows only like the square root of the demand.
 """
 
@@ -120,6 +108,16 @@ def reserved_seats(
     flight or queued right now. The reserve follows whichever is larger, the average or
     now: a surge of chat must not wait a whole window for its seats, and a lull keeps them
     for a while.
+
+    How many seats an active tier reserves follows its own recent demand, not a fixed share:
+    ``Demand`` keeps the time-weighted mean of the tier's requests in flight; ``a`` is that
+    mean, or the tier's requests in flight and queued right now if more (a surge must not wait a
+    whole averaging window for its seats), and the reserve is the smallest ``r`` with ``P(N >=
+    r) <= MISS`` for ``N ~ Poisson(a)``: the number of the tier's requests in flight that an
+    arrival finds is about Poisson for many independent users (M/G/infinity), so at most
+    ``MISS`` of arrivals find all reserved seats taken. At least one seat is kept while the tier
+    is active, and never more than the tier's ``reserved_share`` of the fleet (the policy's
+    ceiling).
     """
     reserved: dict[int, int] = {}
     present = current or {}

@@ -1,35 +1,15 @@
 """Placement on a large fleet: look at a sample of the backends, remember a full fleet.
 
-On a few backends admission checks every one for every decision (gates, seats, the cap),
-and the picker scores every candidate; that is exact and cheap. On a thousand it is not:
-measured in the discrete-event simulation (``loadtests.des``), one request cost 434 µs of
-the core's CPU at 10 engines and 10,650 µs at 1,000, most of it in scans of the whole
-fleet: every placement filtering every backend, every grant sorting the fleet for
-alternates, and every dispatch after a scrape doing both per band.
-
-Above ``LARGE_FLEET`` backends, placement changes in three ways:
-
-- **A sample, not the fleet.** Candidates are collected from a cursor that walks the
-  fleet round-robin, stopping at ``SAMPLE`` (8) that pass, or at the first that passes
-  after ``WINDOW`` (32) looked at; the picker chooses among those by
-  load and prefix (d-choice style: among 8 with room, the least loaded is near the
-  best, and the cursor spreads grants over the fleet). Prefix affinity is then only
-  found inside the sample: a backend holding the prompt outside it is not seen.
-- **Freed backends first.** Every completion marks its backend as freed for each band;
-  a placement offers up to ``FREED_SHARE`` of those that still admit it before walking the
-  cursor, and forgets each one it finds without room (the backlog took the seat; its next
-  completion brings it back). Under a deep backlog the fleet is full but for the seats
-  completions just freed, a handful of a thousand: without this a placement walked about
-  235 backends to find one (``scale-day``'s first minute, 1,000 engines: 6.4 M gate checks
-  for 27 k placements).
-- **A full fleet is remembered.** When a whole walk finds no candidate for a band, that
-  band is marked full. Until the next refresh (``refresh_s``, the policy's scrape
-  interval: scrapes, health and cool-offs change room only that often), its placements
-  look only at the backends completions freed since.
-
-The fleet's seat total (``capacity``, what reservations are shares of) is recomputed at
-most once per refresh on a large fleet, so a backend lost shows in the reserve one scrape
-interval later. Below ``LARGE_FLEET`` nothing here applies and every decision is exact.
+On a few backends admission checks every one for every decision (gates, seats, the cap) and
+the picker scores every candidate: exact and cheap. On a thousand, those scans of the whole
+fleet are most of a decision's cost (docs/benchmarks/internals.md, the scale benchmarks).
+Above ``LARGE_FLEET`` backends placement therefore looks at a sample: candidates from a
+round-robin cursor, stopping at ``SAMPLE`` that pass (d-choice style: among 8 with room the
+least loaded is near the best); the backends completions just freed are offered first, since
+under a deep backlog they are the only ones with room; and a band that found the whole fleet
+full looks only at freed backends until the next refresh. Prefix affinity is then found only
+inside the sample, and the seat total is recomputed once per refresh. Below ``LARGE_FLEET``
+nothing here applies and every decision is exact. ``FleetSample`` has the details.
 """
 
 from __future__ import annotations
@@ -84,7 +64,31 @@ class _Band:
 
 class FleetSample:
     """The cursor, the bands' freed backends and full marks, and the seat total of one
-    large fleet."""
+    large fleet.
+
+    Above ``LARGE_FLEET`` backends, placement changes in three ways:
+
+    - **A sample, not the fleet.** Candidates are collected from a cursor that walks the fleet
+      round-robin, stopping at ``SAMPLE`` (8) that pass, or at the first that passes after
+      ``WINDOW`` (32) looked at; the picker chooses among those by load and prefix (d-choice
+      style: among 8 with room, the least loaded is near the best, and the cursor spreads grants
+      over the fleet). Prefix affinity is then only found inside the sample: a backend holding
+      the prompt outside it is not seen.
+    - **Freed backends first.** Every completion marks its backend as freed for each band; a
+      placement offers up to ``FREED_SHARE`` of those that still admit it before walking the
+      cursor, and forgets each one it finds without room (the backlog took the seat; its next
+      completion brings it back). Under a deep backlog the fleet is full but for the seats
+      completions just freed, a handful of a thousand: without this a placement walked hundreds
+      of backends to find one.
+    - **A full fleet is remembered.** When a whole walk finds no candidate for a band, that band
+      is marked full. Until the next refresh (``refresh_s``, the policy's scrape interval:
+      scrapes, health and cool-offs change room only that often), its placements look only at
+      the backends completions freed since.
+
+    The fleet's seat total (``capacity``, what reservations are shares of) is recomputed at most
+    once per refresh on a large fleet, so a backend lost shows in the reserve one scrape
+    interval later.
+    """
 
     def __init__(self) -> None:
         self._cursor = 0

@@ -1,61 +1,16 @@
 """The fair scheduler: strict priority bands with aging, and VTC fairness between flows in a band.
 
-The scheduler knows nothing of policies: a **band** is the scheduler's name for one tier's
-queue (``Entry.band`` is the tier's name), with the tier's rank, queue limit and aging.
-Admission maps tiers to bands when a policy is applied.
+A **band** is one tier's queue (admission maps tiers to bands when a policy is applied).
+Bands go in strict rank order, except that a band's rank improves while its oldest entry
+waits, up to a cap (batch may climb to api's rank, never past it). Within a band, flows (a
+tenant, or tenant/user) are served by the Virtual Token Counter of Sheng et al., "Fairness in
+Serving Large Language Models" (OSDI '24): the backlogged flow with the lowest counter goes
+next, and each pop charges it the request's weighted tokens. No counter may fall below the
+band's virtual time, so a flow cannot save service up while idle or through a late refund;
+and a flow with no debt is forgotten, so memory is bounded by the flows of the current busy
+period. Replicas add each other's charges: flows compare by fleet-wide service.
 
-Which held request goes next is decided in two steps:
-
-1. **Band** (one per tier). Bands are served in strict rank order, except that a band's
-   *effective* rank improves while its oldest entry waits:
-   ``rank - min(aging_cap, aging_rate * age)``. The cap bounds how far a band can climb (e.g.
-   batch up to api's rank), and ties go to the lower base rank, so an aged band only
-   overtakes a more urgent one once it is strictly better. Aging is judged on the band's
-   oldest entry, which is O(1) to find, so nothing is re-sorted as time passes.
-2. **Flow** within the band (a tenant, or tenant/user): the Virtual Token Counter of Sheng et
-   al., "Fairness in Serving Large Language Models" (OSDI '24). Each flow has a counter.
-   The backlogged flow with the lowest counter is served, ties going to the earliest head,
-   FIFO within a flow. On pop the counter is charged
-   ``(input_weight * input + output_weight * estimated output) / flow weight``, and
-   ``correct`` settles the output estimate once the real count is known.
-
-Counters are per band: flows in different bands never compete.
-
-**Virtual time, lift rule, memory.** Each band keeps a virtual time ``vtime``: the lowest
-counter among its backlogged flows. It never decreases during a busy period, because no
-operation may push a backlogged counter below it.
-
-- A flow with nothing queued that pushes is lifted to ``max(own counter, vtime)``. A flow
-  that was idle while others were served therefore cannot claim that time back as a burst
-  of consecutive pops. A flow that overspent before going idle keeps its debt.
-- Because of the lift rule, an idle flow whose counter is at or below ``vtime`` carries no
-  information, so its state is dropped as soon as ``vtime`` passes it. An idle-flow heap
-  makes that amortised O(log n).
-- When a band drains completely, its busy period is over: no one was waiting, so nobody
-  was treated unfairly. All its flow state is forgotten and ``vtime`` restarts at 0.
-- The result: per-flow state is bounded by the flows active during the current busy
-  period. ``tracked_flows()`` reports it.
-
-**Replicas.** With replicas sharing state, each replica's scheduler also learns the
-service its flows received elsewhere (``take_ledger`` hands out what this one charged,
-``charge_elsewhere`` adds what the others did), so a tenant spread over three replicas is
-compared by its fleet-wide service.
-
-**Corrections.** ``correct`` may lower a counter (the request produced less output than
-estimated), but never below ``vtime``. Without that floor, a late refund would put a
-backlogged flow below its peers and give it the burst the lift rule exists to prevent. With
-it, all backlogged counters stay within one charge of each other, which is where VTC's
-fairness bound comes from. A correction arriving while the band is empty is dropped: the
-busy period whose ordering it would have changed is over.
-
-**Complexity.** ``push``, ``remove`` and ``correct`` are O(log n). ``pop`` is
-O(bands + log n). Lazy deletion keeps stale heap items, and each heap is rebuilt when stale
-items outnumber live ones, so the cost stays amortised O(log n) and the memory bounded;
-depth counts are always exact.
-
-Measured once (CPython 3.11.7, 2-core dev container, 3 bands): with 10k entries queued
-over 1k flows, about 6 µs per push plus pop at that steady depth (200k rounds), and 6-8 µs
-per push plus remove. Building the ``Entry`` is not included.
+``FairScheduler`` states the rules in full. Plain data, no I/O, time from an injected clock.
 """
 
 from __future__ import annotations
@@ -291,6 +246,54 @@ class FairScheduler:
     """Held requests in priority bands with aging, served fairly by token counters per flow.
 
     Plain data structure: no I/O, no awaiting, time only from the injected ``clock``.
+
+    Which held request goes next is decided in two steps:
+
+    1. **Band** (one per tier). Bands are served in strict rank order, except that a band's
+       *effective* rank improves while its oldest entry waits: ``rank - min(aging_cap, aging_rate *
+       age)``. The cap bounds how far a band can climb (e.g. batch up to api's rank), and ties go
+       to the lower base rank, so an aged band only overtakes a more urgent one once it is strictly
+       better. Aging is judged on the band's oldest entry, which is O(1) to find, so nothing is
+       re-sorted as time passes.
+    2. **Flow** within the band (a tenant, or tenant/user): each flow has a virtual counter. The
+       backlogged flow with the lowest counter is served, ties going to the earliest head, FIFO
+       within a flow. On pop the counter is charged ``(input_weight * input + output_weight *
+       estimated output) / flow weight``, and ``correct`` settles the output estimate once the real
+       count is known.
+
+    Counters are per band: flows in different bands never compete.
+
+    **Virtual time, lift rule, memory.** Each band keeps a virtual time ``vtime``: the lowest
+    counter among its backlogged flows. It never decreases during a busy period, because no
+    operation may push a backlogged counter below it.
+
+    - A flow with nothing queued that pushes is lifted to ``max(own counter, vtime)``. A flow that
+      was idle while others were served therefore cannot claim that time back as a burst of
+      consecutive pops. A flow that overspent before going idle keeps its debt.
+    - Because of the lift rule, an idle flow whose counter is at or below ``vtime`` carries no
+      information, so its state is dropped as soon as ``vtime`` passes it. An idle-flow heap makes
+      that amortised O(log n).
+    - When a band drains completely, its busy period is over: no one was waiting, so nobody was
+      treated unfairly. All its flow state is forgotten and ``vtime`` restarts at 0.
+    - The result: per-flow state is bounded by the flows active during the current busy period.
+      ``tracked_flows()`` reports it.
+
+    **Replicas.** With replicas sharing state, each replica's scheduler also learns the service its
+    flows received elsewhere (``take_ledger`` hands out what this one charged, ``charge_elsewhere``
+    adds what the others did), so a tenant spread over three replicas is compared by its fleet-wide
+    service.
+
+    **Corrections.** ``correct`` may lower a counter (the request produced less output than
+    estimated), but never below ``vtime``. Without that floor, a late refund would put a backlogged
+    flow below its peers and give it the burst the lift rule exists to prevent. With it, all
+    backlogged counters stay within one charge of each other, which is where VTC's fairness bound
+    comes from. A correction arriving while the band is empty is dropped: the busy period whose
+    ordering it would have changed is over.
+
+    **Complexity.** ``push``, ``remove`` and ``correct`` are O(log n). ``pop`` is O(bands + log n).
+    Lazy deletion keeps stale heap items, and each heap is rebuilt when stale items outnumber live
+    ones, so the cost stays amortised O(log n) and the memory bounded; depth counts are always
+    exact. (Its cost per operation: docs/benchmarks/internals.md.)
     """
 
     def __init__(
@@ -438,7 +441,7 @@ class FairScheduler:
         """Settle a finished request's output estimate on its flow's counter.
 
         Adds ``output_weight * (actual - estimated) / weight``. A refund never takes the
-        counter below the band's ``vtime`` (see the module docstring). A flow that is no
+        counter below the band's ``vtime`` (see the class docstring). A flow that is no
         longer tracked counts as being at ``vtime``. Ignored while the band is empty.
         """
         if not (math.isfinite(weight) and weight > 0):

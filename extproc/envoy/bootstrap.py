@@ -3,35 +3,16 @@
 Envoy terminates the OpenAI-compatible traffic and calls the fairlane ext_proc service for
 every request; the service may hold a request for minutes, then rewrites it and names the
 upstream endpoint. This module assembles the whole bootstrap from the pieces the other
-modules of ``extproc.envoy`` build, each with the reasons for its settings next to it
-(see also ``envoy/README.md`` and ``/work/shared/reference/envoy.md``):
+modules of ``extproc.envoy`` build (``filter``, ``connection_manager``, ``routes``,
+``clusters``, ``replicas``, ``overload``), each with the reasons for its settings next to it;
+here are the listener, whose buffer must exceed the largest allowed body (else BUFFERED mode
+turns big prompts into 413s), and the overload manager's connection cap.
 
-* :mod:`~extproc.envoy.filter`: the ext_proc filter (what is sent, how long a hold may be);
-* :mod:`~extproc.envoy.connection_manager`: the idle timeout above the longest hold, and
-  the access logs (the first one is the completion feed to the service);
-* :mod:`~extproc.envoy.routes`: no route timeout, retries, the ``x-fairlane-*`` headers;
-* :mod:`~extproc.envoy.clusters`: the service (a stream per held request) and the backends
-  (``override_host`` routing, regions as priority levels);
-* :mod:`~extproc.envoy.replicas`: with several service replicas, failover between them and
-  a completion feed to each;
-* :mod:`~extproc.envoy.overload`: the runtime layer the service serves and the routes that
-  turn requests away for it while it is overloaded;
-* here: the listener, whose buffer must exceed the largest allowed body (else BUFFERED mode
-  turns big prompts into 413s), and the overload manager's connection cap.
-
-Design choice: the bootstrap is built as **plain dicts** (proto3 JSON shape) and checked by
-Envoy itself (``envoy --mode validate``), not with envoy-data-plane's typed messages. The
-dicts map one-to-one onto the Envoy docs and the YAML users paste into their meshes, need no
-``Any`` packing of the half-dozen typed extension configs, import nothing heavy, and the
-validation is done by the exact binary that will run them, which is the only check that
-catches semantic errors (unknown extension names, bad combinations) anyway.
-``fairlane render-envoy`` (``extproc/envoy/render.py``) adds a typed check on top: it parses
-these dicts into envoy-data-plane's ``Bootstrap`` message, nested ``typed_config`` included,
-before Envoy validates them; that import stays out of this package's builders and the
-request path.
-
-``python -m extproc.envoy.bootstrap [--mesh-snippet]`` prints the default render, which is
-how ``envoy/fairlane.yaml`` and ``envoy/mesh-snippet.yaml`` are made.
+The bootstrap is built as **plain dicts** (proto3 JSON shape), not envoy-data-plane's typed
+messages: they map one-to-one onto the Envoy docs and the YAML users paste into their meshes,
+and import nothing heavy. Envoy itself validates them (``envoy --mode validate``), the only
+check that catches semantic errors; ``fairlane render-envoy`` adds a typed check first.
+``python -m extproc.envoy.bootstrap [--mesh-snippet]`` prints the default render.
 """
 
 from __future__ import annotations

@@ -2,23 +2,14 @@
 
 The service's cluster must carry one stream per held request, so its circuit breakers and
 HTTP/2 windows are sized from the queue limits and the body limit. With several replicas it
-lists them all, with the failover settings of :mod:`extproc.envoy.replicas`, and each
-replica also gets a cluster of its own for its completion feed (:func:`replica_clusters`).
+lists them all, with the failover settings of ``extproc.envoy.replicas``, and each replica
+also gets a cluster of its own for its completion feed (``replica_clusters``).
 
 The backends' cluster routes with the ``override_host`` LB policy: the service's
 ``x-gateway-destination-endpoint`` (``ip:port[,ip:port...]``, also in ``envoy.lb`` metadata)
 picks the host; regions are priority levels for failover of the fallback LB, and Envoy's own
-limits are lifted because admission is fairlane's job.
-
-With ``dns://`` backends the cluster is **EDS**, its hosts served by the service itself
-(``extproc.transport.endpoints``) over the ext_proc cluster's gRPC connection, so Envoy's
-hosts are the service's backends, joined and drained at the same moments.
-``ignore_health_on_host_removal`` makes Envoy drop a host as soon as the service does
-(the service removes one only once its requests in flight have finished); without it
-Envoy keeps a removed host that still passes its health check, and the two sets differ.
-A fleet of fixed addresses keeps its STATIC cluster: nothing in it changes, and Envoy
-knows its hosts even while the service is down (a fail-open route still has somewhere to
-go).
+limits are lifted because admission is fairlane's job. With ``dns://`` backends its hosts
+come from the service over EDS, so they are the service's backends (``_hosts``).
 """
 
 from __future__ import annotations
@@ -198,7 +189,17 @@ anyway (with no backend until the set arrives; the service answers once it is up
 
 
 def _hosts(params: EnvoyParams) -> dict[str, Any]:
-    """Where the backends' hosts come from: the config (STATIC) or the service (EDS)."""
+    """Where the backends' hosts come from: the config (STATIC) or the service (EDS).
+
+    With ``dns://`` backends the cluster is **EDS**, its hosts served by the service itself
+    (``extproc.transport.endpoints``) over the ext_proc cluster's gRPC connection, so Envoy's
+    hosts are the service's backends, joined and drained at the same moments.
+    ``ignore_health_on_host_removal`` makes Envoy drop a host as soon as the service does (the
+    service removes one only once its requests in flight have finished); without it Envoy keeps
+    a removed host that still passes its health check, and the two sets differ. A fleet of fixed
+    addresses keeps its STATIC cluster: nothing in it changes, and Envoy knows its hosts even
+    while the service is down (a fail-open route still has somewhere to go).
+    """
     if not params.dynamic_fleet:
         return {
             "load_assignment": {

@@ -5,56 +5,11 @@ topology; everything Envoy needs to know about scheduling (the largest body, the
 how many requests the queues may hold, which tiers hedge) is derived from the policy it points
 at, so the gateway and Envoy cannot disagree about it. Optional keys override the derived
 values for deployments that need to (a bigger listener buffer, a fixed hold cap).
-
-Shape (``deploy/fairlane.yaml`` is the shipped example)::
-
-    listen: {host: 127.0.0.1, port: 8080}      # clients; optional TLS, files as Envoy
-    #   sees them: tls: {cert: /etc/envoy/tls/cert.pem, key: /etc/envoy/tls/key.pem}
-    admin: {host: 127.0.0.1, port: 9901}       # Envoy admin; keep it on loopback
-    service: {host: 127.0.0.1, port: 50051}    # the ext_proc service (fairlane serve); or
-    # its replicas, each at its own address: extproc.envoy.deployment_service shows how
-    policy: ../policies/default.yaml           # relative to this file; default: the built-in
-    backends:                                  # regions are priority levels, first named = 0
-      - {url: http://10.0.0.11:8000, region: us-east-1, weight: 2, seats: 64}
-      - {url: http://10.1.0.11:8000, region: us-west-2}          # seats learned
-      - {url: http://10.1.0.12:8000, region: us-west-2, api_key: env:VLLM_API_KEY}
-      - {url: http://10.0.0.13:8000, region: us-east-1, kv_events: 5557, kv_replay: 5558}
-      - {url: http://10.0.0.14:8000, region: us-east-1, models: [qwen-7b]}  # declared
-      - {url: dns://vllm.llm.svc.cluster.local:8000, region: us-east-1}  # every address
-    # tokenizer: /models/llama                # with kv_events: precise prefix routing
-    # optional, default from the policy:
-    # max_body_bytes, longest_hold_s, max_held_requests, message_timeout_s, access_log_path
-    # optional: what Envoy does when the service is down (default closed: 503, never forwarded)
-    failure_mode: closed                       # the catch-all route (generation)
-    routes:                                    # extra routes, matched before the catch-all
-      - {name: models, prefix: /v1/models, failure_mode: open}
-
-A backend is a fixed IP address (``http://IP:PORT``) or a DNS name (``dns://NAME:PORT``),
-never ``http://NAME``: Envoy's override_host matches the ``ip:port`` strings the service
-sends against the cluster's host addresses, so a name Envoy resolved on its own (STRICT_DNS)
-would hold addresses the service never names. A ``dns://`` name is resolved by the service
-(``extproc.fleet.resolver``), each address a backend, and Envoy learns the same set from the
-service over EDS (``extproc.envoy.clusters``); the service's ``--backend`` takes the same
-``dns://`` URL. The service itself may be a DNS name: nothing matches strings against the
-ext_proc cluster, which is rendered as STRICT_DNS then.
-
-A backend's optional ``seats`` declares how many requests its engine runs at once (its
-``--max-num-seqs``, which vLLM does not export); without it the service learns the count from
-the engine (``extproc.fleet.seats``). Envoy does not use it: the service does, and it is given its
-backends on its command line, so the same count goes on the service's ``--backend`` as
-``#seats=N`` (``tests/deploy/test_compose.py`` checks that the compose files agree).
-``models`` (what the engine serves, until its ``/v1/models`` is read) goes there as
-``#models=A|B``. ``api_key`` is the same kind of field: where the engine's ``--api-key`` is
-read from
-(``env:NAME`` or ``file:PATH``, never the key itself), for the service's ``--backend`` as
-``#key=...`` (``extproc.transport.credentials``); Envoy never sees the key. ``kv_events``
-and ``kv_replay`` are the ports the engine publishes its KV events on (``#kv-events=``,
-``#kv-replay=``), and the top-level ``tokenizer`` the served model's directory as the
-service's container sees it (``--tokenizer``): together they turn on precise prefix
-routing.
-
-Every problem in the file is reported at once, as ``file:line: field.path: message`` (line
-numbers from PyYAML's node marks), like the policy parser does.
+``deploy/fairlane.yaml`` is the shipped example; ``Deployment`` shows the whole shape and
+``_read_backends`` what a backend may say. A backend is an IP address or a ``dns://`` name
+the service resolves, never a name Envoy resolves on its own: Envoy's override_host matches
+the ``ip:port`` strings the service sends. Every problem in the file is reported at once, as
+``file:line: field.path: message``, like the policy parser does.
 """
 
 from __future__ import annotations
@@ -130,7 +85,31 @@ class TierHedging:
 
 @dataclass(frozen=True)
 class Deployment:
-    """A validated deployment file and the policy it names."""
+    """A validated deployment file and the policy it names.
+
+    The file's shape (``deploy/fairlane.yaml`` is the shipped example)::
+
+        listen: {host: 127.0.0.1, port: 8080}      # clients; optional TLS, files as Envoy
+        #   sees them: tls: {cert: /etc/envoy/tls/cert.pem, key: /etc/envoy/tls/key.pem}
+        admin: {host: 127.0.0.1, port: 9901}       # Envoy admin; keep it on loopback
+        service: {host: 127.0.0.1, port: 50051}    # the ext_proc service (fairlane serve); or
+        # its replicas, each at its own address: extproc.envoy.deployment_service shows how
+        policy: ../policies/default.yaml           # relative to this file; default: built-in
+        backends:                                  # regions are priority levels, first = 0
+          - {url: http://10.0.0.11:8000, region: us-east-1, weight: 2, seats: 64}
+          - {url: http://10.1.0.11:8000, region: us-west-2}          # seats learned
+          - {url: http://10.1.0.12:8000, region: us-west-2, api_key: env:VLLM_API_KEY}
+          - {url: http://10.0.0.13:8000, region: us-east-1, kv_events: 5557, kv_replay: 5558}
+          - {url: http://10.0.0.14:8000, region: us-east-1, models: [qwen-7b]}  # declared
+          - {url: dns://vllm.llm.svc.cluster.local:8000, region: us-east-1}  # every address
+        # tokenizer: /models/llama                # with kv_events: precise prefix routing
+        # optional, default from the policy:
+        # max_body_bytes, longest_hold_s, max_held_requests, message_timeout_s, access_log_path
+        # optional: when the service is down (default closed: 503, never forwarded)
+        failure_mode: closed                       # the catch-all route (generation)
+        routes:                                    # extra routes, matched before the catch-all
+          - {name: models, prefix: /v1/models, failure_mode: open}
+    """
 
     source: str
     policy_path: Path
@@ -346,6 +325,31 @@ def _read_routes(reader: LocatedReader, node: Node) -> tuple[RouteSpec, ...]:
 
 
 def _read_backends(reader: LocatedReader, node: Node) -> tuple[BackendSpec | DnsBackendSpec, ...]:
+    """The ``backends`` list, each one read by ``_read_backend``.
+
+    A backend is a fixed IP address (``http://IP:PORT``) or a DNS name (``dns://NAME:PORT``),
+    never ``http://NAME``: Envoy's override_host matches the ``ip:port`` strings the service
+    sends against the cluster's host addresses, so a name Envoy resolved on its own (STRICT_DNS)
+    would hold addresses the service never names. A ``dns://`` name is resolved by the service
+    (``extproc.fleet.resolver``), each address a backend, and Envoy learns the same set from the
+    service over EDS (``extproc.envoy.clusters``); the service's ``--backend`` takes the same
+    ``dns://`` URL. The service itself may be a DNS name: nothing matches strings against the
+    ext_proc cluster, which is rendered as STRICT_DNS then.
+
+    A backend's optional ``seats`` declares how many requests its engine runs at once (its
+    ``--max-num-seqs``, which vLLM does not export); without it the service learns the count
+    from the engine (``extproc.fleet.seats``). Envoy does not use it: the service does, and it
+    is given its backends on its command line, so the same count goes on the service's
+    ``--backend`` as ``#seats=N`` (``tests/deploy/test_compose.py`` checks that the compose
+    files agree). ``models`` (what the engine serves, until its ``/v1/models`` is read) goes
+    there as ``#models=A|B``. ``api_key`` is the same kind of field: where the engine's
+    ``--api-key`` is read from (``env:NAME`` or ``file:PATH``, never the key itself), for the
+    service's ``--backend`` as ``#key=...`` (``extproc.transport.credentials``); Envoy never
+    sees the key. ``kv_events`` and ``kv_replay`` are the ports the engine publishes its KV
+    events on (``#kv-events=``, ``#kv-replay=``), and the top-level ``tokenizer`` the served
+    model's directory as the service's container sees it (``--tokenizer``): together they turn
+    on precise prefix routing.
+    """
     if not isinstance(node, SequenceNode) or not node.value:
         reader.error(
             node, "backends", "must be a non-empty list of {url, region, weight, seats, api_key}"

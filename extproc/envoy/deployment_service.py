@@ -1,34 +1,13 @@
 """The deployment file's ``service:`` section: where Envoy reaches the ext_proc service.
 
-One service (today's shape, and the default)::
-
-    service: {host: 127.0.0.1, port: 50051}
-
-Active-active replicas sharing state in Redis (``fairlane serve --state URL --replica-id
-NAME``), each at an address of its own, because Envoy sends every completion to every replica
-over a cluster holding just that one (extproc.envoy.replicas); ``port`` is the default of
-the replicas that name none, ``state`` the Redis they share (the mesh renderers put it on the
-service's command line; Envoy never uses it)::
-
-    service:
-      port: 50051
-      state: redis://redis:6379
-      replicas:
-        - {host: fairlane-1}
-        - {host: fairlane-2}
-        - {host: 10.0.0.7, port: 50052}
-
-In Kubernetes, a StatefulSet of N pods behind fairlane's Service, by count: each pod is
-reached at a Service of its own, ``NAME-i.NAMESPACE.svc...`` for i in 0..N-1, which the mesh
-renderers write (one per pod, selected by the ``statefulset.kubernetes.io/pod-name`` label)::
-
-    service: {host: fairlane.llm.svc.cluster.local, port: 50051, replicas: 3,
-              state: "redis://redis.llm.svc.cluster.local:6379"}
-
+One service (``{host, port}``, the default), or active-active replicas sharing state in Redis,
+each at an address of its own: Envoy sends every completion to every replica over a cluster
+holding just that one (``extproc.envoy.replicas``). In Kubernetes the replicas are a
+StatefulSet of N pods, each reached at a Service of its own, which the mesh renderers write.
 A single name that resolves to every replica (a headless Service, a compose service scaled
 with ``deploy.replicas``) cannot be used: its completion feed would reach one replica only.
-The list is static: scaling means rendering again with the new count (and restarting Envoy,
-or re-applying the mesh objects).
+The list is static: scaling means rendering again with the new count. ``read_service``
+shows each shape.
 """
 
 from __future__ import annotations
@@ -59,7 +38,33 @@ def _state(value: str) -> str | None:
 
 
 def read_service(reader: LocatedReader, node: Node) -> dict[str, Any]:
-    """``EnvoyParams`` fields from the ``service:`` mapping (problems go to ``reader``)."""
+    """``EnvoyParams`` fields from the ``service:`` mapping (problems go to ``reader``).
+
+    One service (today's shape, and the default)::
+
+        service: {host: 127.0.0.1, port: 50051}
+
+    Active-active replicas sharing state in Redis (``fairlane serve --state URL --replica-id
+    NAME``), each at an address of its own; ``port`` is the default of the replicas that name
+    none, ``state`` the Redis they share (the mesh renderers put it on the service's command
+    line; Envoy never uses it)::
+
+        service:
+          port: 50051
+          state: redis://redis:6379
+          replicas:
+            - {host: fairlane-1}
+            - {host: fairlane-2}
+            - {host: 10.0.0.7, port: 50052}
+
+    In Kubernetes, a StatefulSet of N pods behind fairlane's Service, by count: each pod is
+    reached at a Service of its own, ``NAME-i.NAMESPACE.svc...`` for i in 0..N-1, which the mesh
+    renderers write (one per pod, selected by the ``statefulset.kubernetes.io/pod-name``
+    label)::
+
+        service: {host: fairlane.llm.svc.cluster.local, port: 50051, replicas: 3,
+                  state: "redis://redis.llm.svc.cluster.local:6379"}
+    """
     fields = reader.mapping(node, "service", SERVICE_KEYS)
     found: dict[str, Any] = {}
     if "host" in fields:

@@ -1,24 +1,14 @@
 """``fairlane render-envoy``: the Envoy bootstrap (or the mesh snippet) for a deployment file.
 
-Three checks stand between the deployment YAML and a file Envoy will run:
-
-1. the deployment and its policy are validated (``extproc.envoy.deployment``), every problem
-   reported as ``file:line: field: message``;
-2. the rendered dicts are parsed into envoy-data-plane's typed messages (``Bootstrap``).
-   betterproto2's ``from_dict`` rejects unknown fields, wrong types and unknown enum values,
-   and unpacks every ``typed_config`` (a ``google.protobuf.Any``) into its own message class,
-   so nested extension configs are checked too. ``Any`` resolves type URLs through a
-   registry filled on import, so the modules for every ``@type`` in the dict are imported
-   first; an ``@type`` without a module is an error, not a silent pass;
-3. ``envoy --mode validate`` on the exact YAML that is written (unless ``--no-validate``):
-   the only check that knows extension names and semantic constraints.
-
-The YAML written is the rendered dict, not ``Bootstrap.to_dict()``: betterproto2 0.9
-snake-cases ``consecutive_5xx`` as ``consecutive_5_xx`` in both directions (see
-:func:`_proto_field_names`), so its output would not be a config Envoy accepts.
-
-envoy-data-plane costs about a second to import; only this command imports it (lazily), so
-the service's request path never pays for it.
+Three checks stand between the deployment YAML and a file Envoy will run: the deployment and
+its policy are validated (``extproc.envoy.deployment``, every problem as
+``file:line: field: message``); the rendered dicts are parsed into envoy-data-plane's typed
+messages, nested ``typed_config`` included (``typed_check``); and ``envoy --mode validate``
+runs on the exact YAML that is written, the only check that knows extension names and
+semantic constraints. The YAML written is the rendered dict, not ``Bootstrap.to_dict()``,
+whose field names Envoy would not accept (``_proto_field_names``). envoy-data-plane costs
+about a second to import; only this command imports it (lazily), so the service's request
+path never pays for it.
 """
 
 from __future__ import annotations
@@ -159,6 +149,12 @@ def typed_check(bootstrap: dict[str, Any]) -> Any:
     """Parse ``bootstrap`` into envoy-data-plane's ``Bootstrap``; return the message.
 
     Raises :class:`TypedCheckError` naming the message that refused a field or value.
+
+    betterproto2's ``from_dict`` rejects unknown fields, wrong types and unknown enum values,
+    and unpacks every ``typed_config`` (a ``google.protobuf.Any``) into its own message class,
+    so nested extension configs are checked too. ``Any`` resolves type URLs through a registry
+    filled on import, so the modules for every ``@type`` in the dict are imported first; an
+    ``@type`` without a module is an error, not a silent pass.
     """
     urls = type_urls(bootstrap)
     with warnings.catch_warnings():

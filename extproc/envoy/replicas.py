@@ -3,46 +3,15 @@ every completion.
 
 With ``EnvoyParams.extproc_replicas`` (``fairlane up --replicas N``, ``service.replicas`` in
 a deployment file) the ext_proc cluster holds every replica and Envoy picks one per request
-(one gRPC stream per request, so per stream). Three things keep a dead replica from failing
-the requests it does not hold:
-
-* **the stream is retried on another replica** when it cannot be opened: the ext_proc
-  filter's ``GrpcService.retry_policy`` (below). Envoy's gRPC client runs the stream through
-  its router, which retries before the first response headers on ``connect-failure``,
-  ``refused-stream``, ``reset`` and gRPC ``unavailable``, on a host it has not tried
-  (``previous_hosts``); the filter then buffers what it sent for the replay (it sets
-  ``buffer_body_for_retry`` exactly when a retry policy is configured; Envoy's async client
-  keeps at most the first 64 KiB of each stream, which holds the headers message that a
-  replay needs, so the cost is bounded by 64 KiB per open stream). A replica that has
-  answered once owns the stream: nothing after its first answer is ever replayed, so a
-  request is never decided twice;
-* **each client key's streams go to one replica** (Maglev over the key, below), so a tenant's
-  requests meet in one queue, ranked there exactly as one process ranks them, and a
-  conversation's turns find the prefix index that routed the earlier ones. Keys, not
-  requests, spread over the replicas. Measured on ``power-user`` with three replicas: light
-  tenants' p95 2.06 x / 2.13 x unloaded with streams spread, 1.75 x / 1.79 x pinned (one run
-  each; README "Replicas measured" has more);
-  a key's replica that dies moves it to the next one Maglev picks, as the retry below does;
-* **active health checks**, a TCP connect every second, one failure marks a replica down;
-* **outlier detection** on local-origin errors (connect failures, resets, timeouts, counted
-  apart from the service's answers), which ejects a replica after two in a row, usually
-  within milliseconds under load, without waiting for the next health check.
-
-A replica that dies takes its held requests with it (Envoy answers them 503 with
-``retry-after``, :func:`extproc.envoy.connection_manager.local_reply_config`); requests it
-had already released to a backend are not affected, since Envoy, not the service, carries
-them.
-
-**Every replica gets every completion.** A request's completion frees the backend slot on the
-replica that admitted it, and Envoy cannot know which one that was (the access log is written
-after the ext_proc stream has closed). So there is one gRPC access logger per replica, each
-to a cluster holding just that replica, all with the same ``log_name``; a replica ignores
-completions of request ids it does not know. That is why a replica must be reachable at an
-address of its own, never only behind a name that resolves to all of them: a logger to such a
-cluster would send each completion to one replica only.
-
-With one replica nothing here applies and the config is what it always was: no health checks
-(there is nowhere to fail over to), the completion feed on the ext_proc cluster itself.
+(one gRPC stream each). A dead replica must not fail the requests it does not hold: a stream
+that cannot be opened is retried on another replica (``stream_retry_policy``), health checks
+and outlier detection take a dead one out within milliseconds (``failover_settings``), and
+each client key's streams go to one replica (``stream_hash_policy``) so a tenant's requests
+meet in one queue. A replica that dies takes its held requests with it (Envoy answers them
+503 with ``retry-after``); requests it had released to a backend are unaffected, since Envoy
+carries them. Every replica gets every completion (``completion_clusters``), so each must be
+reachable at an address of its own. With one replica nothing here applies: no health
+checks, the completion feed on the ext_proc cluster itself.
 """
 
 from __future__ import annotations
@@ -84,7 +53,16 @@ def replica_cluster_name(position: int) -> str:
 
 def completion_clusters(params: EnvoyParams) -> list[str]:
     """The clusters the completion feed goes to: one per replica, or the ext_proc cluster
-    itself when there is only one."""
+    itself when there is only one.
+
+    A request's completion frees the backend slot on the replica that admitted it, and Envoy
+    cannot know which one that was (the access log is written after the ext_proc stream has
+    closed). So there is one gRPC access logger per replica, each to a cluster holding just that
+    replica, all with the same ``log_name``; a replica ignores completions of request ids it
+    does not know. That is why a replica must be reachable at an address of its own, never only
+    behind a name that resolves to all of them: a logger to such a cluster would send each
+    completion to one replica only.
+    """
     if not params.replicated:
         return [EXTPROC_CLUSTER]
     return [replica_cluster_name(i) for i in range(1, len(params.service_replicas) + 1)]
@@ -103,7 +81,13 @@ def discovery_type(replicas: tuple[ServiceReplica, ...]) -> str:
 
 def failover_settings(params: EnvoyParams) -> dict[str, Any]:
     """Fields for the ext_proc cluster that move new requests off a dead replica: health
-    checks, outlier detection, no panic routing. Empty with one replica."""
+    checks, outlier detection, no panic routing. Empty with one replica.
+
+    Active health checks, a TCP connect every second, one failure marks a replica down; outlier
+    detection on local-origin errors (connect failures, resets, timeouts, counted apart from the
+    service's answers) ejects a replica after two in a row, usually within milliseconds under
+    load, without waiting for the next health check.
+    """
     if not params.replicated:
         return {}
     return {
@@ -160,7 +144,15 @@ def stream_hash_policy(params: EnvoyParams) -> dict[str, Any]:
     key's streams go to one replica. A dead replica leaves the table at its first failed
     health check (panic routing is off), and a stream's retry takes another host (Maglev
     hashes again per attempt under the ``previous_hosts`` predicate). Empty with one
-    replica."""
+    replica.
+
+    Each client key's streams go to one replica (Maglev over the key), so a tenant's requests
+    meet in one queue, ranked there exactly as one process ranks them, and a conversation's
+    turns find the prefix index that routed the earlier ones. Keys, not requests, spread over
+    the replicas (pinned keys served the light tenants better than spread streams on
+    ``power-user``: docs/benchmarks/internals.md); a key's replica that dies moves it to the
+    next one Maglev picks, as the retry does.
+    """
     if not params.replicated:
         return {}
     return {"hash_policy": [{"header": {"header_name": AFFINITY_HEADER}}]}
@@ -168,7 +160,17 @@ def stream_hash_policy(params: EnvoyParams) -> dict[str, Any]:
 
 def stream_retry_policy(params: EnvoyParams) -> dict[str, Any] | None:
     """The ext_proc ``GrpcService.retry_policy`` (a ``config.core.v3.RetryPolicy``): a stream
-    that cannot be opened on one replica is opened on another. None with one replica."""
+    that cannot be opened on one replica is opened on another. None with one replica.
+
+    Envoy's gRPC client runs the stream through its router, which retries before the first
+    response headers on ``connect-failure``, ``refused-stream``, ``reset`` and gRPC
+    ``unavailable``, on a host it has not tried (``previous_hosts``); the filter then buffers
+    what it sent for the replay (it sets ``buffer_body_for_retry`` exactly when a retry policy
+    is configured; Envoy's async client keeps at most the first 64 KiB of each stream, which
+    holds the headers message that a replay needs, so the cost is bounded by 64 KiB per open
+    stream). A replica that has answered once owns the stream: nothing after its first answer is
+    ever replayed, so a request is never decided twice.
+    """
     if not params.replicated:
         return None
     return {
@@ -208,6 +210,6 @@ def pod_service_host(service_host: str, ordinal: int) -> str:
 
 def statefulset_replicas(service_host: str, port: int, count: int) -> tuple[ServiceReplica, ...]:
     """The replicas of a StatefulSet of ``count`` pods behind ``service_host``, each at its
-    own pod's Service (a name that resolves to every pod would not do: see the module's
-    docstring on the completion feed)."""
+    own pod's Service (a name that resolves to every pod would not do: see
+    ``completion_clusters``)."""
     return tuple(ServiceReplica(pod_service_host(service_host, i), port) for i in range(count))

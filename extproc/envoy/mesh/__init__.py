@@ -1,21 +1,15 @@
 """Other meshes: fairlane's Envoy config delivered the way Istio and Envoy Gateway take it.
 
 ``fairlane render-envoy --mesh istio|envoy-gateway`` renders Kubernetes objects instead of an
-Envoy bootstrap: the same ext_proc filter, clusters, route settings and HCM settings as the
-bootstrap, but delivered as Istio takes them (an EnvoyFilter, :mod:`extproc.envoy.mesh.istio`) or
-as Envoy Gateway does (Gateway API + its policies, :mod:`extproc.envoy.mesh.envoy_gateway`).
-Everything Envoy-side is taken from the builders in ``extproc/envoy/`` (filter, routes,
-clusters, connection manager; Istio's patches carry them verbatim, Envoy Gateway's fields are
-derived from them), so the meshes cannot drift from the bootstrap;
-``tests/deploy/test_mesh_snippets.py`` checks both.
-
-This module holds what both meshes share: where fairlane runs in Kubernetes (names read from
-the deployment's ``service.host``), the rendered routes with their failure modes, and
-:func:`render_mesh_yaml`, which writes either mesh's objects; fairlane's own workload (one
-Deployment, or a StatefulSet of replicas with a Service per pod) is
-:mod:`extproc.envoy.mesh.workload`.
-The typed check and ``envoy --mode validate`` stay with the command
-(``extproc/envoy/render.py``), which imports this package; nothing here imports it.
+Envoy bootstrap: the same ext_proc filter, clusters, route settings and HCM settings, but as
+Istio takes them (an EnvoyFilter, ``extproc.envoy.mesh.istio``) or as Envoy Gateway does
+(Gateway API and its policies, ``extproc.envoy.mesh.envoy_gateway``). Everything Envoy-side
+comes from the builders in ``extproc/envoy/``, so the meshes cannot drift from the bootstrap
+(``tests/deploy/test_mesh_snippets.py`` checks both). This module holds what both share:
+where fairlane runs in Kubernetes, the rendered routes with their failure modes, and
+``render_mesh_yaml``; fairlane's own workload is ``extproc.envoy.mesh.workload``. The typed
+check and ``envoy --mode validate`` stay with the command (``extproc/envoy/render.py``),
+which imports this package; nothing here imports it.
 """
 
 from __future__ import annotations

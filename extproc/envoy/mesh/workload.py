@@ -4,16 +4,10 @@ One service runs as a Deployment of one pod behind the Service ``service.host`` 
 queues and counters are that process's). Replicas (``service.replicas: N`` with
 ``service.state``, the Redis they share) run as a StatefulSet of N pods, because Envoy must
 reach each pod at an address of its own: every replica gets every completion over a cluster
-holding just that replica (extproc.envoy.replicas). Kubernetes labels each StatefulSet pod
-with ``statefulset.kubernetes.io/pod-name``, so one ClusterIP Service per pod
-(``NAME-0`` .. ``NAME-{N-1}``, selecting that label) gives each a stable name that works in
-both meshes: Istio's clusters resolve it (STRICT_DNS), Envoy Gateway's backendRefs name it.
-Each pod is ``--replica-id`` its own pod name (the downward API), so the replica ids are
-stable across restarts too.
-
-Limits: the pod list is static (scaling is a new render with the new count, applied with the
-objects); the Redis is the cluster's own (any Redis the pods reach at ``service.state``;
-nothing here deploys one).
+holding just that replica (``extproc.envoy.replicas``). One ClusterIP Service per pod,
+selecting its ``statefulset.kubernetes.io/pod-name`` label, gives each a stable name that
+works in both meshes, and each pod's ``--replica-id`` is its pod name. The pod list is static
+(scaling is a new render), and the Redis is the cluster's own: nothing here deploys one.
 """
 
 from __future__ import annotations

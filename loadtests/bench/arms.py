@@ -19,6 +19,9 @@ sits in front of it and the engines' scheduling policy, as it would in productio
   priority queue.
 * ``fairlane``: the gateway, engines on ``priority`` so the priority it injects means
   something.
+* the peers (``vllm-router``, ``vllm-router-cache``, ``vllm-router-kv``, ``litellm``,
+  ``litellm-priority``): another gateway in front of the same engines, engines on
+  ``priority`` where its clients send priorities (:mod:`loadtests.bench.peers`).
 
 With ``--backend`` the arms target existing engines instead (a real vLLM fleet): nothing is
 simulated, and the engines' scheduling policy is theirs for every arm.
@@ -44,6 +47,8 @@ from extproc.ops.up import Stack, StackConfig
 from extproc.state.replica import PERIOD_S
 from extproc.transport.server import BUILTIN_TOKENIZER
 from loadtests.bench.fifo_bootstrap import FIFO_CLUSTER, render_fifo_bootstrap
+from loadtests.bench.peers.kinds import PEER_ARMS
+from loadtests.bench.peers.start import start_peer
 from loadtests.bench.scenario import ENVOY_ONLY_KINDS, Arm, Scenario
 
 REGION = "local"  # one region: the whole fleet is equally near, as in the FIFO baseline
@@ -53,6 +58,7 @@ SCHEDULING = {
     "least-request": "fcfs",
     "random": "fcfs",
     "fairlane": "priority",
+    **{kind: peer.scheduling for kind, peer in PEER_ARMS.items()},
 }
 _LB = "type.googleapis.com/envoy.extensions.load_balancing_policies."
 # Envoy's load-balancing extension per Envoy-only arm kind (typed_extension_config).
@@ -165,13 +171,17 @@ def start_arm(
     gateway reads; by default the scenario's (for ``policy: default`` its copy rescaled to
     the speedup, written into the arm's log directory)."""
     precise = arm.prefix_index == "precise"
+    peer = PEER_ARMS.get(arm.kind)
+    kv_events = precise or (peer is not None and peer.kv_events)
     backends = external or start_simulators(
-        scenario, group, SCHEDULING[arm.kind], arm.balanced, kv_events=precise
+        scenario, group, SCHEDULING[arm.kind], arm.balanced, kv_events=kv_events
     )
     service_metrics: dict[str, str] = {}
     replicated = False
     if arm.kind in ENVOY_ONLY_KINDS:
         url = _start_envoy_only(backends, group, arm.kind)
+    elif peer is not None:
+        url = start_peer(arm.kind, backends, group, scenario.model).url
     else:
         policy_path = policy or scenario.policy_file(group.log_dir)
         config = StackConfig(

@@ -27,13 +27,13 @@ import aiohttp
 
 from loadtests.bench.cachestats import PrefixCounters, parse_prefix_counters
 from loadtests.bench.cpu import machine_busy_seconds
+from loadtests.bench.request_style import request_style
 from loadtests.bench.scenario import Group, Scenario
 from loadtests.bench.workload import (
     RequestShape,
     chat_body,
     client_shapes,
     open_loop_schedule,
-    tier_priorities,
 )
 
 CHAT_PATH = "/v1/chat/completions"
@@ -128,8 +128,9 @@ class LoadRun:
         self.arm = arm
         self.groups = groups
         kind = next((a.kind for a in scenario.arms if a.name == arm), None)
-        self.priorities = tier_priorities(scenario.policy) if kind == "vllm-priority" else None
-        """Tier -> vLLM priority, sent in each body where no gateway sets it."""
+        self.style = request_style(kind, scenario.policy)
+        """What the arm's clients add: their tier's priority where no gateway sets it, a
+        peer gateway's key."""
         self.url = base_url.rstrip("/") + CHAT_PATH
         if not backend_urls and any(g.direct for g in groups):
             raise ValueError("a direct group needs the backends' URLs to send to")
@@ -290,10 +291,11 @@ class LoadRun:
     async def _request(
         self, session: aiohttp.ClientSession, group: Group, item: RequestShape
     ) -> None:
-        priority = None if self.priorities is None else self.priorities.get(group.tier)
         model = self.scenario.model_of(group)
-        body = chat_body(item, group, self.scenario.seed, model, priority)
-        headers = {"authorization": f"Bearer {group.api_key}"}
+        body = chat_body(item, group, self.scenario.seed, model)
+        body.update(self.style.extras(group.tier))
+        key = group.api_key if group.direct else self.style.key(group.api_key)
+        headers = {"authorization": f"Bearer {key}"}
         if group.user:
             headers[group.user_header] = group.user
         record = RequestRecord(

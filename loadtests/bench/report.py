@@ -17,6 +17,7 @@ from typing import Any
 from loadtests.bench.client import RequestRecord
 from loadtests.bench.cpu import GATEWAY_LIMIT_FRACTION
 from loadtests.bench.external import RESET_NEEDS
+from loadtests.bench.peers.report import peer_lines
 from loadtests.bench.replica_flows import placement
 from loadtests.bench.results import ArmResult, BenchResults, Figures
 
@@ -211,6 +212,7 @@ def _head_lines(results: BenchResults) -> list[str]:
         f"({sc['duration_s'] / sc['speedup']:.1f} s wall per arm), warm-up "
         f"{sc['warmup_s']:g} s left out of latency percentiles and goodput; seed {sc['seed']}.",
         fleet_line(sc),
+        *peer_lines(results.arms, bool(sc["backends"].get("external"))),
         *([f"- {pinning_text(sc)}"] if sc.get("pinning") else []),
         *models_line(sc),
         *(

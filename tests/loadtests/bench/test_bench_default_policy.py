@@ -100,11 +100,13 @@ def test_flood_scenarios(name: str) -> None:
         "fairlane",
         "fairlane-no-flood",
         "fifo-no-flood",
+        "vllm-router",  # peers: the cheapest router, and vLLM's priority behind LiteLLM
+        "litellm-priority",
     ]
     assert {t.metric for t in scenario.targets} == {"ttft_p90", "goodput"}
     assert scenario.seed and scenario.max_requests <= 20_000
     # sized for a 2-core machine shared with others: about 25 wall seconds of load and a few
-    # of drain per arm, 5 arms in ~3 minutes
+    # of drain per arm, 7 arms in ~4 minutes
     assert scenario.wall_duration_s <= 25
     assert scenario.drain_s / scenario.speedup <= 5
     # the faithful scrape interval (0.1 simulated s) costs each simulator ~10 x speedup

@@ -57,6 +57,7 @@ def test_lora_affinity_arms_and_targets() -> None:
         "fairlane": "fairlane",
         "least-request": "least-request",
         "fifo": "fifo",
+        "vllm-router": "vllm-router",  # the peer: none places by adapter
     }
     either = [t for t in scenario.targets if t.either]
     assert {(t.metric, t.op, t.bound) for t in either} == {

@@ -215,6 +215,7 @@ def test_the_shipped_multi_model_scenario() -> None:
         "fifo": "fifo",
         "fairlane": "fairlane",
         "fairlane-no-flood": "fairlane",
+        "litellm-priority": "litellm-priority",  # the peer that routes by model
     }
     quiet = scenario.groups_of(scenario.arm("fairlane-no-flood"))
     assert [g.name for g in quiet] == ["chat-a", "chat-b"]

@@ -304,7 +304,13 @@ def test_arm_metric_takes_no_selector(tmp_path: Path) -> None:
 def test_shipped_picking_scenarios_load() -> None:
     shared = load_scenario("shared-prefix")
     assert shared.backends.count == 4
-    assert {a.kind for a in shared.arms} == {"fairlane", "least-request", "random"}
+    assert {a.kind for a in shared.arms} == {
+        "fairlane",
+        "least-request",
+        "random",
+        "vllm-router-cache",
+        "vllm-router-kv",
+    }
     group = shared.groups[0]
     assert group.shared_prefix is not None and group.closed_loop
     unbalanced = load_scenario("unbalanced")

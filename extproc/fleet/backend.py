@@ -1,22 +1,15 @@
 """The backend pool: which vLLM servers exist, whether they are healthy, what they carry.
 
 The pool is the gateway's own view of the fleet, without any I/O: ``extproc.fleet.poller``
-polls each backend's ``/health`` and vLLM ``/metrics`` and records what it saw here. Load
-is the gateway's count of requests it released to each backend and has not yet seen finish
-(completion events from Envoy's access log release them), plus the engine's own numbers
-(waiting, running, KV-cache use, inter-token latency) for the admission gates
-(``extproc.core.gates``).
-
-A backend is usable (``healthy``) only while both its ``/health`` answers and its last
-``/metrics`` scrape succeeded: an engine whose metrics cannot be read cannot be gated, so
-the picker must not send to it. The two loops keep separate flags so neither flips the
-other's verdict back and forth. A third source is the traffic itself: a backend whose
-completions keep failing (``FAILURES_TO_COOL_OFF`` 5xx or dead connections in a row, as
-Envoy's access log reports them) is set aside for ``COOL_OFF_S``, the gateway's
-counterpart of Envoy's outlier ejection, since ``/health`` can answer while requests fail.
-
-Each backend also carries the picker's model of its prefix cache (``extproc.fleet.prefix_cache``),
-sized from the ``vllm:cache_config_info`` its scrapes report.
+polls each backend's ``/health`` and vLLM ``/metrics`` and records what it saw here. Load is
+the gateway's count of requests it released to each backend and has not yet seen finish, plus
+the engine's own numbers (waiting, running, KV-cache use, inter-token latency) for the
+admission gates. A backend is usable (``healthy``) only while its ``/health`` answers and its
+last scrape succeeded (an engine whose metrics cannot be read cannot be gated), each loop
+with its own flag so neither flips the other's verdict; and a backend whose completions keep
+failing is set aside for ``COOL_OFF_S`` (the gateway's counterpart of Envoy's outlier
+ejection, since ``/health`` can answer while requests fail). Each backend also carries the
+picker's model of its prefix cache (``extproc.fleet.prefix_cache``).
 """
 
 from __future__ import annotations

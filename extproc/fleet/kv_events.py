@@ -2,21 +2,15 @@
 
 vLLM started with ``--kv-events-config`` publishes every block it caches or evicts
 (``shared/reference/vllm.md`` A3): ZMQ multipart messages ``[topic, seq, payload]``, the
-sequence number 8 bytes big-endian, the payload a msgpack ``EventBatch``
-``[ts, events, data_parallel_rank?]`` whose events are tagged maps: ``BlockStored``
-(``block_hashes``, ``parent_block_hash``, ``token_ids``, ``block_size``, ...),
-``BlockRemoved`` (``block_hashes``) and ``AllBlocksCleared``.
-
-This module is the pure part: decoding a payload (``decode_batch``) and the per-engine
-index the events maintain (``KVBlockIndex``); ``extproc.fleet.kv_subscriber`` does the
-sockets, the sequence checks and the replays. Block hashes are kept as the 64-bit ints the
-events carry (``event_key``), which the gateway computes for a
-request with the engine's tokenizer and hash chain.
-
-Between a grant and the engine's ``BlockStored`` for it lies the request's prefill: a burst
-of requests sharing a new prefix would scatter over the fleet if only confirmed blocks
-counted. ``expect`` records what was just sent to an engine for a short time (llm-d's
-speculative entries), so the burst follows the first one.
+payload a msgpack ``EventBatch`` of ``BlockStored``, ``BlockRemoved`` and
+``AllBlocksCleared`` events. This module is the pure part: decoding a payload
+(``decode_batch``) and the per-engine index the events maintain (``KVBlockIndex``);
+``extproc.fleet.kv_subscriber`` does the sockets, the sequence checks and the replays. Block
+hashes are kept as the 64-bit ints the events carry (``event_key``). Between a grant and the
+engine's ``BlockStored`` for it lies the request's prefill, and a burst sharing a new prefix
+would scatter over the fleet if only confirmed blocks counted: ``expect`` records what was
+just sent to an engine for a short time (llm-d's speculative entries), so the burst follows
+the first one.
 """
 
 from __future__ import annotations
@@ -70,7 +64,13 @@ KVEvent = BlocksStored | BlocksRemoved | AllCleared
 def decode_batch(payload: bytes) -> list[KVEvent]:
     """The events of one ``KVEventBatch`` payload, in order; events of kinds this gateway
     does not use are skipped, and blocks on another medium than the GPU's (CPU offload,
-    storage) are not counted as held by the engine's own cache."""
+    storage) are not counted as held by the engine's own cache.
+
+    The wire format: the sequence number is 8 bytes big-endian; the payload is ``[ts, events,
+    data_parallel_rank?]`` whose events are tagged maps: ``BlockStored`` (``block_hashes``,
+    ``parent_block_hash``, ``token_ids``, ``block_size``, ...), ``BlockRemoved``
+    (``block_hashes``) and ``AllBlocksCleared``.
+    """
     try:
         batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types

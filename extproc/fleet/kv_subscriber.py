@@ -1,54 +1,17 @@
 """Following one engine's KV event stream into its ``KVBlockIndex``.
 
 A vLLM engine started with ``--kv-events-config`` publishes, once per scheduler step that
-cached or evicted a block, ``[topic, seq, payload]`` on a PUB socket it binds
-(``tcp://*:PORT``), and keeps its last ``buffer_steps`` batches for replay on a ROUTER
-(``shared/reference/vllm.md`` A3; ``loadtests.sim.kv_publisher`` is the same on the wire).
-PUB/SUB loses messages silently: before the subscription reaches the engine, past a
-high-water mark, across a reconnect. The sequence numbers are how the subscriber notices,
-and the replay how it repairs:
-
-- **in order** (``seq == last + 1``): decode, apply, done;
-- **first message**, or the first after a restart: ``seq == 0`` is the stream's start. Any
-  other seq means the subscriber joined late: it asks the replay endpoint from 0;
-- **gap** (``seq > last + 1``): it asks the replay from ``last`` (not ``last + 1``): the
-  engine's batch ``last`` must come back byte for byte as applied, which tells a gap in
-  the same engine's stream from another engine process that restarted on the same port and
-  has already published past ``last`` while the subscriber was away;
-- **backwards** (``seq <= last``, and not a batch already applied, byte for byte): the
-  engine restarted and counts from 0 again. The index is cleared and the message handled
-  as a first one. A restarted engine whose first batch the subscriber sees is exactly
-  ``last + 1`` (it published ``last + 1`` batches while the subscriber was disconnected)
-  cannot be told from the old one by its sequence numbers and goes unnoticed;
-- a replay answers ``[b"", topic, seq, payload]`` frames and ends with seq -1. The frames
-  that continue the stream are applied in order, then the live message that asked for it;
-  live messages that arrived meanwhile wait in the SUB socket's queue (its high-water mark
-  raised to vLLM's PUB one) and are skipped by seq when the replay already applied them;
-- **unreplayable** (no replay endpoint, no answer within ``replay_timeout_s``, or the
-  engine's buffer no longer holds what is missing): the index is cleared, since what it
-  holds may have been evicted meanwhile, and the stream goes on from the current message;
-- a payload that does not decode is counted, logged (at most once a minute), and skipped:
-  its seq still counts as applied, since a replay would give the same bytes again.
-
-``index.live`` (the picker uses a live index, and the approximate per-backend LRU
-otherwise) is true while the index has everything the engine cached since a point where
-the subscriber knew the whole cache: the stream's start (``seq == 0``, first-hand or replayed),
-a replay that answered with nothing (a running engine that has not cached anything yet),
-or an ``AllBlocksCleared``. It becomes false when that no longer holds: after a late join
-(the engine cached blocks before the oldest batch it still buffers) or an unreplayable gap.
-An engine that announces nothing is not a reason: an idle engine caches nothing and says
-nothing. An engine in that state may come back to live: with ``relive_after_blocks`` (its
-KV capacity in blocks, from ``vllm:cache_config_info``), once that many blocks were stored
-since, by which time LRU eviction has recycled nearly all the blocks the index missed
-(those still held by requests that were running then may remain); without it, at the next
-restart or ``AllBlocksCleared``.
-
-The counters (``messages`` received live, ``events`` applied, ``gaps`` seen, ``gaps_lost``:
-history that could not be had, a late join the buffer could not fill included,
-``replays_ok``, ``replays_failed``, ``restarts``, ``decode_errors``) and ``index_size``
-are plain attributes for the service's Prometheus collector. All the work happens on the event loop
-in one task; a replay's wait is awaited, never blocking, and a long replay yields between
-batches.
+cached or evicted a block, ``[topic, seq, payload]`` on a PUB socket, and keeps its last
+batches for replay on a ROUTER (``shared/reference/vllm.md`` A3;
+``loadtests.sim.kv_publisher`` is the same on the wire). PUB/SUB loses messages silently
+(before the subscription reaches the engine, past a high-water mark, across a reconnect): the
+sequence numbers are how the subscriber notices, and the replay how it repairs. What cannot
+be repaired clears the index, since what it holds may have been evicted meanwhile.
+``index.live`` says whether the index has everything the engine cached since a point where
+the whole cache was known; only a live index is used for routing (the approximate
+per-backend LRU otherwise). ``KVEventSubscriber`` has the sequence rules. The counters are
+plain attributes for the Prometheus collector; all the work happens in one task on the event
+loop, a replay's wait is awaited, and a long replay yields between batches.
 """
 
 from __future__ import annotations
@@ -114,6 +77,48 @@ class KVEventSubscriber:
     ``endpoint`` is where the engine's PUB socket is bound, as ``tcp://HOST:PORT``;
     ``replay_endpoint`` its replay ROUTER, if it has one. Use ``async with`` or
     ``start``/``stop``.
+
+    How each message is taken, by its sequence number:
+
+    - **in order** (``seq == last + 1``): decode, apply, done;
+    - **first message**, or the first after a restart: ``seq == 0`` is the stream's start. Any
+      other seq means the subscriber joined late: it asks the replay endpoint from 0;
+    - **gap** (``seq > last + 1``): it asks the replay from ``last`` (not ``last + 1``): the
+      engine's batch ``last`` must come back byte for byte as applied, which tells a gap in the
+      same engine's stream from another engine process that restarted on the same port and has
+      already published past ``last`` while the subscriber was away;
+    - **backwards** (``seq <= last``, and not a batch already applied, byte for byte): the
+      engine restarted and counts from 0 again. The index is cleared and the message handled as
+      a first one. A restarted engine whose first batch the subscriber sees is exactly ``last +
+      1`` (it published ``last + 1`` batches while the subscriber was disconnected) cannot be
+      told from the old one by its sequence numbers and goes unnoticed;
+    - a replay answers ``[b"", topic, seq, payload]`` frames and ends with seq -1. The frames
+      that continue the stream are applied in order, then the live message that asked for it;
+      live messages that arrived meanwhile wait in the SUB socket's queue (its high-water mark
+      raised to vLLM's PUB one) and are skipped by seq when the replay already applied them;
+    - **unreplayable** (no replay endpoint, no answer within ``replay_timeout_s``, or the
+      engine's buffer no longer holds what is missing): the index is cleared, since what it
+      holds may have been evicted meanwhile, and the stream goes on from the current message;
+    - a payload that does not decode is counted, logged (at most once a minute), and skipped:
+      its seq still counts as applied, since a replay would give the same bytes again.
+
+    ``index.live`` (the picker uses a live index, and the approximate per-backend LRU otherwise)
+    is true while the index has everything the engine cached since a point where the subscriber
+    knew the whole cache: the stream's start (``seq == 0``, first-hand or replayed), a replay
+    that answered with nothing (a running engine that has not cached anything yet), or an
+    ``AllBlocksCleared``. It becomes false when that no longer holds: after a late join (the
+    engine cached blocks before the oldest batch it still buffers) or an unreplayable gap. An
+    engine that announces nothing is not a reason: an idle engine caches nothing and says
+    nothing. An engine in that state may come back to live: with ``relive_after_blocks`` (its KV
+    capacity in blocks, from ``vllm:cache_config_info``), once that many blocks were stored
+    since, by which time LRU eviction has recycled nearly all the blocks the index missed (those
+    still held by requests that were running then may remain); without it, at the next restart
+    or ``AllBlocksCleared``.
+
+    The counters (``messages`` received live, ``events`` applied, ``gaps`` seen, ``gaps_lost``:
+    history that could not be had, a late join the buffer could not fill included,
+    ``replays_ok``, ``replays_failed``, ``restarts``, ``decode_errors``) and ``index_size`` are
+    plain attributes for the service's Prometheus collector.
     """
 
     def __init__(

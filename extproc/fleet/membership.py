@@ -1,26 +1,15 @@
 """Following the addresses DNS names resolve to: backends join, drain and leave.
 
-Each resolution of a :class:`~extproc.fleet.discovery.DnsBackendSpec` is compared with the
-name's previous set (``update``):
-
-- **a new address joins** the pool ``warming``: it is scraped, but gets no request until
-  its first good scrape (``Backend.record_scrape`` makes it ``serving``), so an engine
-  still loading its model is never picked;
-- **a vanished address drains**: it is picked no more (``healthy`` is false), its requests
-  in flight run to their end, and ``sweep`` removes it once none is left there (or after
-  ``drain_timeout_s``, when a completion was lost). Only then is it forgotten: the pool
-  drops it, and ``removed`` tells the caller to release what else refers to its address
-  (admission's per-backend records, the engines' keys, Envoy's host set over EDS);
-- **an address that comes back** while still draining is ``warming`` again (it must show a
-  good scrape); one that comes back after its removal is a new backend, learned from
-  scratch (seats, prefix index). A new engine at an address that never left (a restart
-  between two scrapes) is caught by the scrape itself: ``Seats`` and the prefix index
-  forget what the old process showed (``extproc.fleet.seats.restarted``).
-
-A failed resolution changes nothing (``failed``): the last known set is kept through a DNS
-outage, and the failure is counted per name. A static backend's address is never taken
-over by a name that also resolves to it. Pure state, no I/O and no clock of its own: the
-resolver loop (``extproc.fleet.resolver``) feeds it, the tests drive it directly.
+Each resolution of a ``DnsBackendSpec`` is compared with the name's previous set
+(``update``): a new address joins ``warming`` and gets requests only after its first good
+scrape, so an engine still loading its model is never picked; a vanished address drains (no
+new requests, those in flight run to their end) and is removed once none is left, and only
+then forgotten, with ``removed`` telling the caller what to release (admission's records, the
+engines' keys, Envoy's host set); an address that comes back after its removal is a new
+backend, learned from scratch. A failed resolution changes nothing (``failed``): the last
+known set is kept through a DNS outage, and the failure is counted per name. A static
+backend's address is never taken over by a name that also resolves to it. Pure state, no I/O
+and no clock of its own: the resolver loop (``extproc.fleet.resolver``) feeds it.
 """
 
 from __future__ import annotations
@@ -60,7 +49,22 @@ class Changes:
 
 
 class Membership:
-    """The DNS names' address sets and the pool that follows them."""
+    """The DNS names' address sets and the pool that follows them.
+
+    - **a new address joins** the pool ``warming``: it is scraped, but gets no request until its
+      first good scrape (``Backend.record_scrape`` makes it ``serving``), so an engine still
+      loading its model is never picked;
+    - **a vanished address drains**: it is picked no more (``healthy`` is false), its requests
+      in flight run to their end, and ``sweep`` removes it once none is left there (or after
+      ``drain_timeout_s``, when a completion was lost). Only then is it forgotten: the pool
+      drops it, and ``removed`` tells the caller to release what else refers to its address
+      (admission's per-backend records, the engines' keys, Envoy's host set over EDS);
+    - **an address that comes back** while still draining is ``warming`` again (it must show a
+      good scrape); one that comes back after its removal is a new backend, learned from scratch
+      (seats, prefix index). A new engine at an address that never left (a restart between two
+      scrapes) is caught by the scrape itself: ``Seats`` and the prefix index forget what the
+      old process showed (``extproc.fleet.seats.restarted``).
+    """
 
     def __init__(
         self,

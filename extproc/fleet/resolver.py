@@ -1,22 +1,16 @@
 """The fleet's DNS: resolving ``dns://`` backends again and again, and sweeping drained ones.
 
 Each name is resolved (A and AAAA, at once) when its last answer's TTL runs out, between
-``MIN_INTERVAL_S`` and ``max_interval_s`` (a TTL of 0 must not become a busy loop, and a
-TTL of an hour must not hide a scale-down for an hour), or every ``interval_s`` when one
-is given. The answers go to :class:`~extproc.fleet.membership.Membership`, which turns
-them into joins and drains; ``on_change`` then lets the server tell Envoy (EDS) and release
-what removed backends held.
-
-What counts as a failure, keeping the last known set: a timeout, no server answering
-(SERVFAIL, REFUSED, unreachable), and NXDOMAIN (a Service deleted by mistake, or a typo,
-must not drain a working fleet at once; the operator sees the failures counted). A name
-that exists with no address (a headless Service scaled to zero) is an empty set: every
-backend of it drains.
-
-dnspython's resolver reads ``/etc/resolv.conf`` (search domains too, so ``vllm`` finds
-``vllm.default.svc.cluster.local`` in a pod) unless a ``nameserver`` is given
-(``--dns-server IP[:PORT]``; the tests' dnsmasq listens on a free loopback port). Its cache
-is off: a TTL is honoured by resolving when it runs out, not by a second cache.
+``MIN_INTERVAL_S`` and ``max_interval_s`` (a TTL of 0 must not become a busy loop, nor a TTL
+of an hour hide a scale-down for an hour), or every ``interval_s`` when one is given. The
+answers go to ``extproc.fleet.membership.Membership``, which turns them into joins and
+drains; ``on_change`` then lets the server tell Envoy (EDS) and release what removed
+backends held. A timeout, no server answering and NXDOMAIN (a Service deleted by mistake, or a
+typo, must not drain a working fleet at once) are failures that keep the last known set; a
+name that exists with no address (a headless Service scaled to zero) is an empty set. The
+system's resolver configuration is used (search domains too, so ``vllm`` finds the Service in
+a pod) unless ``--dns-server`` names one; dnspython's cache is off, since the TTL is honoured
+by resolving when it runs out.
 """
 
 from __future__ import annotations

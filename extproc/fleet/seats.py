@@ -1,39 +1,16 @@
 """How many requests a backend runs at once: its seats, learned from the engine itself.
 
 vLLM runs at most ``--max-num-seqs`` requests per step and never preempts a running one to
-seat a waiting one of higher priority (it preempts only when KV blocks run out). A chat
-request therefore gets its first token quickly only if it finds a seat free, and the
-gateway can keep one free only if it knows how many there are. vLLM does not export
-``max_num_seqs``, so the gateway learns it from what the engine does:
-
-- **Seat-bound scrape**: requests wait (``vllm:num_requests_waiting > 0``) while the KV
-  cache still has room (usage below ``KV_BOUND``). The engine would have scheduled them if
-  it had a seat, so the running count is the seat count. One such scrape can be a request
-  caught between its arrival and the next step, or a queue waiting for the step's token
-  budget (chunked prefill), so the same running count must hold, with the queue, over
-  ``STEPS_TO_CONFIRM`` engine steps (counted from the decode tokens it produced, the ITL
-  histogram's count: an engine whose ``/metrics`` lacks it stays on the estimate below
-  unless its seats are declared). A prompt longer than several steps' budget can still
-  fool it; the count is then raised as soon as the engine runs more (below). A KV-bound
-  scrape (usage at or above ``KV_BOUND``) says nothing about seats: the KV gate handles
-  that limit.
-- **More running than thought**: a scrape with more running than the learned count raises it
-  at once (the engine proved it has those seats).
-- **A restarted engine** (its counters went backwards, or its ``cache_config_info`` changed)
-  may have other flags: what was learned is forgotten and learned again.
-
-Until a count is learned (and when none is declared), the backend gets ``fallback`` seats
-(one), raised to a little more than the most it was ever seen running (``probe``: one more,
-or a quarter more on big engines): as the gateway fills an engine whose size it does not
-know, the estimate grows a step per scrape until the engine shows a queue, which teaches the
-real number. Learning costs that one step of over-commitment, once per engine start: a few
-requests wait inside vLLM. The tiers that keep seats count only the seats the engine has
-shown (``shown``), so chat is never sent into that queue: it takes a shown seat, by
-preemption if it must. An engine that never shows a queue stays on the
-estimate, which follows what it demonstrably runs: neither nothing nor everything.
-
-A count declared in the deployment (``seats`` on a backend) wins over any observation. Pure
-state fed by scrapes: no I/O, no clock, unit-tested without sockets.
+seat a waiting one of higher priority (only when KV blocks run out). A chat request gets its
+first token quickly only if it finds a seat free, and the gateway can keep one free only if
+it knows how many there are. vLLM does not export ``max_num_seqs``, so the gateway learns it
+from what the engine does: requests waiting while the KV cache still has room mean every seat
+is taken, so the running count is the seat count (confirmed over several steps); more running
+than thought raises the count at once; a restarted engine is learned again. Until then the
+estimate grows a step past the most it was seen running, so learning costs one step of
+over-commitment per engine start, and the tiers that keep seats count only seats the engine
+has shown. A count declared in the deployment wins over any observation. ``Seats`` has the
+rules. Pure state fed by scrapes: no I/O, no clock, unit-tested without sockets.
 """
 
 from __future__ import annotations
@@ -64,7 +41,35 @@ SeatSource = Literal["declared", "learned", "fallback"]
 
 @dataclass(slots=True)
 class Seats:
-    """One backend's seat count: declared, learned from its scrapes, or the fallback."""
+    """One backend's seat count: declared, learned from its scrapes, or the fallback.
+
+    How the count is learned:
+
+    - **Seat-bound scrape**: requests wait (``vllm:num_requests_waiting > 0``) while the KV
+      cache still has room (usage below ``KV_BOUND``). The engine would have scheduled them if
+      it had a seat, so the running count is the seat count. One such scrape can be a request
+      caught between its arrival and the next step, or a queue waiting for the step's token
+      budget (chunked prefill), so the same running count must hold, with the queue, over
+      ``STEPS_TO_CONFIRM`` engine steps (counted from the decode tokens it produced, the ITL
+      histogram's count: an engine whose ``/metrics`` lacks it stays on the estimate below
+      unless its seats are declared). A prompt longer than several steps' budget can still fool
+      it; the count is then raised as soon as the engine runs more (below). A KV-bound scrape
+      (usage at or above ``KV_BOUND``) says nothing about seats: the KV gate handles that limit.
+    - **More running than thought**: a scrape with more running than the learned count raises it
+      at once (the engine proved it has those seats).
+    - **A restarted engine** (its counters went backwards, or its ``cache_config_info`` changed)
+      may have other flags: what was learned is forgotten and learned again.
+
+    Until a count is learned (and when none is declared), the backend gets ``fallback`` seats
+    (one), raised to a little more than the most it was ever seen running (``probe``: one more,
+    or a quarter more on big engines): as the gateway fills an engine whose size it does not
+    know, the estimate grows a step per scrape until the engine shows a queue, which teaches the
+    real number. Learning costs that one step of over-commitment, once per engine start: a few
+    requests wait inside vLLM. The tiers that keep seats count only the seats the engine has
+    shown (``shown``), so chat is never sent into that queue: it takes a shown seat, by
+    preemption if it must. An engine that never shows a queue stays on the estimate, which
+    follows what it demonstrably runs: neither nothing nor everything.
+    """
 
     declared: int | None = None
     fallback: int = FALLBACK_SEATS

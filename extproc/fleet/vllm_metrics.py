@@ -2,33 +2,16 @@
 
 The gateway scrapes every backend about ten times a second, so parsing must cost
 microseconds, not the milliseconds a generic Prometheus parser spends on a 50 KB page of
-histograms it does not need. :func:`parse_metrics` therefore runs one compiled regular
-expression whose literal prefix (``\nvllm:``) lets the C regex engine skip to candidate
-lines; only the sample lines of the six series it uses are matched and converted. Measured
-once on vLLM 0.32's real dump (52 KB, 634 lines; ``tests/extproc/data``): about 40 µs per
-page (about 45 µs since it also reads ``cache_config_info``, on a noisy shared machine),
-against about 9-12 ms for ``prometheus_client``'s ``text_string_to_metric_families``
-(a ``splitlines`` loop in Python was about 240 µs, one ``str.find`` per series about 140 µs
-because every miss rescans the page).
-
-Every series is summed over its ``engine`` label values (data-parallel engines of one
-server) and any other labels, except KV-cache usage, which is a fraction per engine and is
-averaged instead (a sum of fractions could exceed 1 and mean nothing).
-
-Two labels of the ``vllm:cache_config_info`` info metric, when present, size the
-picker's model of each server's prefix cache: ``block_size`` and ``num_gpu_blocks``
-(summed over engines). They are optional: a page without them still parses.
-
-Inter-token latency comes from the ``vllm:inter_token_latency_seconds`` histogram: only its
-cumulative ``_sum`` and ``_count`` are kept, and :func:`interval_itl` turns two scrapes into
-the mean inter-token latency of the tokens produced between them.
-
-Only the waiting and running counts and KV-cache usage are required: without them an engine
-cannot be gated at all, so a page that lacks one is not vLLM metrics (``MetricsError``).
-The ITL histogram and ``cache_config_info`` are optional (:data:`OPTIONAL`): a server that
-does not export them (another vLLM version, a metrics filter in between) parses with
-``None`` in their place, and only what they feed is switched off for it (the ITL gate, the
-KV projection and the prefix model's block size); ``EngineMetrics.absent`` names them.
+histograms it does not need (docs/benchmarks/internals.md, ``python -m
+loadtests.bench.micro``). ``parse_metrics`` runs one compiled regular expression whose
+literal prefix (``\nvllm:``) lets the C regex engine skip to candidate lines; only the sample
+lines of the series it uses are matched and converted. Every series is summed over its
+``engine`` label values (data-parallel engines of one server), except KV-cache usage, a
+fraction per engine, which is averaged. Only the waiting and running counts and KV-cache use
+are required (without them an engine cannot be gated: ``MetricsError``); the ITL histogram
+(whose ``_sum`` and ``_count`` give ``interval_itl``) and ``cache_config_info`` (block size
+and count, for the picker's model of the prefix cache) are optional (``OPTIONAL``): a server
+without them parses with ``None`` there, and only what they feed is switched off for it.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """``fairlane up``: Envoy, the ext_proc service and (by default) two simulated vLLM backends.
 
 With ``--replicas N`` the service is N active-active replicas sharing their state in a local
-Redis (:mod:`extproc.ops.service_replicas`), and Envoy spreads requests over them and moves
-off a dead one (extproc.envoy.replicas).
-
-A service process (the one, or a replica) that exits is restarted on the same ports, with
-back-off (:mod:`extproc.ops.supervisor`); until it is back Envoy answers new requests 503
-``gateway_unavailable`` with ``retry-after`` (the other replicas serve them, with replicas).
-Redis dying is reported and the stack goes on; Envoy or a simulator dying stops the stack.
-
-The same ``Stack`` is what the integration tests and benchmarks start, so what a user runs
-is what is tested. Every process lives in a ``ProcessGroup``: Ctrl-C, SIGTERM, a failed
-start or a child that dies for good stops all of them.
-
-The children's output goes to log files, so what the user must see is printed by ``up``
-itself: where everything is, and each backend's seats as the service learns them
-(:mod:`extproc.ops.seat_watch`).
+Redis (``extproc.ops.service_replicas``), and Envoy spreads requests over them and moves off a
+dead one (``extproc.envoy.replicas``). A service process that exits is restarted on the same
+ports, with back-off (``extproc.ops.supervisor``); until it is back Envoy answers new requests
+503 ``gateway_unavailable`` with ``retry-after``. Redis dying is reported and the stack goes
+on; Envoy or a simulator dying stops the stack. The same ``Stack`` is what the integration
+tests and benchmarks start, so what a user runs is what is tested; every process lives in a
+``ProcessGroup``, so Ctrl-C, SIGTERM, a failed start or a child that dies for good stops all.
+The children's output goes to log files; ``up`` itself prints where everything is and each
+backend's seats as the service learns them (``extproc.ops.seat_watch``).
 """
 
 from __future__ import annotations

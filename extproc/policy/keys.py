@@ -1,25 +1,15 @@
 """API keys as the gateway holds them: SHA-256 digests, looked up in constant time.
 
-A policy's ``api_keys`` entry takes one of four forms:
-
-- a plain key, ``sk-...``: handy for a demo, but the YAML then holds a secret
-  (``fairlane check`` warns);
-- ``sha256:HEX``: the key's SHA-256 (64 hex digits), as ``fairlane hash-key`` prints it;
-- ``env:NAME``: the value of the environment variable ``NAME`` when the policy is loaded;
-- ``file:PATH``: the content of the file (a trailing newline stripped) when the policy is
-  loaded, a relative ``PATH`` taken from the policy file's directory.
-
-Every form becomes the key's digest when the policy is loaded (the parser reads the
-variables and files), so the request path costs the same whatever the form: one SHA-256 of
-the presented key, one dict lookup on the first bytes of its digest, one constant-time
-comparison of the whole digest. Looking up by a short tag and confirming with
-``hmac.compare_digest`` keeps the only data-dependent timing on 8 bytes of a digest, which
-tell nothing about any key. Two entries are the same key when their digests are, so a plain
-key and its ``sha256:`` form collide as they should.
-
-Why one unsalted SHA-256 is enough: API keys are long random strings, not passwords, so
-there is no dictionary to try; a slow or salted hash would only make every request pay.
-A key in a message is only ever its ``key_label``: never enough of it to use.
+A policy's ``api_keys`` entry is a plain key (``sk-...``: handy for a demo, but the YAML then
+holds a secret, and ``fairlane check`` warns), ``sha256:HEX`` (as ``fairlane hash-key``
+prints it), ``env:NAME`` or ``file:PATH`` (read when the policy is loaded, a relative path
+from the policy's directory). Every form becomes the key's digest when the policy is loaded,
+so the request path costs the same whatever the form: one SHA-256 of the presented key, one
+dict lookup on the first bytes of its digest, one constant-time comparison of the whole
+digest (``KeyIndex``), so the only data-dependent timing is on 8 bytes of a digest, which tell
+nothing about any key. One unsalted SHA-256 is enough: API keys are long random strings, not
+passwords, so there is no dictionary to try, and a slow or salted hash would only make every
+request pay. A key in a message is only ever its ``key_label``: never enough of it to use.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """Reports and charges as bytes in Redis: compact JSON, read back without trusting it.
 
-A report is ``{"i": {backend: {rank: n}}, "w": {band: [n, oldest_wait_s, head_counter, head_flow,
-1 if the head flow is fresh]},
-"a": {tier: idle_s}, "s": {backend: [scraped_at, age_s, ok, waiting, running, kv_cache_usage,
-itl_sum_s, itl_count, block_size, num_gpu_blocks]}, "c": {backend: {rank: n}}, "p": [[replica,
-backend, rank, seq], ...]}`` (``c``: the requests it could cancel, ``p``: its asks to other
-replicas to cancel one, ``extproc.core.peers.PreemptAsk``; both left out when empty; ``"k":
-{backend: kv_tokens}``, the KV tokens of every request it sent there, a running total, left
-out when none; ``s``:
-the engines this replica scrapes for the fleet, ``extproc.fleet.shared_scrape``;
-``scraped_at`` is on the scraper's clock and
-only tells its scrapes apart; ``itl_sum_s`` and ``itl_count`` are both null for an engine
-without the ITL histogram, and a replica of an earlier version skips such a report), and
-``"b": [[tenant, user|null, n], ...]``, the requests it has in progress per budgeted key
-(``extproc.core.budgets``); charges are ``[[band, flow, cost], ...]``, budget charges
-``[[tenant, user|null, tokens, requests], ...]``. JSON because every replica of any version
-can read it and ``redis-cli`` shows it; the reports are a few hundred bytes.
-Anything malformed (another version, a hand-edited key) is skipped, never raised into the
-exchange loop.
+JSON because every replica of any version can read it and ``redis-cli`` shows it; the
+reports are a few hundred bytes. ``encode_report`` gives the layout. Anything malformed
+(another version, a hand-edited key) is skipped, never raised into the exchange loop.
 """
 
 from __future__ import annotations
@@ -40,7 +25,25 @@ Charge = tuple[str, str, float]
 
 
 def encode_report(report: ReplicaReport, active: Mapping[Key, int] | None = None) -> str:
-    """``active``: the requests in progress per budgeted key (``Budgets.active``)."""
+    """``active``: the requests in progress per budgeted key (``Budgets.active``).
+
+    A report is ``{"i": {backend: {rank: n}}, "w": {band: [n, oldest_wait_s, head_counter,
+    head_flow, 1 if the head flow is fresh]}, "a": {tier: idle_s}, "s": {backend: [scraped_at,
+    age_s, ok, waiting, running, kv_cache_usage, itl_sum_s, itl_count, block_size,
+    num_gpu_blocks]}, "c": {backend: {rank: n}}, "p": [[replica, backend, rank, seq], ...]}``.
+
+    ``c`` is the requests it could cancel and ``p`` its asks to other replicas to cancel one
+    (``extproc.core.peers.PreemptAsk``), both left out when empty; ``"k": {backend: kv_tokens}``
+    is the KV tokens of every request it sent there, a running total, left out when none; ``s``
+    is the engines this replica scrapes for the fleet (``extproc.fleet.shared_scrape``):
+    ``scraped_at`` is on the scraper's clock and only tells its scrapes apart, and ``itl_sum_s``
+    and ``itl_count`` are both null for an engine without the ITL histogram (a replica of an
+    earlier version skips such a report); ``"b": [[tenant, user|null, n], ...]`` is the requests
+    it has in progress per budgeted key (``extproc.core.budgets``).
+
+    Charges are ``[[band, flow, cost], ...]``, budget charges ``[[tenant, user|null, tokens,
+    requests], ...]``.
+    """
     body: dict[str, Any] = {
         "i": {
             addr: {str(r): n for r, n in ranks.items()} for addr, ranks in report.in_flight.items()

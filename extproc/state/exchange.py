@@ -1,28 +1,15 @@
 """One round trip to Redis per period: write this replica's report, read the others'.
 
 Everything a replica shares goes through ``EXCHANGE``, one Lua script, so a replica never
-sees half of another's update and the number of round trips does not grow with traffic:
-one per ``period_s`` per replica, whatever the request rate.
-
-Keys (``PREFIX`` is ``fairlane:`` by default; one Redis DB may hold several fleets with
-different prefixes):
-
-- ``{PREFIX}report:{replica}``: ``WRITTEN_MS INSTANCE REPORT``, the replica's report
-  (``extproc.state.codec``) after Redis's time and the writing process's random instance
-  token, a string that expires after ``ttl_ms``: the **lease** on its in-flight requests. A
-  replica that dies stops renewing it; its seats come back within the TTL. A report held by
-  another instance makes the exchange refuse (``DuplicateReplica``).
-- ``{PREFIX}replicas``: a sorted set, replica -> Redis time (ms) of its last exchange;
-  members older than the TTL are pruned by the next exchange of any replica.
-- ``{PREFIX}charges``: a stream of VTC charges, one entry per exchange that had any
-  (``r`` = replica, ``c`` = charges, and ``b`` = budget charges when it made any:
-  ``extproc.core.budgets``), capped at about ``STREAM_MAX`` entries. Each replica reads the
-  entries after the last one it saw and skips its own.
-
-Time is Redis's (``TIME`` inside the script), so the replicas' clocks need not agree.
-The set and the stream expire ``IDLE_EXPIRY_MS`` after the last exchange of any replica,
-so a fleet that is gone leaves nothing behind. A Redis that restarts empty is refilled by
-the next exchange of every replica: reports are whole states, never deltas.
+sees half of another's update and the number of round trips does not grow with traffic: one
+per ``period_s`` per replica, whatever the request rate. Each replica's report is a key that
+expires after the TTL, the **lease** on its requests in flight: a replica that dies stops
+renewing it, and its seats come back within the TTL; a report held by another live process
+makes the exchange refuse (``DuplicateReplica``). VTC and budget charges travel in a capped
+stream that each replica reads past what it saw. Time is Redis's (``TIME`` inside the
+script), so the replicas' clocks need not agree; everything expires once no replica
+exchanges any more, and a Redis that restarts empty is refilled by the next exchanges, since
+reports are whole states. ``RedisExchange`` lists the keys.
 """
 
 from __future__ import annotations
@@ -131,7 +118,26 @@ class Exchanged:
 
 
 class RedisExchange:
-    """The replicas' shared state in one Redis: the only module that talks to it."""
+    """The replicas' shared state in one Redis: the only module that talks to it.
+
+    Keys (``PREFIX`` is ``fairlane:`` by default; one Redis DB may hold several fleets with
+    different prefixes):
+
+    - ``{PREFIX}report:{replica}``: ``WRITTEN_MS INSTANCE REPORT``, the replica's report
+      (``extproc.state.codec``) after Redis's time and the writing process's random instance
+      token, a string that expires after ``ttl_ms``: the **lease** on its in-flight requests. A
+      replica that dies stops renewing it; its seats come back within the TTL. A report held by
+      another instance makes the exchange refuse (``DuplicateReplica``).
+    - ``{PREFIX}replicas``: a sorted set, replica -> Redis time (ms) of its last exchange;
+      members older than the TTL are pruned by the next exchange of any replica.
+    - ``{PREFIX}charges``: a stream of VTC charges, one entry per exchange that had any (``r`` =
+      replica, ``c`` = charges, and ``b`` = budget charges when it made any:
+      ``extproc.core.budgets``), capped at about ``STREAM_MAX`` entries. Each replica reads the
+      entries after the last one it saw and skips its own.
+
+    The set and the stream expire ``IDLE_EXPIRY_MS`` after the last exchange of any replica, so
+    a fleet that is gone leaves nothing behind.
+    """
 
     def __init__(
         self,

@@ -1,21 +1,14 @@
 """The replica's side of the shared state: exchange every period, apply what was read.
 
-Two modes, and the switch between them is the whole failure story:
-
-- **shared**: the last exchange succeeded within ``ttl_s``. Admission decides over the
-  other replicas' leases, waiting bands and charges (``extproc.core.peers``).
-- **cut off** (local-only): Redis is unreachable, slow past ``timeout_s``, or failing.
-  Admission schedules alone on ``1 / replicas`` of each backend (replicas = how many it
-  last saw alive), the charges it makes meanwhile are kept and sent when Redis is back,
-  and the exchange keeps being retried every period, so the replica rejoins by itself. A
-  Redis that restarted empty is refilled by the first exchanges: every report is a whole
-  state.
-
+Two modes, and the switch between them is the whole failure story. **Shared**: the last
+exchange succeeded within ``ttl_s``, and admission decides over the other replicas' leases,
+waiting bands and charges (``extproc.core.peers``); each engine is scraped by one replica for
+all (``extproc.fleet.shared_scrape``). **Cut off**: Redis is unreachable, slow past
+``timeout_s``, or failing; admission schedules alone on ``1 / replicas`` of each backend
+(replicas = how many it last saw alive), the charges it makes meanwhile are kept and sent when
+Redis is back, and the exchange is retried every period, so the replica rejoins by itself. A
+Redis that restarted empty is refilled by the first exchanges: every report is a whole state.
 Requests keep flowing in both modes: nothing on the request path waits for Redis.
-
-While shared, each engine is scraped by one replica for all of them
-(``extproc.fleet.shared_scrape``): its scrapes travel in its report, and the others adopt
-them instead of scraping the engine themselves.
 """
 
 from __future__ import annotations

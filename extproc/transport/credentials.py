@@ -2,29 +2,15 @@
 startup and sent as the upstream ``authorization`` of every request released to it.
 
 Keys are configured by reference only, per backend (``--backend URL#key=env:NAME``) or per
-region (``--region-key REGION=file:PATH``; a backend's own key wins): ``env:NAME`` reads an
-environment variable, ``file:PATH`` a file (surrounding whitespace dropped, as a Kubernetes or
-compose secret file ends with a newline). They are read here, once, and held only in this
-process's memory: never in a configuration file, a log line or a metric.
-
-Why the service injects them and not Envoy: the backends are one Envoy cluster routed by
-``override_host``, and Envoy adds request headers per route or per cluster, not per host
-(``%UPSTREAM_METADATA%`` would need the key itself in each endpoint's metadata, that is in
-Envoy's config file and its ``/config_dump``). The service knows which endpoint it picked,
-and it already removes the client's ``authorization`` (a tenant key never reaches an engine).
-
-**Retries and hedges.** Envoy replays the same request headers on every attempt, to the
-alternates the service listed in ``x-gateway-destination-endpoint``. A request can carry only
-one key, so :meth:`BackendCredentials.apply` keeps only the alternates that take the first
-endpoint's key and lowers ``x-envoy-max-retries`` to match (Envoy's fallback load balancer,
-which picks any host once the list runs out, is never reached). With one key for the whole
-fleet nothing changes; with a key per region, retries and hedges stay inside the first
-endpoint's region. Give the regions the same key to keep cross-region failover.
-
-**Backends found through DNS** (``dns://NAME:PORT#key=...``) take their name's key, or their
-region's: the key is read at startup like the others (an unreadable one stops the service
-before it serves), and each address the name resolves to gets it when it joins (``add``)
-and loses it when it leaves (``forget``).
+region (``--region-key REGION=file:PATH``; a backend's own key wins), and held only in this
+process's memory: never in a configuration file, a log line or a metric. The service injects
+them, not Envoy: the backends are one Envoy cluster routed by ``override_host``, and Envoy
+adds request headers per route or per cluster, not per host (per-host metadata would put the
+keys in Envoy's config and its ``/config_dump``); the service knows which endpoint it picked,
+and already removes the client's ``authorization``. Envoy replays the same headers on every
+retry or hedge, so a request's alternates are only backends that take the first one's key
+(``BackendCredentials.apply``): with a key per region, retries stay in the region.
+Backends found through DNS take their name's key, or their region's.
 """
 
 from __future__ import annotations
@@ -90,7 +76,24 @@ def parse_region_key(text: str) -> tuple[str, str]:
 
 class BackendCredentials:
     """Which ``authorization`` each backend gets, and the forwarding rule that keeps a
-    request's retries on backends that take the same key (see the module docstring)."""
+    request's retries on backends that take the same key.
+
+    **Retries and hedges.** Envoy replays the same request headers on every attempt, to the
+    alternates the service listed in ``x-gateway-destination-endpoint``. A request can carry
+    only one key, so ``apply`` keeps only the alternates that take the first endpoint's key and
+    lowers ``x-envoy-max-retries`` to match (Envoy's fallback load balancer, which picks any
+    host once the list runs out, is never reached). With one key for the whole fleet nothing
+    changes; with a key per region, retries and hedges stay inside the first endpoint's region.
+    Give the regions the same key to keep cross-region failover.
+
+    **Backends found through DNS** (``dns://NAME:PORT#key=...``) take their name's key, or their
+    region's: the key is read at startup like the others (an unreadable one stops the service
+    before it serves), and each address the name resolves to gets it when it joins (``add``) and
+    loses it when it leaves (``forget``).
+
+    ``file:PATH`` keys are read with surrounding whitespace dropped, as a Kubernetes or compose
+    secret file ends with a newline.
+    """
 
     __slots__ = ("_by_address", "_by_reference", "_by_region", "_uniform")
 

@@ -1,28 +1,17 @@
 """A gRPC server on HTTP/2 framed in the event loop's own thread.
 
 Why not grpc.aio, which the service used before: each stream there goes through grpc's C
-core, its poller thread and a cross-thread wake-up of the loop for every message. Behind the
-same Envoy, a servicer that decides nothing served 2,700-2,850 requests/s per core on
-grpc.aio and 6,000-6,900 on this server (then on python-hyper's h2), and 2,218-2,362 against
-3,951-4,495 in a busier hour (``python -m loadtests.bench.overhead.floor``, both in one
-run). The per-stream work here is the framing (``extproc.transport.http2``), a task, and the
-servicer: the same servicers grpc.aio runs, registered the same way (the generated
-``add_XServicer_to_server(servicer, server)`` calls ``add_registered_method_handlers``).
-
-Scope: what Envoy's gRPC clients (and grpc's own, in the tests) use towards this service:
-HTTP/2 with prior knowledge over cleartext TCP, streaming methods (stream-stream and
-stream-unary; a unary method, such as xDS's Fetch* that nothing here implements, is not
-served), uncompressed messages. An unknown
-method is answered ``UNIMPLEMENTED``, a compressed or oversized message ``INTERNAL`` /
-``RESOURCE_EXHAUSTED``, a handler that raises ``INTERNAL``; none of them disturbs the other
-streams. A stream the client resets cancels its handler's task, as grpc.aio does: the
-servicers rely on that (a held request leaves its queue on ``CancelledError``).
-
-Safe by default against a hostile or broken client (``ServerLimits``; tests in
-``tests/extproc/transport/test_hostile_clients.py``): connections are capped, must finish
-their handshake in time and are closed when idle; a client that does not read its answers
-stops being read; each stream holds at most its receive window of unread input; draining
-sends GOAWAY at once.
+core, its poller thread and a cross-thread wake-up of the loop for every message; behind the
+same Envoy, a servicer that decides nothing serves more than twice the requests per core on
+this server (docs/benchmarks/internals.md). The per-stream work here is the framing
+(``extproc.transport.http2``), a task and the servicer: the same servicers grpc.aio runs,
+registered the same way (the generated ``add_XServicer_to_server``). Scope: what Envoy's gRPC
+clients use towards this service: HTTP/2 with prior knowledge over cleartext TCP, streaming
+methods, uncompressed messages. Errors end only their own stream, and a stream the client
+resets cancels its handler's task, as grpc.aio does (a held request leaves its queue on
+``CancelledError``). Safe by default against a hostile or broken client (``ServerLimits``):
+connections are capped, handshakes and idle connections time out, a client that does not
+read stops being read, each stream holds at most its window of unread input.
 """
 
 from __future__ import annotations
@@ -71,6 +60,13 @@ class GrpcServer:
 
     The interface follows ``grpc.aio.Server`` where the service uses it:
     ``add_insecure_port`` binds at once and returns the port, ``start``, ``stop(grace)``.
+
+    An unknown method is answered ``UNIMPLEMENTED``, a compressed or oversized message
+    ``INTERNAL`` / ``RESOURCE_EXHAUSTED``, a handler that raises ``INTERNAL``; none of them
+    disturbs the other streams. A unary method (such as xDS's Fetch*, which nothing here
+    implements) is not served: only stream-stream and stream-unary methods are. Draining sends
+    GOAWAY at once. The hostile-client cases are in
+    ``tests/extproc/transport/test_hostile_clients.py``.
     """
 
     def __init__(self, limits: ServerLimits) -> None:

@@ -2,21 +2,14 @@
 
 Why not python-hyper's h2, which the server used before: h2 is a general state machine that
 builds a frame object and an event object for every frame and runs each through its
-connection's and the stream's state machines and window managers. At saturation its
-parsing and framing were ~28 % of the service's CPU (py-spy). Here a frame is a
-slice of the receive buffer handed to a callback, the answers' header blocks are constants,
-and the receive windows are so large that they are topped up once per GiB.
-HPACK decoding is the ``hpack`` package (h2's own decoder).
-
-Scope (RFC 9113, server side, cleartext with prior knowledge): the client's preface and
-SETTINGS, HEADERS with CONTINUATION, DATA, RST_STREAM, WINDOW_UPDATE, PING, GOAWAY; PRIORITY
-and unknown frame types are ignored. A protocol violation is a connection error
-(``Http2Error``: the caller sends the GOAWAY queued here and closes). What a hostile peer
-could make this side hold is bounded: streams by SETTINGS_MAX_CONCURRENT_STREAMS (enforced
-with REFUSED_STREAM), each stream's unread input by its receive window (given back only
-when the caller acknowledges, ``acknowledge``), frames that carry nothing and pings sent too
-often by ENHANCE_YOUR_CALM. The caller owns stream semantics (which method, which handler)
-and what the socket may buffer; this module only frames.
+connection's and the stream's state machines, and at saturation that was a large share of
+the service's CPU (docs/benchmarks/internals.md). Here a frame is a slice of the receive
+buffer handed to a callback, the answers' header blocks are constants, and the receive
+windows are so large that they are topped up once per GiB; HPACK decoding is the ``hpack``
+package (h2's own decoder). Scope: RFC 9113, server side, cleartext with prior knowledge;
+PRIORITY and unknown frame types are ignored, and a protocol violation is a connection error
+(``Http2Error``). The caller owns stream semantics and what the socket may buffer; this
+module only frames. What a hostile peer could make it hold is bounded (``Limits``).
 """
 
 from __future__ import annotations
@@ -144,7 +137,15 @@ class _Stream:
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """What one connection lets a peer make it hold (see the module docstring)."""
+    """What one connection lets a peer make it hold.
+
+    Streams are bounded by SETTINGS_MAX_CONCURRENT_STREAMS (enforced with REFUSED_STREAM), each
+    stream's unread input by its receive window (given back only when the caller acknowledges,
+    ``acknowledge``), and frames that carry nothing and pings sent too often end the connection
+    with ENHANCE_YOUR_CALM. The frames handled: the client's preface and SETTINGS, HEADERS with
+    CONTINUATION, DATA, RST_STREAM, WINDOW_UPDATE, PING, GOAWAY. On a protocol violation the
+    caller sends the GOAWAY queued here and closes.
+    """
 
     max_concurrent_streams: int = 1024
     stream_window: int = STREAM_WINDOW

@@ -1,22 +1,14 @@
 """The overload control's measurements: how far behind the service is.
 
 Two delays say it, and the control (``extproc.core.overload``) takes the larger of the two
-once a period:
-
-* **how old a request is when the service decides it**: Envoy stamps each request's
-  arrival (the filter's ``request.time`` attribute), the servicer compares it with its own
-  clock when it decides. Past capacity, new streams wait before the service reads their
-  first message (in the socket, or inside grpc's C core on grpc.aio): measured in the lab,
-  requests were hundreds of milliseconds old at decision while the event loop stayed on
-  time and a stream, once read, went on at once. Python cannot count that backlog; it can
-  see its age. (Across
-  hosts this includes the clocks' skew, a millisecond or two with NTP.)
-* **the event loop's lag**: how late a timer fires. It catches a stall of the loop itself,
-  which delays every stream at once, even when no request is deciding to notice it.
-
-The fraction the control returns is published in the runtime layer Envoy reads
-(``transport.runtime``), so Envoy starts or stops turning requests away within
-milliseconds.
+once a period: **how old a request is when the service decides it** (Envoy stamps each
+request's arrival, the servicer compares it with its own clock; past capacity, new streams
+wait unread in the socket while the event loop stays on time: Python cannot count that
+backlog, but it can see its age; across hosts this includes the clocks' skew, a millisecond or
+two with NTP), and **the event loop's lag** (how late a timer fires: a stall of the loop
+itself, which delays every stream at once). The fraction the control returns is published in
+the runtime layer Envoy reads (``transport.runtime``), so Envoy starts or stops turning
+requests away within milliseconds.
 """
 
 from __future__ import annotations

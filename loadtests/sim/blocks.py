@@ -3,21 +3,12 @@
 The pool is what makes KV pressure real in the simulator: a request holds
 ``ceil(tokens / block_size)`` blocks, the engine preempts when it cannot get one, and
 ``vllm:kv_cache_usage_perc`` is the fraction of blocks in use. Prefix caching follows
-``shared/reference/vllm.md`` A4:
-
-- only full blocks are cached, keyed by vLLM's chained hash
-  (``extproc.core.blockhash.BlockHasher``, the one the gateway predicts engines' blocks
-  with: ``--prefix-caching-hash-algo`` and the ``NONE_HASH`` seed, ``PYTHONHASHSEED`` when
-  the environment has one, as in vLLM; a request's ``cache_salt`` salts its first block);
-- a freed block keeps its hash and stays findable until it is reused (LRU free queue);
-- a request's blocks are freed in reverse order, so its tail blocks are evicted first;
-  blocks without a hash (a partial tail) go to the front of the free queue, to be reused
-  before any cached block is evicted (vLLM 0.32's ``free_blocks``).
-
-With ``record_events`` the pool also queues vLLM's KV events as vLLM's pool does
-(``kv_event_queue``): a ``BlockStored`` per request and step for the blocks it filled, a
-``BlockRemoved`` per cached block evicted to be reused, ``AllBlocksCleared`` on a reset; the
-server publishes them once per step (``loadtests.sim.kv_publisher``).
+``shared/reference/vllm.md`` A4: only full blocks are cached, keyed by vLLM's chained hash
+(``extproc.core.blockhash.BlockHasher``, the one the gateway predicts engines' blocks with); a
+freed block stays findable until it is reused (an LRU free queue); a request's blocks are
+freed in reverse, so its tail blocks are evicted first, and blocks without a hash go to the
+front of the free queue. With ``record_events`` the pool also queues vLLM's KV events as
+vLLM's pool does, which the server publishes once per step (``loadtests.sim.kv_publisher``).
 """
 
 from __future__ import annotations
@@ -76,7 +67,16 @@ def block_hashes(
 
 
 class BlockPool:
-    """A fixed number of KV blocks: reference counts, an LRU free queue, a hash index."""
+    """A fixed number of KV blocks: reference counts, an LRU free queue, a hash index.
+
+    Details after vLLM 0.32: the hash takes ``--prefix-caching-hash-algo`` and the ``NONE_HASH``
+    seed (``PYTHONHASHSEED`` when the environment has one, as in vLLM), and a request's
+    ``cache_salt`` salts its first block; blocks without a hash (a partial tail) go to the front
+    of the free queue, to be reused before any cached block is evicted (vLLM 0.32's
+    ``free_blocks``). With ``record_events`` (``kv_event_queue``): a ``BlockStored`` per request
+    and step for the blocks it filled, a ``BlockRemoved`` per cached block evicted to be reused,
+    ``AllBlocksCleared`` on a reset.
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:

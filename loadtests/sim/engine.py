@@ -1,28 +1,14 @@
 """The per-step scheduler, after vLLM 0.32's v1 ``Scheduler.schedule()``.
 
-Everything a gateway can observe from vLLM under load comes from this loop: queueing
-behind a full batch, chunked prefill slowing decodes, KV pressure, preemption, prefix-cache
-hits. Each ``step(now)``:
-
-1. schedules the running requests in order, one decode token or the next prefill chunk
-   each, within the ``max_num_batched_tokens`` budget; when a running request cannot get a
-   KV block, the vLLM victim is preempted (under ``priority`` the max ``(priority,
-   arrival)``, under ``fcfs`` the last running request), its blocks freed and its progress
-   reset, and it goes back to the front of the waiting queue;
-2. only if nothing was preempted in this step, admits waiting requests in queue order while
-   seats (``max_num_seqs``), budget and blocks allow, charging prefill only for tokens not
-   already in the prefix cache. A waiting request never preempts a running one, and the
-   first request that does not fit stops admission (no skipping ahead). With LoRA
-   (``max_loras``), a request whose adapter would be one more than ``max_loras`` distinct
-   adapters in the step's batch is skipped instead ("deferred", put back in its place) and
-   admission goes on behind it, as vLLM's scheduler does;
-3. prices the batch with the profile, plus ``lora_load_s`` for each adapter of the batch
-   that is not in one of the ``max_loras`` GPU slots (an LRU, as vLLM's worker keeps its
-   active adapters), and advances every scheduled request, producing one token for each
-   request whose prompt (and recomputed output) is fully computed.
-
-There is no I/O and no clock here: the caller passes ``now`` (simulated seconds) and gets
-the step's duration back, so unit tests drive the engine on a virtual clock.
+Everything a gateway can observe from vLLM under load comes from this loop: queueing behind
+a full batch, chunked prefill slowing decodes, KV pressure, preemption, prefix-cache hits.
+Each ``Engine.step`` schedules the running requests within the token budget (preempting
+vLLM's victim when one cannot get a KV block), then, only if nothing was preempted, admits
+waiting requests in queue order while seats, budget and blocks allow (a waiting request never
+preempts a running one, and the first that does not fit stops admission), and prices the
+batch with the profile. There is no I/O and no clock here: the caller passes ``now``
+(simulated seconds) and gets the step's duration back, so unit tests drive the engine on a
+virtual clock.
 """
 
 from __future__ import annotations
@@ -203,7 +189,27 @@ class StepOutput:
 
 
 class Engine:
-    """Waiting queue, running batch and KV pool, advanced one step at a time."""
+    """Waiting queue, running batch and KV pool, advanced one step at a time.
+
+    Each ``step(now)``:
+
+    1. schedules the running requests in order, one decode token or the next prefill chunk each,
+       within the ``max_num_batched_tokens`` budget; when a running request cannot get a KV
+       block, the vLLM victim is preempted (under ``priority`` the max ``(priority, arrival)``,
+       under ``fcfs`` the last running request), its blocks freed and its progress reset, and it
+       goes back to the front of the waiting queue;
+    2. only if nothing was preempted in this step, admits waiting requests in queue order while
+       seats (``max_num_seqs``), budget and blocks allow, charging prefill only for tokens not
+       already in the prefix cache. A waiting request never preempts a running one, and the
+       first request that does not fit stops admission (no skipping ahead). With LoRA
+       (``max_loras``), a request whose adapter would be one more than ``max_loras`` distinct
+       adapters in the step's batch is skipped instead ("deferred", put back in its place) and
+       admission goes on behind it, as vLLM's scheduler does;
+    3. prices the batch with the profile, plus ``lora_load_s`` for each adapter of the batch
+       that is not in one of the ``max_loras`` GPU slots (an LRU, as vLLM's worker keeps its
+       active adapters), and advances every scheduled request, producing one token for each
+       request whose prompt (and recomputed output) is fully computed.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

@@ -1,49 +1,17 @@
 """Closed-form runs of identical decode-only engine steps.
 
-A simulated day of 1,000 engines is billions of ``Engine.step`` calls if every decode step
-is simulated one by one, yet most of those steps are alike: nothing can be admitted (no
-request waits, or every seat is taken), every running request decodes one token, nobody
-finishes and the KV pool has room. Between two events
-that change the batch, such a run is arithmetic:
-
-- step ``i`` (0-based) schedules the same ``D`` requests, one token each, over a context of
-  ``C + i * D`` tokens (each request's ``num_computed`` grows by one per step), so it lasts
-  ``profile.step_seconds(0, D, C + i * D) = a + i * g`` with ``a = base + decode_per_seq * D
-  + kv_read_per_token * C`` and ``g = kv_read_per_token * D``;
-- the ``m``-th step ends at ``start + m * a + g * m * (m - 1) / 2``;
-- each request gains ``m`` tokens and the KV blocks that ``ceil(tokens / block_size)``
-  asks for, taken from the pool in the order the per-step engine takes them (step by step,
-  in running order), so block ids, the pool's free queue and its prefix-cache evictions end
-  up exactly as after ``m`` calls of ``Engine.step``.
-
-``loadtests.des.engines`` uses it to jump each simulated engine over such stretches, and
-``view`` answers a scrape in the middle of one without cutting it.
-
-``decode_run`` says whether such a run is possible now and how many steps may be skipped:
-strictly before any request's finishing step (that step frees blocks and changes the
-batch, so the caller runs it with ``Engine.step``), within the free blocks (a step that
-cannot get a block preempts) and before any prompt block would be cached. ``advance``
-applies ``m`` of those steps to the engine and returns what the per-step loop would have
-reported: the end time, the tokens produced and the inter-token latencies (the sum and
-count a ``/metrics`` scrape reads, as ``loadtests.des.engines`` and
-``loadtests.sim.metrics`` observe them: one gap per token after a request's first).
-
-KV events (``--kv-events-config``) need nothing here: a run caches no prompt block
-(``decode_run`` stops before one would be; the simulator hashes prompts only, so decode
-blocks are never cached), and every block it takes comes from ``pool.allocate``, which
-queues the ``BlockRemoved`` of each cached block it evicts, in the per-step loop's order.
-A caller that publishes would send a run's evictions as one batch instead of one per step;
-the only caller, ``loadtests.des``, publishes none (its pools do not ``record_events``).
-
-The arithmetic uses the profile's coefficients directly: it assumes ``Profile.step_seconds``
-is the linear model its docstring states (``tests/loadtests/sim/test_sim_fastforward.py``
-holds the fast-forward against ``Engine.step``, so a change there shows up).
-
-Measured (``test_speedup_of_a_thousand_step_run``: 64 requests decoding, llama-8b-h100,
-block size 16, on a busy 2-core machine): 1,000 steps took about 70 ms with ``Engine.step``
-and 1.5 to 2.5 ms with ``decode_run`` + ``advance``, 30x to 50x faster. The fast-forward
-costs O(D) plus one pool allocation per new block (``D * m / block_size`` of them, about
-half its time, kept so that block ids match); the plain loop costs O(D) per step.
+A simulated day of 1,000 engines is billions of ``Engine.step`` calls if every decode step is
+simulated one by one, yet most of those steps are alike: nothing can be admitted, every
+running request decodes one token, nobody finishes and the KV pool has room. Between two
+events that change the batch, such a run is arithmetic: step ``i`` lasts ``a + i * g`` (its
+context grows by one token per request), and blocks are taken from the pool in the per-step
+engine's order, so the engine ends exactly as after ``m`` calls of ``Engine.step``.
+``decode_run`` says whether such a run is possible now and how long, ``advance`` applies it,
+and ``view`` answers a scrape in the middle of one; ``loadtests.des.engines`` jumps each
+simulated engine over such stretches, tens of times faster than stepping
+(docs/benchmarks/internals.md). The arithmetic assumes ``Profile.step_seconds`` is the linear
+model it states; ``tests/loadtests/sim/test_sim_fastforward.py`` holds the fast-forward
+against ``Engine.step``, so a change there shows up.
 """
 
 from __future__ import annotations
@@ -132,6 +100,27 @@ def decode_run(engine: Engine) -> DecodeRun | None:
     preemption), when the batch exceeds the token budget, when a running request's LoRA
     adapter is not in a slot (a runtime load evicted it), or when not even one step can be
     skipped (a request finishes in the next step, or the pool cannot supply its blocks).
+
+    The arithmetic: step ``i`` (0-based) schedules the same ``D`` requests, one token each, over
+    a context of ``C + i * D`` tokens (each request's ``num_computed`` grows by one per step),
+    so it lasts ``profile.step_seconds(0, D, C + i * D) = a + i * g`` with ``a = base +
+    decode_per_seq * D + kv_read_per_token * C`` and ``g = kv_read_per_token * D``; the ``m``-th
+    step ends at ``start + m * a + g * m * (m - 1) / 2``; each request gains ``m`` tokens and
+    the KV blocks that ``ceil(tokens / block_size)`` asks for, taken from the pool in the order
+    the per-step engine takes them (step by step, in running order), so block ids, the pool's
+    free queue and its prefix-cache evictions end up exactly as after ``m`` calls of
+    ``Engine.step``.
+
+    A run stops strictly before any request's finishing step (that step frees blocks and changes
+    the batch, so the caller runs it with ``Engine.step``), within the free blocks (a step that
+    cannot get a block preempts) and before any prompt block would be cached.
+
+    KV events need nothing here: a run caches no prompt block (the simulator hashes prompts
+    only, so decode blocks are never cached), and every block it takes comes from
+    ``pool.allocate``, which queues the ``BlockRemoved`` of each cached block it evicts, in the
+    per-step loop's order. A caller that publishes would send a run's evictions as one batch
+    instead of one per step; the only caller, ``loadtests.des``, publishes none (its pools do
+    not ``record_events``).
     """
     running = engine.running
     if not running:
@@ -290,6 +279,13 @@ def advance(engine: Engine, run: DecodeRun, start: float, m: int) -> DecodeAdvan
     needed (the same block ids, taken in the same order), and ``prev_token_at`` /
     ``last_token_at`` at the ends of the last two steps. ``run`` is only valid for the
     state it was computed from: call ``decode_run`` again after any other change.
+
+    What it reports is what the per-step loop would have: the end time, the tokens produced and
+    the inter-token latencies (the sum and count a ``/metrics`` scrape reads, as
+    ``loadtests.des.engines`` and ``loadtests.sim.metrics`` observe them: one gap per token
+    after a request's first). It costs O(D) plus one pool allocation per new block (``D * m /
+    block_size`` of them, about half its time, kept so that block ids match); the plain loop
+    costs O(D) per step.
     """
     if not 0 <= m <= run.max_steps:
         raise ValueError(f"m={m} outside 0..{run.max_steps}")

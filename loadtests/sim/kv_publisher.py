@@ -1,26 +1,15 @@
 """``--kv-events-config``: the simulator publishes its KV cache events as vLLM 0.32 does.
 
 vLLM's ``ZmqEventPublisher`` (``vllm/distributed/kv_events.py``; ``shared/reference/vllm.md``
-A3), as seen from the wire:
-
-- a PUB socket sends one multipart message per engine step that produced events:
-  ``[topic, seq, payload]``, ``seq`` counting batches from 0 as 8 bytes big-endian and the
-  payload the step's ``KVEventBatch`` (``loadtests.sim.kv_events``). It *binds* when the
-  endpoint contains ``*``, ``::``, ``ipc://`` or ``inproc://`` and *connects* otherwise
-  (then the subscriber binds). ``tcp://*:PORT`` binds every interface in vLLM; the
-  simulator binds it on its own ``--host`` instead (loopback by default), so a test or
-  ``fairlane up`` opens no port beyond the machine;
-- a ROUTER socket on ``replay_endpoint`` (always bound) keeps the last ``buffer_steps``
-  batches: a request ``[b"", start_seq]`` (8 bytes big-endian) is answered with
-  ``[b"", topic, seq, payload]`` for every buffered batch from ``start_seq`` on, then
-  ``[b"", b"", -1 (8 bytes, signed), b""]`` (``_service_replay``). Like vLLM's, it sets no
-  high-water mark of its own, so a huge replay to a slow reader may lose frames.
-
-vLLM publishes from a thread fed by a queue (``max_queue_size``); the simulator's engine loop
-is one asyncio task, so it encodes and sends on the loop: one msgpack encoding and one
-non-blocking ``send`` per step (a PUB socket drops, never blocks, past its ``hwm``), and the
-replays are served by a task on the same loop. ``max_queue_size`` is accepted and has
-nothing to bound. Data-parallel ranks (port + rank) do not exist here: the rank is 0.
+A3), as seen from the wire: a PUB socket sends ``[topic, seq, payload]`` once per engine step
+that produced events, and a ROUTER on ``replay_endpoint`` answers a replay of the last
+``buffer_steps`` batches (``KVEventPublisher`` has the framing). Unlike vLLM, ``tcp://*:PORT``
+binds on the simulator's own ``--host`` (loopback by default), so a test or ``fairlane up``
+opens no port beyond the machine. vLLM publishes from a thread fed by a queue; the
+simulator's engine loop is one asyncio task, so it encodes and sends on the loop (one msgpack
+encoding and one non-blocking ``send`` per step: a PUB socket drops, never blocks, past its
+``hwm``), and serves replays from a task on the same loop. ``max_queue_size`` is accepted and
+has nothing to bound; data-parallel ranks do not exist here: the rank is 0.
 """
 
 from __future__ import annotations
@@ -124,6 +113,15 @@ class KVEventPublisher:
     ``publish`` is called once per engine step that produced events; ``start`` (on the
     running loop) begins answering replays; ``close`` ends both. The sockets are bound in
     the constructor, so a port in use fails the server's start rather than a later step.
+
+    On the wire: ``seq`` counts batches from 0 as 8 bytes big-endian and the payload is the
+    step's ``KVEventBatch`` (``loadtests.sim.kv_events``). The PUB socket *binds* when the
+    endpoint contains ``*``, ``::``, ``ipc://`` or ``inproc://`` and *connects* otherwise (then
+    the subscriber binds). The ROUTER (always bound) keeps the last ``buffer_steps`` batches: a
+    request ``[b"", start_seq]`` (8 bytes big-endian) is answered with ``[b"", topic, seq,
+    payload]`` for every buffered batch from ``start_seq`` on, then ``[b"", b"", -1 (8 bytes,
+    signed), b""]`` (vLLM's ``_service_replay``). Like vLLM's, it sets no high-water mark of its
+    own, so a huge replay to a slow reader may lose frames.
     """
 
     def __init__(

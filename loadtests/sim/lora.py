@@ -1,26 +1,13 @@
 """LoRA adapters as vLLM 0.32's OpenAI frontend keeps them (``OpenAIServingModels``).
 
-What a gateway sees of LoRA lives here and in the engine: the adapters a request's
-``model`` may name, their cards in ``/v1/models``, and the runtime routes
-``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (only when
-``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is ``1`` or ``true``, as vLLM reads it). Read from
-vLLM 0.32's source (``entrypoints/openai/models/serving.py``,
-``entrypoints/serve/lora/api_router.py``, ``entrypoints/launchers/cli_args.py``):
-
-- ``--lora-modules`` takes ``NAME=PATH`` items or JSON objects ``{"name", "path",
-  "base_model_name"}``; each is loaded at start-up as a runtime load would be, so a name
-  that is a served model, or given twice, stops the server;
-- every load takes the next integer id (``lora_int_id``), and so does every request for an
-  unknown model while runtime updating is on (vLLM's ``resolve_lora`` counts one before it
-  finds no resolver); a reload in place (``load_inplace``) keeps its id and its place;
-- ``/v1/models`` lists the served names, then the adapters in load order with ``root`` the
-  adapter's path, ``parent`` its ``base_model_name`` when that is a served name or else the
-  first served name, and no ``max_model_len``;
-- unloading only forgets the name (vLLM 0.32's frontend does not tell the engine): the
-  adapter's requests in flight go on, and the engine keeps it in its slots until evicted.
-
-Paths are never read: the simulator has no weights, so a path that does not exist loads
-(vLLM would answer 404 ``LoRAAdapterNotFoundError``).
+What a gateway sees of LoRA lives here and in the engine: the adapters a request's ``model``
+may name, their cards in ``/v1/models``, and the runtime routes ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (only when ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is ``1`` or
+``true``, as vLLM reads it), all read from vLLM 0.32's source
+(``entrypoints/openai/models/serving.py``, ``entrypoints/serve/lora/api_router.py``,
+``entrypoints/launchers/cli_args.py``). ``LoraRegistry`` has the rules. Paths are never read:
+the simulator has no weights, so a path that does not exist loads (vLLM would answer 404
+``LoRAAdapterNotFoundError``).
 """
 
 from __future__ import annotations
@@ -86,7 +73,22 @@ class LoraAdapter:
 
 
 class LoraRegistry:
-    """The adapters a server answers for, in load order (vLLM's ``lora_requests``)."""
+    """The adapters a server answers for, in load order (vLLM's ``lora_requests``).
+
+    The rules, as vLLM 0.32 has them:
+
+    - ``--lora-modules`` takes ``NAME=PATH`` items or JSON objects ``{"name", "path",
+      "base_model_name"}``; each is loaded at start-up as a runtime load would be, so a name
+      that is a served model, or given twice, stops the server;
+    - every load takes the next integer id (``lora_int_id``), and so does every request for an
+      unknown model while runtime updating is on (vLLM's ``resolve_lora`` counts one before it
+      finds no resolver); a reload in place (``load_inplace``) keeps its id and its place;
+    - ``/v1/models`` lists the served names, then the adapters in load order with ``root`` the
+      adapter's path, ``parent`` its ``base_model_name`` when that is a served name or else the
+      first served name, and no ``max_model_len``;
+    - unloading only forgets the name (vLLM 0.32's frontend does not tell the engine): the
+      adapter's requests in flight go on, and the engine keeps it in its slots until evicted.
+    """
 
     def __init__(self, served: tuple[str, ...]) -> None:
         self.served = served

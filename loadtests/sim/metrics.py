@@ -1,28 +1,14 @@
 """vLLM 0.32's ``/metrics``, fed from engine steps.
 
-Names, HELP texts, types, label sets and histogram buckets are copied from a real
-vLLM 0.32 dump (``shared/reference/vllm-0.32-metrics-sample.txt``), because the gateway
-and its dashboards read them by name. Each server has its own ``CollectorRegistry`` (so
-two simulators in one test process do not collide) and prometheus_client adds ``_total``
-and ``_created`` exactly as it does for vLLM. Gauges are functions of the engine, so they
-are current at scrape time. Labels are printed in sorted order, as in vLLM's exposition.
-
-All latencies are in simulated seconds (the clock the engine runs on), so a simulator
-sped up 10x still reports what the GPU would have taken.
-
-With LoRA enabled, ``vllm:lora_requests_info`` is set as vLLM 0.32's Python frontend sets
-it (``LoRARequestStates``, ``PrometheusStatLogger``), which is not what its label names
-promise:
-
-- once per engine step, the series of the current label set is set to the wall clock
-  (``set_to_current_time``); the series of earlier label sets stay, frozen at the time
-  they were last current, so a reader takes the series with the largest value;
-- an adapter is listed from its request's first token to its last request's end (the
-  frontend learns of QUEUED and SCHEDULED only with a request's first output), and
-  ``running_lora_adapters`` and ``waiting_lora_adapters`` are the same list, because vLLM
-  fills both from one dict of adapters with requests in flight; names are in the order the
-  adapters entered it, comma-joined, ``""`` for none; ``max_lora`` is ``--max-loras``;
-- an idle engine takes no step, so the last series is not refreshed until the next one.
+Names, HELP texts, types, label sets and histogram buckets are copied from a real vLLM 0.32
+dump (``shared/reference/vllm-0.32-metrics-sample.txt``), because the gateway and its
+dashboards read them by name. Each server has its own ``CollectorRegistry`` (so two
+simulators in one test process do not collide) and prometheus_client adds ``_total`` and
+``_created`` exactly as it does for vLLM. Gauges are functions of the engine, so they are
+current at scrape time; labels are printed in sorted order, as in vLLM's exposition. All
+latencies are in simulated seconds, so a simulator sped up 10x still reports what the GPU
+would have taken. With LoRA enabled, ``vllm:lora_requests_info`` is set as vLLM 0.32's
+frontend sets it, which is not what its label names promise (``SimMetrics``).
 """
 
 from __future__ import annotations
@@ -150,7 +136,21 @@ class _SortedLabels(Collector):
 
 
 class SimMetrics:
-    """The metrics of one simulated server."""
+    """The metrics of one simulated server.
+
+    With LoRA enabled, ``vllm:lora_requests_info`` is set as vLLM 0.32's Python frontend sets it
+    (``LoRARequestStates``, ``PrometheusStatLogger``):
+
+    - once per engine step, the series of the current label set is set to the wall clock
+      (``set_to_current_time``); the series of earlier label sets stay, frozen at the time they
+      were last current, so a reader takes the series with the largest value;
+    - an adapter is listed from its request's first token to its last request's end (the
+      frontend learns of QUEUED and SCHEDULED only with a request's first output), and
+      ``running_lora_adapters`` and ``waiting_lora_adapters`` are the same list, because vLLM
+      fills both from one dict of adapters with requests in flight; names are in the order the
+      adapters entered it, comma-joined, ``""`` for none; ``max_lora`` is ``--max-loras``;
+    - an idle engine takes no step, so the last series is not refreshed until the next one.
+    """
 
     def __init__(
         self,

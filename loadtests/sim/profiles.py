@@ -1,20 +1,15 @@
 """How long one engine step takes: named step-time models of real GPU deployments.
 
-vLLM runs one forward pass per step over the whole batch, so latency comes from the step
-time, not from per-request sleeps. A step costs
-
-    base + prefill_per_token * P + prefill_per_token_sq * P**2
-         + decode_per_seq * D + kv_read_per_token * C
-
-where ``P`` is the number of uncached prompt tokens computed in the step (prefill chunks),
-``D`` the number of sequences decoding one token, and ``C`` the context tokens those decoding
-sequences attend over (their KV cache is read every step). This is the shape recommended in
-``shared/reference/vllm.md`` ("Recommendation"); each profile says where its constants come
-from. None of them was measured on a GPU by us: they are derived from published models
-(NVIDIA Dynamo's mocker polynomial, BLIS's fitted per-step and per-request terms) and from
-roofline arithmetic (bytes of weights and KV cache over HBM bandwidth). Treat absolute
-numbers as plausible, and relative effects (batching, long contexts, prefill interference)
-as the thing the simulator gets right.
+vLLM runs one forward pass per step over the whole batch, so latency comes from the step time,
+not from per-request sleeps. A step costs ``base + prefill_per_token * P +
+prefill_per_token_sq * P**2 + decode_per_seq * D + kv_read_per_token * C``, where ``P`` is the
+uncached prompt tokens computed in the step, ``D`` the sequences decoding one token and ``C``
+the context tokens those sequences attend over: the shape ``shared/reference/vllm.md``
+recommends. None of the profiles was measured on a GPU by us: they are derived from published
+models (NVIDIA Dynamo's mocker polynomial, BLIS's fitted terms) and from roofline arithmetic,
+and each says where its constants come from. Treat absolute numbers as plausible, and
+relative effects (batching, long contexts, prefill interference) as what the simulator gets
+right.
 """
 
 from __future__ import annotations

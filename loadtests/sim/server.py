@@ -2,18 +2,13 @@
 
 Per request the handler parses (``request``), logs (``--log-requests``), submits an
 ``EngineRequest`` to the runner, waits for it to finish and answers in vLLM's shapes
-(``response``). Tokens do not travel through
-the handler: the runner calls the request's sink once per token, and for streams the sink
-writes the pre-encoded SSE event straight to the socket as one HTTP chunk. That keeps a
-token's cost at a few microseconds, which is what lets one process on a 2-core machine
-stream hundreds of requests. Handlers are cancelled when the client disconnects
-(``handler_cancellation``), and a cancelled request is aborted in the engine, freeing its
-seat and its KV blocks as vLLM does.
-
-With ``--enable-lora`` a request's ``model`` may name a LoRA adapter (``loadtests.sim.lora``:
-``--lora-modules``, and ``/v1/load_lora_adapter``/``/v1/unload_lora_adapter`` when
-``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is on); the engine limits the adapters in a batch and
-prices their loading, the metrics add ``vllm:lora_requests_info``.
+(``response``). Tokens do not travel through the handler: the runner calls the request's sink
+once per token, and for streams the sink writes the pre-encoded SSE event straight to the
+socket as one HTTP chunk, which keeps a token's cost at a few microseconds, so that one
+process streams hundreds of requests. A handler is cancelled when its client disconnects,
+and the request is aborted in the engine, freeing its seat and its KV blocks as vLLM does.
+With ``--enable-lora`` a request's ``model`` may name a LoRA adapter (``loadtests.sim.lora``);
+the engine limits the adapters in a batch and prices their loading.
 """
 
 from __future__ import annotations

@@ -339,7 +339,7 @@ def test_steps_done_by_at_exact_step_boundaries() -> None:
 
 
 def test_speedup_of_a_thousand_step_run() -> None:
-    """Not an assertion on speed: prints the figure quoted in the module's docstring."""
+    """Not an assertion on speed: prints the figure docs/benchmarks/internals.md quotes."""
     engine, now = decoding_engine(num_reqs=64, output_len=1100)
     plain = copy.deepcopy(engine)
     t0 = time.perf_counter()

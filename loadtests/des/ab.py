@@ -1,26 +1,16 @@
 """An A/B bench scenario's fairlane arm as a discrete-event simulation.
 
 ``fairlane bench batch-flood`` runs real processes; this runs the same arm on the virtual
-clock (``loadtests.des.run``), so the two can be compared (``loadtests.des.crosscheck``).
-What is the same, by construction:
-
-- **the requests**: every group's Poisson arrivals, closed-loop clients and request sizes
-  and prompt words come from the bench's seeded generator (``loadtests.bench.workload``),
-  so both runs send the same requests in the same order per client;
-- **the policy**: the scenario's file, with the durations the gateway applies on its own
-  clock put back into simulated seconds (the x20 files are in wall seconds; the virtual
-  clock is simulated time): ``policy_scale.rescale_policy`` by ``1 / speedup``;
-- **the engines**: the simulators' flags read by the simulator's own parser
-  (``loadtests.sim.cli``), on ``priority`` scheduling as the fairlane arm runs them;
-- **the figures**: the requests become the bench's ``RequestRecord`` and go through the
-  bench's own statistics (``loadtests.bench.stats.arm_summary``): same windows, same
-  percentiles, same service shares.
-
-What the real arm has and this does not is its processes' own time: Envoy, the ext_proc
-round trips, HTTP to the simulators, the access log, the scrapes, the simulators' own CPU
-per step. At speedup 20 each wall millisecond of it is 20 simulated ones. ``WallCosts``
-turns those wall times into the simulation's delays (``Knobs``) and a longer engine step,
-times the speedup.
+clock (``loadtests.des.run``), so the two can be compared (``loadtests.des.crosscheck``). By
+construction both have the same requests (the bench's seeded generator,
+``loadtests.bench.workload``), the same policy (its durations put back into simulated
+seconds: ``policy_scale.rescale_policy`` by ``1 / speedup``), the same engines (the
+simulators' flags read by the simulator's own parser, on ``priority`` scheduling) and the
+same figures (the bench's ``RequestRecord`` and ``stats.arm_summary``: same windows,
+percentiles and service shares). What the real arm has and this does not is its processes'
+own time (Envoy, the ext_proc round trips, HTTP, the access log, the scrapes, the
+simulators' CPU per step); at speedup 20 each wall millisecond of it is 20 simulated ones.
+``WallCosts`` turns those wall times into the simulation's delays and a longer engine step.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
 """The cross-check: the discrete-event run and the real run of the same A/B scenario agree.
 
 ``python -m loadtests.des.crosscheck batch-flood`` runs the scenario's fairlane arm for real
-(Envoy, the service, the HTTP simulators: ``loadtests.bench.cli.run_arm``) and as a
-simulation (``loadtests.des.ab``) on the same seeded requests, and compares the scenario's
-headline figures (``HEADLINES``): each must agree within ``TOLERANCE``.
-
-The engines' speed is the one thing taken from the real run: the simulators' steps on this
-machine are longer than the engine model's by their own CPU per step, which depends on the
-machine's load. The real run's median inter-token latency gives it
-(``calibrated_costs``), so what is compared is the scheduling: who is served, how soon.
-
-Headline figures were chosen from the scenarios' targets and from how much the real run
-moves between two runs of the same code (the README's discrete-event simulation section
-has the numbers): tail percentiles (p99, p95) of a few dozen requests move by a third
-between real runs and are left out.
+(``loadtests.bench.cli.run_arm``) and as a simulation (``loadtests.des.ab``) on the same
+seeded requests, and compares the scenario's headline figures (``HEADLINES``): each must agree
+within ``TOLERANCE``. The engines' speed is the one thing taken from the real run (the
+simulators' steps are longer than the model's by their own CPU, which depends on the
+machine's load): the real run's median inter-token latency calibrates it
+(``calibrated_costs``), so what is compared is the scheduling: who is served, how soon. Tail
+percentiles of a few dozen requests move by a third between two real runs of the same code,
+so the headline figures leave them out (the README's discrete-event simulation section has
+the numbers).
 """
 
 from __future__ import annotations

@@ -1,34 +1,15 @@
 """The simulator's per-step vLLM engines on the virtual clock.
 
-Each engine is ``loadtests.sim.engine.Engine``, the same model the HTTP simulator serves
-and the conformance tests hold against the real vLLM; here it is stepped by the event loop
-instead of an asyncio task. A step starts when the engine has work and is not stepping;
-its tokens appear at the step's end, when the next step starts. What a scrape would read
-(``/metrics``: waiting, running, KV use, inter-token latency) is ``metrics``.
-
-A request's ``sink`` is whoever submitted it (``Watcher``): it hears of the first token and
-of the end.
-
-**Fast-forward.** Most steps of a busy engine are alike: every running request decodes one
-token, nothing can be admitted (nothing waits, or every seat is taken), nothing finishes.
-Such a stretch is arithmetic (``loadtests.sim.fastforward``), so when a step would start
-one, the node schedules a single event at the stretch's end (the step before a request
-finishes or runs short of KV blocks) instead of one event per step. Two things can happen
-inside the stretch, and both see what the per-step loop would have shown at that instant:
-
-- a new request arrives (``submit``) while a seat is free: the stretch is applied up to
-  the step in progress (it has already taken its blocks), the tokens of the steps that
-  ended are counted, the step in progress ends at its own time and the next step admits
-  the newcomer, exactly as ``Engine.step`` would have. With every seat taken the newcomer
-  only waits, and the stretch goes on;
-- a scrape reads ``/metrics``: it is answered from ``fastforward.RunViewer`` (running, KV use
-  after the step in progress, inter-token latency of the ended steps) and the stretch
-  goes on uncut, so scrape rounds do not bound the jump.
-
-An abort (the gateway preempted a batch request) cuts the stretch as an arrival does; the
-engine dying ends it with the engine. Nothing else reaches an engine between its events,
-so a run with ``fast_forward=False`` (one event per step) gives the same per-request
-times up to float rounding (``tests/loadtests/des/test_des.py``).
+Each engine is ``loadtests.sim.engine.Engine``, the same model the HTTP simulator serves and
+the conformance tests hold against the real vLLM; here the event loop steps it instead of an
+asyncio task. A step starts when the engine has work and is not stepping; its tokens appear at
+the step's end. What a scrape would read is ``metrics``, and a request's ``sink`` (a
+``Watcher``) hears of its first token and its end. Most steps of a busy engine are alike, so
+when a step would start such a stretch, the node schedules a single event at its end
+(``loadtests.sim.fastforward``) instead of one per step; an arrival, a scrape or an abort in
+the middle sees what the per-step loop would have shown then, so a run with
+``fast_forward=False`` gives the same per-request times up to float rounding
+(``tests/loadtests/des/test_des.py``). ``EngineNode`` has the rules.
 """
 
 from __future__ import annotations
@@ -51,7 +32,27 @@ class Watcher(Protocol):
 
 
 class EngineNode:
-    """One engine at one address: stepping, scraping, dying and coming back."""
+    """One engine at one address: stepping, scraping, dying and coming back.
+
+    **Fast-forward.** Most steps of a busy engine are alike: every running request decodes one
+    token, nothing can be admitted (nothing waits, or every seat is taken), nothing finishes.
+    Such a stretch is arithmetic (``loadtests.sim.fastforward``), so when a step would start
+    one, the node schedules a single event at the stretch's end (the step before a request
+    finishes or runs short of KV blocks) instead of one event per step. Two things can happen
+    inside the stretch, and both see what the per-step loop would have shown at that instant:
+
+    - a new request arrives (``submit``) while a seat is free: the stretch is applied up to the
+      step in progress (it has already taken its blocks), the tokens of the steps that ended are
+      counted, the step in progress ends at its own time and the next step admits the newcomer,
+      exactly as ``Engine.step`` would have. With every seat taken the newcomer only waits, and
+      the stretch goes on;
+    - a scrape reads ``/metrics``: it is answered from ``fastforward.RunViewer`` (running, KV
+      use after the step in progress, inter-token latency of the ended steps) and the stretch
+      goes on uncut, so scrape rounds do not bound the jump.
+
+    An abort (the gateway preempted a batch request) cuts the stretch as an arrival does; the
+    engine dying ends it with the engine. Nothing else reaches an engine between its events.
+    """
 
     def __init__(
         self,

@@ -1,22 +1,14 @@
 """What Envoy does around fairlane's pick, as the simulation models it.
 
-Modelled, plainly:
-
-- **The pick is honoured.** A forwarded request goes to the first endpoint the service
-  listed (``x-gateway-destination-endpoint``), as the ``override_host`` load balancer does.
-- **Retries** (``x-envoy-max-retries`` = the listed alternates): a request whose engine is
-  down when it is sent, or dies before the request sent anything to its client, goes to
-  the next listed endpoint that is up, until the list is used up; then the client gets a
-  503. A streamed request that already sent tokens cannot be retried: the client sees a
-  cut stream.
-- **Regional failover** is the picker's: its alternates include other regions (Envoy's
-  priority levels), and retries follow them.
-- **Completion feedback**: Envoy's gRPC access log reaches the service
-  ``feedback_delay_s`` after the last byte (``Knobs``).
-
-Not modelled: hedged requests (a second try after ``hedge_after_ms`` without response
-headers: in a fleet with free seats it rarely fires), connection pools, the ext_proc round
-trips' own latency (measured for real by ``fairlane bench overhead``), and Envoy's CPU.
+The pick is honoured: a forwarded request goes to the first endpoint the service listed, as
+the ``override_host`` load balancer does. A request whose engine is down when it is sent, or
+dies before the request sent anything to its client, is retried on the next listed endpoint
+that is up until the list is used up (then the client gets a 503); a stream that already sent
+tokens cannot be retried, and the client sees it cut. Regional failover is the picker's (its
+alternates include other regions). Envoy's access log reaches the service
+``feedback_delay_s`` after the last byte (``Knobs``). Not modelled: hedged requests (on a
+fleet with free seats they rarely fire), connection pools, the ext_proc round trips' own
+latency (measured for real by ``fairlane bench overhead``) and Envoy's CPU.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """fairlane's real core, as the simulation drives it, and what each of its calls costs.
 
-Nothing here is a model of the gateway: the policy is parsed from a real file (the default
-policy's tiers, rules and settings, with the scenario's generated tenants), and every
-request goes through ``Gateway.handle`` (body parsing, classification, queueing, the
-picker, the vLLM priority), ``Gateway.resume`` and ``Gateway.completed`` exactly as the
-servicer calls them. Scrapes reach ``Backend.record_scrape`` and then ``Admission.dispatch``
-as the poller's do. A forwarded request the gateway may cancel (``cancel_id``: batch,
-not streamed) is marked cancellable until its answer starts, and the requests admission
-cancels to seat a more urgent one are answered ``Gateway.preempted`` and aborted on their
-engine, as ``extproc.transport.held`` and Envoy's upstream reset do. Only the transport
-(gRPC, protobuf) is left out.
-
-**Decision cost** is the CPU time of those calls (``time.thread_time_ns``: the
-simulation is one thread, so other processes on the machine do not count), summed per kind
-of call; per request it is the request-path total over the requests handled.
+Nothing here is a model of the gateway: the policy is parsed from a real file, and every
+request goes through ``Gateway.handle``, ``Gateway.resume`` and ``Gateway.completed``
+exactly as the servicer calls them; scrapes reach ``Backend.record_scrape`` and
+``Admission.dispatch`` as the poller's do; a cancellable request is marked so until its
+answer starts, and the requests admission cancels for a more urgent one are answered
+``Gateway.preempted`` and aborted on their engine, as the transport and Envoy do. Only the
+transport (gRPC, protobuf) is left out. **Decision cost** is the CPU time of those calls
+(``time.thread_time_ns``: the simulation is one thread, so other processes do not count),
+summed per kind of call; per request, the request-path total over the requests handled.
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """Who sends what, and when: heavy-tailed tenants, a diurnal day, power users, batch jobs.
 
-- **Open-loop traffic** from ``tenants`` tenants, picked by a Zipf law (tenant ``k`` of
-  ``n`` sends in proportion to ``1 / k**zipf_s``): a few tenants send most requests and
-  most send almost none, as on a public API. One tenant in ``chat_every`` is a chat app
-  (interactive tier), the others are API tenants. Arrivals are Poisson at a rate that
-  follows the day: ``rate * (1 + amplitude * sin(2 pi (t / day - 1/4)))``, lowest at
-  midnight, highest at noon (thinning, Lewis & Shedler).
-- **Closed-loop streams**: power users (api tier) and batch jobs (batch tier) keep a
-  number of requests outstanding each, sending the next when one ends. They are the
-  backlogged tenants fairness is judged on: equal weights, more asked than they get.
-
-The simulation reads any workload through ``Traffic`` (open-loop arrivals and closed-loop
-``Client``s): ``Workload`` here for the scale scenarios, ``loadtests.des.ab`` for an A/B
-bench scenario's groups (the bench's own seeded requests).
-
-Prompts are text, as a client sends them: the tenant's own system prompt (so the prefix
-cache and the picker's affinity have something to find) and a unique tail, both of short
-invented words (``core.prompt`` counts about one token per word).
+Open-loop traffic comes from tenants picked by a Zipf law (a few send most requests, most
+send almost none, as on a public API; one in ``chat_every`` is a chat app), arriving as a
+Poisson process whose rate follows the day, lowest at midnight and highest at noon.
+Closed-loop streams (power users at the api tier, batch jobs) keep requests outstanding and
+send the next when one ends: the backlogged tenants fairness is judged on. The simulation
+reads any workload through ``Traffic``: ``Workload`` here for the scale scenarios,
+``loadtests.des.ab`` for an A/B bench scenario's groups. Prompts are text, as a client sends
+them: the tenant's own system prompt (so the prefix cache and the picker's affinity have
+something to find) and a unique tail, both of short invented words (``core.prompt`` counts
+about one token per word).
 """
 
 from __future__ import annotations
@@ -132,7 +125,12 @@ PREFIX_TOKENS = 64
 
 
 class Workload:
-    """Draws the open-loop arrivals and every request's content, from one seed."""
+    """Draws the open-loop arrivals and every request's content, from one seed.
+
+    Open-loop tenant ``k`` of ``n`` sends in proportion to ``1 / k**zipf_s``; arrivals are
+    Poisson at ``rate * (1 + amplitude * sin(2 pi (t / day - 1/4)))``, drawn by thinning (Lewis
+    & Shedler). Closed-loop tenants have equal weights and ask more than they get.
+    """
 
     def __init__(self, open_loop: OpenLoop, closed: tuple[ClosedLoop, ...], seed: int) -> None:
         self.open = open_loop

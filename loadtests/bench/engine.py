@@ -226,8 +226,9 @@ def _comm(pid: int) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "real engines and CPU pinning",
-        "with --engine or --backend the engines run on the engine CPUs and the gateway "
-        "(Envoy, the service, its replicas) and the load generator on the gateway CPUs",
+        "with --engine the bench starts the engines on the engine CPUs; with --engine or "
+        "--backend the gateway (Envoy, the service, its replicas) and the load generator run "
+        "on the gateway CPUs",
     )
     group.add_argument(
         "--engine",
@@ -241,16 +242,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=parse_cpu_list,
         default=None,
         metavar="LIST",
-        help="the engines' CPUs, e.g. 0 or 0-5 (default: the first half of this process's "
-        "CPUs, or what --gateway-cpus leaves)",
+        help="the engines' CPUs, e.g. 0 or 0-5 (default: this process's CPUs but the "
+        "gateway's, or what --gateway-cpus leaves)",
     )
     group.add_argument(
         "--gateway-cpus",
         type=parse_cpu_list,
         default=None,
         metavar="LIST",
-        help="the gateway's and load generator's CPUs (default: the last half, at most 4, "
-        "or what --engine-cpus leaves)",
+        help="the gateway's and the load generator's CPUs (default: the last half of this "
+        "process's CPUs, at most 4, or what --engine-cpus leaves)",
     )
     group.add_argument(
         "--no-pin",

@@ -5,41 +5,13 @@
         --headless -u 20 -r 5 -t 2m --csv /tmp/fairlane                       # CSV files
     locust -f loadtests/locustfile.py --host ... InteractiveUser BatchUser     # some tiers
 
-User classes (weights in brackets, the share of the users each gets):
-
-- ``InteractiveUser`` [4]: streaming chat, short prompts, a human's think time. Besides the
-  request itself (``POST interactive``, time = the whole stream) it reports ``TTFT
-  interactive`` (time to the first content token) and ``ITL interactive`` (the stream's
-  mean gap between content tokens) as their own rows in locust's stats and CSV.
-- ``ApiUser`` [2]: non-streamed completions of medium prompts, a program's short pauses.
-- ``BatchUser`` [2]: large prompts, long outputs, no pause at all (many run side by side).
-- ``SharedPrefixUser`` [1]: single chat turns that start with one of a few long system
-  prompts shared by every user (prefix-affinity routing).
-- ``ConversationUser`` [1]: multi-turn chats over those system prompts; each turn re-sends
-  the whole history (sticky routing to the backend holding the conversation's prefix).
-
-Streaming classes report TTFT and ITL rows too. A request fails on a non-200 status, on a
-stream that ends without ``data: [DONE]`` (or carries an ``error`` event) and on a
-connection error. Prompts are random words generated locally from a seed by
-``loadtests.bench.workload`` (nothing is downloaded): user *n* of a class sends the same
-requests in every run with the same seed.
-
-Environment variables (all optional):
-
-- ``FAIRLANE_MODEL``: the model name sent (default ``sim-llama-8b``, the simulators').
-- ``FAIRLANE_KEY_INTERACTIVE``, ``FAIRLANE_KEY_API``, ``FAIRLANE_KEY_BATCH``: the bearer
-  key of each tier (defaults: the demo keys ``sk-chat-demo``, ``sk-api-demo``,
-  ``sk-batch-demo``). The shared-prefix and conversation users use the interactive key.
-- ``FAIRLANE_SEED``: the prompt seed (default 0).
-- ``FAIRLANE_THINK_S``: the interactive think time, ``MIN-MAX`` seconds (default ``1-4``).
-- ``FAIRLANE_IGNORE_EOS``: ``0`` leaves vLLM's ``ignore_eos`` out of the body (for an
-  endpoint that rejects unknown fields, e.g. OpenAI's); default ``1`` (exact output lengths).
-- ``FAIRLANE_WEIGHT_INTERACTIVE``, ``_API``, ``_BATCH``, ``_SHARED_PREFIX``,
-  ``_CONVERSATION``: override a class's weight; ``0`` leaves the class out.
-
-Tiers are selected by class (the positional arguments above, or ``--class-picker`` in the
-web UI), not by ``--tags``: locust keeps a class whose tasks were all filtered out by tags
-and it then fails on every iteration.
+The classes (weights in brackets): ``InteractiveUser`` [4], ``ApiUser`` [2], ``BatchUser``
+[2], ``SharedPrefixUser`` [1] and ``ConversationUser`` [1]; ``ChatUser`` says what each
+reports (streaming classes add TTFT and ITL rows) and the environment variables that set the
+model, the keys, the seed and the weights. Prompts are random words generated locally from a
+seed (``loadtests.bench.workload``): user *n* of a class sends the same requests in every run
+with the same seed. Tiers are selected by class, not by ``--tags``: locust keeps a class whose
+tasks were all filtered out by tags, and it then fails on every iteration.
 """
 
 from __future__ import annotations
@@ -171,6 +143,37 @@ class ChatUser(FastHttpUser):
 
     FastHttpUser rather than HttpUser: the same response times for about a quarter of the
     load generator's CPU, which matters on a small box that also runs the gateway.
+
+    The classes:
+
+    - ``InteractiveUser`` [4]: streaming chat, short prompts, a human's think time. Besides the
+      request itself (``POST interactive``, time = the whole stream) it reports ``TTFT
+      interactive`` (time to the first content token) and ``ITL interactive`` (the stream's mean
+      gap between content tokens) as their own rows in locust's stats and CSV.
+    - ``ApiUser`` [2]: non-streamed completions of medium prompts, a program's short pauses.
+    - ``BatchUser`` [2]: large prompts, long outputs, no pause at all (many run side by side).
+    - ``SharedPrefixUser`` [1]: single chat turns that start with one of a few long system
+      prompts shared by every user (prefix-affinity routing).
+    - ``ConversationUser`` [1]: multi-turn chats over those system prompts; each turn re-sends
+      the whole history (sticky routing to the backend holding the conversation's prefix).
+
+    Streaming classes report TTFT and ITL rows too. A request fails on a non-200 status, on a
+    stream that ends without ``data: [DONE]`` (or carries an ``error`` event) and on a
+    connection error.
+
+    Environment variables (all optional):
+
+    - ``FAIRLANE_MODEL``: the model name sent (default ``sim-llama-8b``, the simulators').
+    - ``FAIRLANE_KEY_INTERACTIVE``, ``FAIRLANE_KEY_API``, ``FAIRLANE_KEY_BATCH``: the bearer key
+      of each tier (defaults: the demo keys ``sk-chat-demo``, ``sk-api-demo``,
+      ``sk-batch-demo``). The shared-prefix and conversation users use the interactive key.
+    - ``FAIRLANE_SEED``: the prompt seed (default 0).
+    - ``FAIRLANE_THINK_S``: the interactive think time, ``MIN-MAX`` seconds (default ``1-4``).
+    - ``FAIRLANE_IGNORE_EOS``: ``0`` leaves vLLM's ``ignore_eos`` out of the body (for an
+      endpoint that rejects unknown fields, e.g. OpenAI's); default ``1`` (exact output
+      lengths).
+    - ``FAIRLANE_WEIGHT_INTERACTIVE``, ``_API``, ``_BATCH``, ``_SHARED_PREFIX``,
+      ``_CONVERSATION``: override a class's weight; ``0`` leaves the class out.
     """
 
     abstract = True

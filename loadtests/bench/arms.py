@@ -1,33 +1,14 @@
-"""Starting and stopping one arm's processes: an Envoy-only baseline or the fairlane gateway.
+"""Starting and stopping one arm's processes: an Envoy-only baseline, a peer gateway or fairlane.
 
 Every arm gets the same simulated fleet (count, profile, the models each backend serves,
 flags, per-backend overrides unless the arm is ``balanced``, speedup); what differs is what
-sits in front of it and the engines' scheduling policy, as it would in production:
-
-* ``fifo``, ``least-request``, ``random``: a plain Envoy straight to the engines, with
-  round-robin, least-request (Envoy's default: power of two choices over active requests)
-  or random load balancing, and vLLM's default ``fcfs``. These arms send no priority, so
-  under ``priority`` every request would have the same one and the engine would order by
-  arrival anyway; ``fcfs`` keeps them what a stock deployment runs. Envoy does not read
-  the body: on a fleet of several models (``backends.models``) these arms, and
-  ``vllm-priority``, send a request to any engine, and one that does not serve its model
-  answers 404, as behind a stock Envoy in front of such a fleet.
-* ``vllm-priority``: what the engine alone does with priorities, no gateway: Envoy
-  round-robin as in ``fifo``, engines on ``priority``, and each request carries its tier's
-  priority from the scenario's policy in its body (the client sets it, as a client of a
-  bare vLLM fleet would). The reference for what fairlane adds beyond vLLM's own
-  priority queue.
-* ``fairlane``: the gateway, engines on ``priority`` so the priority it injects means
-  something.
-* the peers (``vllm-router``, ``vllm-router-cache``, ``vllm-router-kv``, ``litellm``,
-  ``litellm-priority``): another gateway in front of the same engines, engines on
-  ``priority`` where its clients send priorities (:mod:`loadtests.bench.peers`).
-
-With ``--backend`` the arms target existing engines instead (a real vLLM fleet): nothing is
-simulated, and the engines' scheduling policy is theirs for every arm.
-
-Every process is started in the caller's :class:`ProcessGroup`, which stops them all, also
-on failure.
+sits in front of it and the engines' scheduling policy, as it would in production: a plain
+Envoy with vLLM's default ``fcfs`` (``fifo``, ``least-request``, ``random``), the engine's
+own priority queue with no gateway (``vllm-priority``), another gateway (the peers), or
+fairlane with the engines on ``priority``. ``start_arm`` describes each. With ``--backend``
+the arms target existing engines instead: nothing is simulated, and the engines' scheduling
+policy is theirs for every arm. Every process is started in the caller's ``ProcessGroup``,
+which stops them all, also on failure.
 """
 
 from __future__ import annotations
@@ -169,7 +150,28 @@ def start_arm(
     backends (``--backend``) no simulator is started: the arm's Envoy (and service) point at
     them, and their scheduling policy is whatever they run. ``policy``: the file the
     gateway reads; by default the scenario's (for ``policy: default`` its copy rescaled to
-    the speedup, written into the arm's log directory)."""
+    the speedup, written into the arm's log directory).
+
+    The arms:
+
+    * ``fifo``, ``least-request``, ``random``: a plain Envoy straight to the engines, with
+      round-robin, least-request (Envoy's default: power of two choices over active requests) or
+      random load balancing, and vLLM's default ``fcfs``. These arms send no priority, so under
+      ``priority`` every request would have the same one and the engine would order by arrival
+      anyway; ``fcfs`` keeps them what a stock deployment runs. Envoy does not read the body: on
+      a fleet of several models (``backends.models``) these arms, and ``vllm-priority``, send a
+      request to any engine, and one that does not serve its model answers 404, as behind a
+      stock Envoy in front of such a fleet.
+    * ``vllm-priority``: what the engine alone does with priorities, no gateway: Envoy
+      round-robin as in ``fifo``, engines on ``priority``, and each request carries its tier's
+      priority from the scenario's policy in its body (the client sets it, as a client of a bare
+      vLLM fleet would). The reference for what fairlane adds beyond vLLM's own priority queue.
+    * ``fairlane``: the gateway, engines on ``priority`` so the priority it injects means
+      something.
+    * the peers (``vllm-router``, ``vllm-router-cache``, ``vllm-router-kv``, ``litellm``,
+      ``litellm-priority``): another gateway in front of the same engines, engines on
+      ``priority`` where its clients send priorities (``loadtests.bench.peers``).
+    """
     precise = arm.prefix_index == "precise"
     peer = PEER_ARMS.get(arm.kind)
     kv_events = precise or (peer is not None and peer.kv_events)

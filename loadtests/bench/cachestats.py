@@ -1,19 +1,14 @@
 """Prefix-cache hit rate of a fleet over the measured window, from the backends' /metrics.
 
-(Also where the requests went: each backend's finished requests and preemptions over the
-same window, which show whether a picker spread the load, concentrated it, or kept it off
-a bad backend.)
-
-vLLM (and ``fairlane sim``) count prefix-cache lookups in **tokens**:
-``vllm:prefix_cache_queries_total`` grows by a request's prompt tokens when it is admitted,
-``vllm:prefix_cache_hits_total`` by the tokens found cached. The fleet's hit rate over a
-window is Σ Δhits / Σ Δqueries over the backends, so a backend that serves more prompt
-tokens weighs more (a per-backend mean would let an idle backend's lucky hit count as much
-as a busy one's misses). Counters come from two scrapes, at the start and at the end of the
-measured window, so warm-up (where every system prompt is necessarily a miss the first
-time) is left out.
-
-Pure functions on text and numbers.
+vLLM (and ``fairlane sim``) count prefix-cache lookups in **tokens**: a request's prompt
+tokens are added to ``vllm:prefix_cache_queries_total`` when it is admitted, the tokens
+found cached to ``vllm:prefix_cache_hits_total``. The fleet's hit rate over a window is
+Σ Δhits / Σ Δqueries over the backends, so a backend that serves more prompt tokens weighs
+more (a per-backend mean would let an idle backend's lucky hit count as much as a busy one's
+misses). The counters come from two scrapes, at the start and the end of the measured window,
+so warm-up (where every system prompt is a miss the first time) is left out. Each backend's
+finished requests and preemptions over the same window show where the requests went. Pure
+functions on text and numbers.
 """
 
 from __future__ import annotations

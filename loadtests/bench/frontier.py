@@ -1,25 +1,17 @@
 """The chat-versus-batch frontier of a flood scenario, measured.
 
-Under a batch flood a non-preemptive engine (vLLM never preempts a running request to seat
-a waiting one) trades chat latency for batch throughput through one thing: how many seats
-are kept free for chat. fairlane sizes that reserve to chat's recent demand, capped by the
-interactive tier's ``reserved_share``. This tool re-runs a scenario's ``fairlane`` arm with
-the shipped default policy and that ceiling at several values (0: no reserve at all),
-against the scenario's own ``fifo`` and ``fairlane-no-flood`` baselines, and plots each
-point as (batch goodput / FIFO's, interactive p90 TTFT / no flood's), with the scenario's
-targets as the corner to reach::
+Under a batch flood a non-preemptive engine trades chat latency for batch throughput through
+one thing: how many seats are kept free for chat. fairlane sizes that reserve to chat's
+recent demand, capped by the interactive tier's ``reserved_share``. This tool re-runs a
+scenario's ``fairlane`` arm with the shipped default policy and that ceiling at several
+values (0: no reserve at all), against the scenario's own ``fifo`` and ``fairlane-no-flood``
+baselines, and plots each point as (batch goodput / FIFO's, interactive p90 TTFT / no
+flood's), with the scenario's targets as the corner to reach::
 
     python -m loadtests.bench.frontier flood-8seat --shares 0,0.1,0.25,0.5 --out DIR
 
-``--preemption on,off`` measures each ceiling with the batch tier ``preemptible`` (the
-shipped default) and without, so the two curves show what preemption moves;
-``--batch-caps 64,128`` measures each ceiling again with batch capped at that many requests
-per engine (its gate's ``max_in_flight``): on big engines the decode batch, not the seat,
-is what chat waits for (every step is longer), and the cap is the lever on it; ``--speedup``
-runs the scenario at another speedup (a lower one keeps the simulators' scrape cost out of
-their step times). It writes ``frontier.json`` and ``frontier.png`` into ``DIR``. Each
-point is one arm of the scenario (its wall time), one after the other, on the same seeded
-workload.
+It writes ``frontier.json`` and ``frontier.png`` into ``DIR``; each point is one arm of the
+scenario, one after the other, on the same seeded workload. ``main`` has the other options.
 """
 
 from __future__ import annotations
@@ -163,6 +155,15 @@ def _targets(scenario: Scenario) -> tuple[float | None, float | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m loadtests.bench.frontier SCENARIO --shares ... --out DIR``.
+
+    ``--preemption on,off`` measures each ceiling with the batch tier ``preemptible`` (the
+    shipped default) and without, so the two curves show what preemption moves; ``--batch-caps
+    64,128`` measures each ceiling again with batch capped at that many requests per engine (its
+    gate's ``max_in_flight``): on big engines the decode batch, not the seat, is what chat waits
+    for (every step is longer), and the cap is the lever on it; ``--speedup`` runs the scenario
+    at another speedup (a lower one keeps the simulators' scrape cost out of their step times).
+    """
     parser = argparse.ArgumentParser(prog="python -m loadtests.bench.frontier")
     parser.add_argument(
         "scenario", help="a flood scenario with fifo, fairlane, fairlane-no-flood arms"

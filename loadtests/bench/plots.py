@@ -1,20 +1,11 @@
 """PNG plots of a bench run, drawn from the arms' request records, and their place in
 ``report.md``.
 
-* ``ttft_cdf_<tier>.png``, ``e2e_cdf_<tier>.png``: per tier, the CDF of TTFT and of the
-  end-to-end latency, one line per arm, over the same requests as the report's percentiles
-  (successful, started in the measured window); log-x when the values span a wide range;
-* ``queue_depth.png``: per tier, requests in flight (sent, not yet finished) for every arm,
-  and for fairlane arms the requests held in the gateway's queue (from the start of a
-  request to start + ``x-fairlane-queue-ms`` x speedup). FIFO arms have no gateway queue:
-  their waiting requests are in flight, queued inside vLLM;
-* ``throughput.png``: completed requests and output tokens per simulated second over time,
-  per arm (successful requests, counted when they finish);
-* ``service_share.png``: each tenant's share of the service in the window (input + 2 x
-  output tokens, as the report's tenant table), one stacked bar per arm.
-
-Times are simulated seconds, as in the report. matplotlib (Agg, no display) is imported
-only when plots are drawn, so nothing else (the service above all) ever loads it.
+Per tier, the CDFs of TTFT and end-to-end latency and the requests in flight (and, for
+fairlane arms, held in the gateway's queue); per arm, throughput over time and each tenant's
+share of the service (``write_plots`` lists the files). Times are simulated seconds, as in
+the report. matplotlib (Agg, no display) is imported only when plots are drawn, so nothing
+else (the service above all) ever loads it.
 """
 
 from __future__ import annotations
@@ -299,7 +290,22 @@ def service_share(out_dir: Path, results: BenchResults) -> Path | None:
 def write_plots(
     out_dir: Path, results: BenchResults, records: Mapping[str, Sequence[RequestRecord]]
 ) -> dict[str, list[Path]]:
-    """Draw every plot into ``out_dir``; ``{report section heading: [png, ...]}``."""
+    """Draw every plot into ``out_dir``; ``{report section heading: [png, ...]}``.
+
+    The plots:
+
+    * ``ttft_cdf_<tier>.png``, ``e2e_cdf_<tier>.png``: per tier, the CDF of TTFT and of the
+      end-to-end latency, one line per arm, over the same requests as the report's percentiles
+      (successful, started in the measured window); log-x when the values span a wide range;
+    * ``queue_depth.png``: per tier, requests in flight (sent, not yet finished) for every arm,
+      and for fairlane arms the requests held in the gateway's queue (from the start of a
+      request to start + ``x-fairlane-queue-ms`` x speedup). FIFO arms have no gateway queue:
+      their waiting requests are in flight, queued inside vLLM;
+    * ``throughput.png``: completed requests and output tokens per simulated second over time,
+      per arm (successful requests, counted when they finish);
+    * ``service_share.png``: each tenant's share of the service in the window (input + 2 x
+      output tokens, as the report's tenant table), one stacked bar per arm.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     scenario = results.scenario
     records = {arm: recs for arm, recs in records.items() if recs}

@@ -1,45 +1,14 @@
 """A policy rescaled to a simulated fleet's speedup: what ``policy: default`` in a scenario means.
 
-The simulators run ``speedup`` times faster than the wall clock; the gateway does not know
-and applies its policy's durations in wall-clock seconds. A policy written for real engines
-(fairlane's shipped ``policies/default.yaml``) would therefore mean durations ``speedup``
-times longer in the simulated fleet's time: a 10 s interactive queue deadline would be 200
-simulated seconds at speedup 20. So a scenario that names ``policy: default`` gets the
-default with every duration the gateway applies on its own clock divided by the speedup,
-and nothing else changed (shares, limits, weights, tenants, rules stay as shipped), so the
-benchmark measures the policy an operator actually deploys.
-
-Divided by the speedup (the full list of the policy's time fields, see
-``extproc/policy/parse.py``):
-
-- per tier: ``queue_deadline_s``, ``slo_latency_s``, ``reserved_idle_s`` (seconds) and
-  ``slo_ttft_ms``, ``hedge_after_ms`` (milliseconds: whole numbers >= 1 in the policy
-  schema, so they are rounded to the nearest millisecond, at least 1); ``aging.seconds_per_rank``;
-- ``backpressure.scrape_interval_s`` and ``stale_after_s``.
-
-A field the file leaves out but whose model default is a duration (``reserved_idle_s``,
-the two ``backpressure`` fields) is written out rescaled, or the default would silently
-stay in wall-clock seconds.
-
-**Not** divided: a gate's ``max_itl_ms``. It is compared with the engine's own
-``vllm:inter_token_latency_seconds``, which the simulator reports in simulated seconds
-(like a real vLLM on its own clock), so it already means simulated time; divided by 20,
-batch's 150 ms bound would be 7.5 ms and no ``llama-8b-l4`` step (~55 ms) would ever pass
-it. The hand-written ``loadtests/scenarios/policies/bench-x20.yaml`` leaves it unscaled for
-the same reason.
-
-Rounding and floors: seconds are rounded to 6 significant digits (a readable file, and
-10 / 3 is not worth 17 digits). The scrape interval does not go below
-:data:`MIN_SCRAPE_INTERVAL_S` (5 ms): at 5 ms each simulator already renders its
-``/metrics`` 200 times a wall second and the service parses as many scrapes per backend;
-shorter intervals spend this 2-core machine's CPU on scraping and are below what the
-event loop's timers keep accurately. (The hand-written x20 policies chose 0.05 s, one
-simulated second, ten times the default's 0.1 simulated seconds, to keep scraping cheap;
-the rescaled default keeps the default's 0.1 simulated seconds down to that floor, so up
-to speedup 20.) Staleness is a number of missed scrapes, so when the floor applies
-``stale_after_s`` keeps at least its original ratio to the scrape interval (10 scrapes
-in the default) instead of falling below the interval, which would make every backend
-look stale.
+The simulators run ``speedup`` times faster than the wall clock; the gateway does not know and
+applies its policy's durations in wall-clock seconds, so a policy written for real engines
+would mean durations ``speedup`` times longer in the simulated fleet's time (a 10 s queue
+deadline would be 200 simulated seconds at speedup 20). A scenario that names
+``policy: default`` therefore gets the shipped default with every duration the gateway
+applies on its own clock divided by the speedup, and nothing else changed, so the benchmark
+measures the policy an operator deploys. A gate's ``max_itl_ms`` is not divided: it is
+compared with the engine's own inter-token latency, which the simulator reports in simulated
+seconds. ``rescale_policy`` lists the fields, the rounding and the floors.
 """
 
 from __future__ import annotations
@@ -96,9 +65,42 @@ def _milliseconds(value: Any, speedup: float) -> Any:
 def rescale_policy(policy: Mapping[str, Any], speedup: float) -> dict[str, Any]:
     """The policy mapping (a ``yaml.safe_load`` of a policy file) with every duration the
     gateway applies in wall-clock seconds divided by ``speedup``; a new mapping, the input
-    is not changed. See the module docstring for the fields, the rounding and the floors.
+    is not changed.
     Parts that are not of the expected shape are left as they are, for the policy's own
-    validation to report."""
+    validation to report.
+
+    Divided by the speedup (the full list of the policy's time fields, see
+    ``extproc/policy/parse.py``):
+
+    - per tier: ``queue_deadline_s``, ``slo_latency_s``, ``reserved_idle_s`` (seconds) and
+      ``slo_ttft_ms``, ``hedge_after_ms`` (milliseconds: whole numbers >= 1 in the policy
+      schema, so they are rounded to the nearest millisecond, at least 1);
+      ``aging.seconds_per_rank``;
+    - ``backpressure.scrape_interval_s`` and ``stale_after_s``.
+
+    A field the file leaves out but whose model default is a duration (``reserved_idle_s``, the
+    two ``backpressure`` fields) is written out rescaled, or the default would silently stay in
+    wall-clock seconds.
+
+    **Not** divided: a gate's ``max_itl_ms``. It is compared with the engine's own
+    ``vllm:inter_token_latency_seconds``, which the simulator reports in simulated seconds (like
+    a real vLLM on its own clock), so it already means simulated time; divided by 20, batch's
+    150 ms bound would be 7.5 ms and no ``llama-8b-l4`` step (~55 ms) would ever pass it. The
+    hand-written ``loadtests/scenarios/policies/bench-x20.yaml`` leaves it unscaled for the same
+    reason.
+
+    Rounding and floors: seconds are rounded to 6 significant digits (a readable file, and 10 /
+    3 is not worth 17 digits). The scrape interval does not go below ``MIN_SCRAPE_INTERVAL_S``
+    (5 ms): at 5 ms each simulator already renders its ``/metrics`` 200 times a wall second and
+    the service parses as many scrapes per backend; shorter intervals spend a small machine's
+    CPU on scraping and are below what the event loop's timers keep accurately. (The
+    hand-written x20 policies chose 0.05 s, one simulated second, ten times the default's 0.1
+    simulated seconds, to keep scraping cheap; the rescaled default keeps the default's 0.1
+    simulated seconds down to that floor, so up to speedup 20.) Staleness is a number of missed
+    scrapes, so when the floor applies ``stale_after_s`` keeps at least its original ratio to
+    the scrape interval (10 scrapes in the default) instead of falling below the interval, which
+    would make every backend look stale.
+    """
     if not (math.isfinite(speedup) and speedup > 0):
         raise ValueError(f"speedup must be a finite number > 0, got {speedup}")
     scaled = copy.deepcopy(dict(policy))

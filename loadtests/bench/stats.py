@@ -1,22 +1,11 @@
 """Statistics over one arm's request records: its figures per tier, tenant and group.
 
 All latencies are in **simulated seconds** (the client records wall seconds x speedup), so
-figures compare with a real GPU fleet's, not with the wall clock of this run. Which
-requests count:
-
-* latency percentiles (TTFT, end-to-end): successful requests that *started* inside the
-  measured window ``[warmup_s, duration_s)``;
-* goodput and service (token) shares: successful requests that *finished* inside it, per
-  simulated second of the window;
-* waits: every request. A request's wait is its TTFT, or, if it never got a first token
-  (shed, failed, still running at the end), how long it had been waiting: a starved request
-  is the one that matters for starvation and must not drop out of the maximum;
-* the gateway queue wait is ``x-fairlane-queue-ms`` x speedup (FIFO has no gateway queue);
-* throughput: successful requests that *finished* inside the window, per simulated second;
-* the prefix-cache hit rate is the fleet's, from the backends' counters scraped at the
-  window's start and end (``cachestats``), set on the summary by the runner.
-
-Pure functions on records.
+figures compare with a real GPU fleet's, not with the wall clock of this run. Latency
+percentiles count the successful requests that *started* inside the measured window, goodput
+and service shares those that *finished* inside it, and waits every request, so a starved
+request never drops out of the maximum (``arm_summary`` has each rule). Pure functions on
+records.
 """
 
 from __future__ import annotations
@@ -147,7 +136,22 @@ def _with_shares(tenants: dict[str, Figures], total: Figures) -> dict[str, Figur
 
 
 def arm_summary(scenario: Scenario, records: Sequence[RequestRecord]) -> ArmSummary:
-    """Per tier, per tenant and per group statistics of one arm, plus token shares."""
+    """Per tier, per tenant and per group statistics of one arm, plus token shares.
+
+    Which requests count:
+
+    * latency percentiles (TTFT, end-to-end): successful requests that *started* inside the
+      measured window ``[warmup_s, duration_s)``;
+    * goodput and service (token) shares: successful requests that *finished* inside it, per
+      simulated second of the window;
+    * waits: every request. A request's wait is its TTFT, or, if it never got a first token
+      (shed, failed, still running at the end), how long it had been waiting: a starved request
+      is the one that matters for starvation and must not drop out of the maximum;
+    * the gateway queue wait is ``x-fairlane-queue-ms`` x speedup (FIFO has no gateway queue);
+    * throughput: successful requests that *finished* inside the window, per simulated second;
+    * the prefix-cache hit rate is the fleet's, from the backends' counters scraped at the
+      window's start and end (``cachestats``), set on the summary by the runner.
+    """
     window = Window(scenario.warmup_s, scenario.duration_s)
     speedup = scenario.speedup
     by_tier = _by(records, lambda r: r.tier)

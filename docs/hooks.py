@@ -16,7 +16,8 @@ Registered in ``mkdocs.yml`` (``hooks: [docs/hooks.py]``), so ``mkdocs build --s
 
   - every ``fairlane SUBCOMMAND --flag`` written in a code span or block names a subcommand
     and a flag its parser has; ``fairlane bench NAME`` a scenario that exists; every
-    ``python -m MODULE`` a module that exists; every repository path (``extproc/...``,
+    ``python -m MODULE`` a module that exists, with the flags its parser is given (read from its
+    source, no process started); every repository path (``extproc/...``,
     ``deploy/...``) a file or folder that exists. README.md, CONTRIBUTING.md and the load
     tests' READMEs are checked the same way;
   - the policy reference names every field the policy parser accepts, and the deployment

@@ -219,7 +219,7 @@ async def test_killed_backend_costs_no_non_streamed_request(tmp_path: Path) -> N
             received = {r["headers"].get("x-test-id") for r in requests_by_backend(stack)[victim]}
             return sum(1 for t in received if t and t.startswith("w") and t not in answered)
 
-        def on_survivor() -> bool:
+        def survivor_serving() -> bool:
             received = requests_by_backend(stack)[survivor]
             return any((r["headers"].get("x-test-id") or "").startswith("w") for r in received)
 
@@ -227,7 +227,7 @@ async def test_killed_backend_costs_no_non_streamed_request(tmp_path: Path) -> N
         # Kill it while requests are mid-generation there (two, so that one finishing in
         # the instant between this check and the kill still leaves one to be cut).
         try:
-            await until(on_survivor, "the trickle under way on the survivor too", timeout_s=10.0)
+            await until(survivor_serving, "the trickle on the survivor too", timeout_s=10.0)
             await until(
                 lambda: running_on_victim() >= 2,
                 "two trickle requests running on the victim at once",

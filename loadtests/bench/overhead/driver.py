@@ -1,10 +1,10 @@
 """One arm of the overhead bench, phase by phase: what is sent and what is measured.
 
 :class:`Driver` runs an arm's phases in order (warm-up, saturation, the rates, concurrency
-1, and for a fairlane arm the overload and the recovery watch); :class:`Meter` takes every
-process's CPU, the generator's and the machine's over each. After each phase every process
-of the arm must still be running (``ProcessGroup.check_alive``), so a crash is named where
-it happened.
+1, for a fairlane arm the overload and the recovery watch, for ``direct`` the backend
+alone); :class:`Meter` takes every process's CPU, the generator's and the machine's over
+each. After each phase every process of the arm must still be running
+(``ProcessGroup.check_alive``), so a crash is named where it happened.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from loadtests.bench.overhead.phase import (
     summarize_recovery,
 )
 from loadtests.bench.overhead.rates import direct_rates, half_capacity, resolve_rates
-from loadtests.bench.overhead.scenario import DIRECT, HALF_CAPACITY, OverheadScenario
+from loadtests.bench.overhead.scenario import DIRECT, HALF_CAPACITY, PEERS, OverheadScenario
 
 
 def log(message: str) -> None:
@@ -70,8 +70,10 @@ async def _measure(
     pids: dict[str, int],
     scenario: OverheadScenario,
     rate: float | None,
+    mode: str | None = None,
 ) -> RunResult:
-    """One phase: open loop at ``rate``, or closed loop at saturation (``rate`` None)."""
+    """One phase: open loop at ``rate``, or closed loop at saturation (``rate`` None);
+    ``mode`` names an open-loop phase other than the arm's own rates (``backend``)."""
     meter = Meter(pids)
     if rate is not None:
         latencies, errors = await gen.open_loop(rate, scenario.duration_s)
@@ -80,7 +82,7 @@ async def _measure(
             scenario.saturation_connections, scenario.duration_s
         )
     elapsed = time.monotonic() - meter.start
-    mode = "rate" if rate is not None else "saturation"
+    mode = mode or ("rate" if rate is not None else "saturation")
     wall = max(elapsed, scenario.duration_s) if rate is not None else elapsed
     usage = meter.stop(wall)
     result = RunResult(mode, rate, wall, latencies_ms=latencies, errors=errors)
@@ -131,6 +133,15 @@ class Driver:
             if label is not None:
                 row["rate_label"] = label
             self._done(row, f"{rate:g} req/s" + (f" ({label})" if label else ""))
+
+    async def backend_alone(self, rates: tuple[float, ...]) -> None:
+        """Open loop straight to the backend at each rate (mode ``backend``): the latency
+        a whole gateway, Envoy included or a peer in its place, adds to."""
+        gen = LoadGenerator(self.started.backend_port, api_key=self.api_keys)
+        for rate in rates:
+            run = await _measure(gen, self.started.pids, self.scenario, rate, "backend")
+            self._done(summarize(run), f"the backend alone at {rate:g} req/s")
+        gen.close()
 
     async def concurrency1(self) -> None:
         count = self.scenario.concurrency1_requests
@@ -201,13 +212,19 @@ async def drive(
     group: ProcessGroup,
     halves: dict[str, float],
 ) -> list[dict[str, Any]]:
-    """Warm up, then every phase of ``arm``; a fairlane arm's ``half_capacity`` goes into
-    ``halves`` (the direct arm, which runs last, reads it)."""
+    """Warm up, then every phase of ``arm``: closed loop at saturation (its req/s is the
+    arm's capacity), open loop at every rate, concurrency 1 (the arm and the backend
+    alternately), and for a fairlane arm the overload at ``factor`` x its capacity with the
+    recovery watch. A fairlane arm's ``half_capacity`` goes into ``halves`` (the direct arm,
+    which runs last, runs it too); a peer runs the numeric rates only and no overload;
+    ``direct`` also measures the backend alone at the numeric rates."""
     driver = Driver(arm, started, scenario, group)
     await driver.warm_up()
     capacity = await driver.saturation()
     if arm == DIRECT:
         await driver.rates(direct_rates(scenario.rates, halves))
+    elif arm in PEERS:
+        await driver.rates([(rate, None) for rate in scenario.numeric_rates])
     else:
         rates = resolve_rates(scenario.rates, capacity)
         half = half_capacity(capacity)
@@ -217,7 +234,9 @@ async def drive(
             log(f"{arm}: no capacity measured, so no {HALF_CAPACITY} phase")
         await driver.rates(rates)
     await driver.concurrency1()
-    if arm != DIRECT:
+    if arm == DIRECT:
+        await driver.backend_alone(scenario.numeric_rates)
+    elif arm not in PEERS:
         await driver.overload(capacity)
     driver.gen.close()
     return driver.rows

@@ -27,9 +27,10 @@ from typing import Any
 from loadtests.bench.overhead.wire import take_message
 
 API_KEY = "sk-overhead"
+MODEL = "sim-llama-8b"
 BODY = json.dumps(
     {
-        "model": "sim-llama-8b",
+        "model": MODEL,
         "messages": [{"role": "user", "content": "Say hello in one word, please."}],
         "max_tokens": 1,
     }

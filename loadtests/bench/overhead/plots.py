@@ -4,7 +4,7 @@
 * ``added_latency.png``: fairlane minus direct, p50 and p99 against the rate, with the
   targets' bounds;
 * ``saturation.png``: requests/s at saturation per arm (with the target), and the CPU
-  cores each process used there (service, Envoy, backend, load generator);
+  cores each process used there (service, Envoy, a peer gateway, backend, load generator);
 * ``recovery.png``: each fairlane arm's window p50 after the overload, against its bound.
 
 The figure helpers and the embedding in ``report.md`` are the A/B report's
@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from loadtests.bench.overhead.scenario import DIRECT, PEERS
 from loadtests.bench.overhead.verdicts import added, phase_row
 from loadtests.bench.plots import SECTION_FALLBACK, embed, new_figure, save_figure
 
@@ -26,8 +27,14 @@ SECTION_SATURATION = "## Saturation"
 SECTION_OVERLOAD = "## Overload and recovery"
 """The report's sections the plots go under."""
 
-ARM_COLORS = {"direct": "C0", "fairlane": "C1", "fairlane-default": "C4"}
-CPU_ROLES = ("service", "envoy", "backend", "load-generator")
+ARM_COLORS = {
+    "direct": "C0",
+    "fairlane": "C1",
+    "fairlane-default": "C4",
+    "vllm-router": "C5",
+    "litellm": "C6",
+}
+CPU_ROLES = ("service", "envoy", *PEERS, "backend", "load-generator")
 
 
 def _rate_rows(rows: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -57,7 +64,9 @@ def latency(out_dir: Path, results: Mapping[str, Any]) -> Path | None:
 
 def added_latency(out_dir: Path, results: Mapping[str, Any]) -> Path | None:
     direct = results["arms"].get("direct", [])
-    fairlane = {a: _rate_rows(rows) for a, rows in results["arms"].items() if a != "direct"}
+    fairlane = {
+        a: _rate_rows(rows) for a, rows in results["arms"].items() if a not in (DIRECT, *PEERS)
+    }
     fairlane = {a: rows for a, rows in fairlane.items() if rows}
     if not direct or not fairlane:
         return None

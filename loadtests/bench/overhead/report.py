@@ -1,5 +1,6 @@
 """The overhead run's ``report.md``: targets with their numbers, the phases side by side,
-the saturation figures, the concurrency-1, overload and recovery phases per arm, and whether
+the saturation figures, the concurrency-1 phase, every arm's whole gateway beside the peers
+(:mod:`~loadtests.bench.overhead.gateways`), the overload and recovery phases, and whether
 the load generator or the machine was the bottleneck (then the numbers measure the harness,
 and the report says so)."""
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.bench import cpu
+from loadtests.bench.overhead.gateways import gateway_lines
 from loadtests.bench.overhead.phase import RECOVERY_RULE
 from loadtests.bench.overhead.plots import (
     SECTION_OVERLOAD,
@@ -17,7 +19,7 @@ from loadtests.bench.overhead.plots import (
     SECTION_SATURATION,
     add_plots,
 )
-from loadtests.bench.overhead.scenario import DIRECT
+from loadtests.bench.overhead.scenario import DIRECT, PEERS
 from loadtests.bench.overhead.verdicts import (
     SEND_LATE_LIMIT_MS,
     Row,
@@ -99,10 +101,15 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         *_phase_lines(results),
         *_saturation_lines(results),
         *_concurrency1_lines(results),
+        *gateway_lines(results["arms"], _numeric(results["scenario"].get("rates", []))),
         *_overload_lines(results),
         *_warning_lines(results),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _numeric(rates: list[Any]) -> list[float]:
+    return [float(r) for r in rates if not isinstance(r, str)]
 
 
 def _head_lines(results: Mapping[str, Any]) -> list[str]:
@@ -114,12 +121,22 @@ def _head_lines(results: Mapping[str, Any]) -> list[str]:
         for name, a in fairlane.items()
     )
     order = scenario.get("run_order") or scenario.get("arms") or []
+    peers = [a for a in order if a in PEERS]
     return [
         "# fairlane bench overhead: Envoy direct vs Envoy + fairlane ext_proc",
         "",
         scenario["description"].strip(),
         "",
         f"- scenario: `{scenario['path']}`; fairlane arms: {arms}",
+        *(
+            [
+                f"- peer gateways in place of Envoy and fairlane: {', '.join(peers)} "
+                "(`loadtests/bench/peers`: vllm-router round_robin, the LiteLLM proxy); each: "
+                "warm-up, saturation, the numeric rates, concurrency 1"
+            ]
+            if peers
+            else []
+        ),
         f"- arms in the order they ran: {', '.join(order)}; each: warm-up, saturation, the "
         "rates, concurrency 1, then (fairlane arms) the overload and the recovery",
         f"- load generator: {meta['loadgen']} ({meta['saturation_connections']} connections "
@@ -166,7 +183,7 @@ def _phase_lines(results: Mapping[str, Any]) -> list[str]:
             if row["mode"] not in ("rate", "saturation"):
                 continue
             extra: dict[str, float | None] = {"p50_ms": None, "p99_ms": None}
-            if arm != DIRECT:
+            if arm != DIRECT and arm not in PEERS:  # a peer replaces Envoy: see the section below
                 base = phase_row(direct, row["target_rps"] if row["mode"] == "rate" else None)
                 extra = {k: added(base, row, k) for k in extra}
             cores = row["cpu_cores"]

@@ -1,25 +1,14 @@
 """``fairlane bench overhead``: run the overhead scenario's arms and write the report.
 
-The arms run one after the other against their own instant backend
-(:mod:`loadtests.bench.overhead.backend`) (side by side they would steal each other's CPU):
-
-* ``direct``: Envoy without ext_proc straight to the backend
-  (:func:`loadtests.bench.fifo_bootstrap.render_fifo_bootstrap`);
-* every fairlane arm (``fairlane``, ``fairlane-default`` ...): the same Envoy with the
-  ext_proc filter and the completion access log, and one fairlane service process
-  (:class:`extproc.ops.up.Stack`) with that arm's policy (and the backend's seats declared
-  when the arm says so).
-
-The fairlane arms run first, in the listed order, then ``direct``. Each arm is warmed up,
-then: closed loop at saturation (its req/s is the arm's *capacity*); open loop at every rate
-(``half_capacity`` resolved to half the arm's own capacity; ``direct`` runs every fairlane
-arm's resolved rate); the concurrency-1 phase (the arm and the backend straight, one
-connection each, alternating); and for a fairlane arm the overload (open loop at ``factor``
-x its capacity) followed at once by the recovery watch (:mod:`~loadtests.bench.overhead.driver`
-runs them, :mod:`~loadtests.bench.overhead.rates` says which rates). Per phase the
-latencies, errors and every process's CPU (``loadtests/bench/cpu.py``) are kept. Every
-process lives in the arm's :class:`ProcessGroup`, so it is stopped after the arm, also on
-failure or Ctrl-C; a process that dies during an arm is named with its exit and log tail
+The arms run one after the other (side by side they would steal each other's CPU), each
+against its own instant backend (:mod:`loadtests.bench.overhead.backend`): ``direct`` (Envoy
+without ext_proc), every fairlane arm (the same Envoy with the ext_proc filter and one
+service process with the arm's policy), and the peers the scenario names (vllm-router
+round_robin, the LiteLLM proxy: :mod:`loadtests.bench.peers`) in place of both. The fairlane
+arms and the peers run first, in the listed order, ``direct`` last, at every rate they
+resolved; :mod:`~loadtests.bench.overhead.driver` runs an arm's phases. Every process lives
+in the arm's :class:`ProcessGroup`, so it is stopped after the arm, also on failure or
+Ctrl-C; a process that dies during an arm is named with its exit and log tail
 (:class:`ChildExited`) and the arm is reported as failed, the other arms still run.
 """
 
@@ -47,9 +36,13 @@ from extproc.ops.up import Stack, StackConfig
 from loadtests.bench.fifo_bootstrap import render_fifo_bootstrap
 from loadtests.bench.overhead.driver import Started, drive, log
 from loadtests.bench.overhead.eventloop import run_loop
+from loadtests.bench.overhead.gateways import gateway_figures
+from loadtests.bench.overhead.loadgen import API_KEY, MODEL
 from loadtests.bench.overhead.report import write_report
-from loadtests.bench.overhead.scenario import OverheadScenario
+from loadtests.bench.overhead.scenario import PEERS, OverheadScenario
 from loadtests.bench.overhead.verdicts import evaluate
+from loadtests.bench.peers.litellm import start_litellm
+from loadtests.bench.peers.vllm_router import start_vllm_router
 
 LOADGEN = (
     "in-process asyncio (uvloop) raw HTTP/1.1 keep-alive client "
@@ -72,12 +65,23 @@ def start_backend(group: ProcessGroup, seats: int | None = None) -> BackendSpec:
     return spec
 
 
+def start_peer(arm: str, backend: BackendSpec, group: ProcessGroup) -> int:
+    """Start a peer gateway (:data:`PEERS`) in front of ``backend``; its port."""
+    if arm == "litellm":
+        url = start_litellm(group, (backend,), master_key=API_KEY, models=(MODEL,))
+    else:
+        url = start_vllm_router(group, (backend,), "round_robin")
+    return int(url.rsplit(":", 1)[1])
+
+
 def start_arm(arm: str, scenario: OverheadScenario, group: ProcessGroup) -> Started:
     """Start ``arm``'s processes in ``group``."""
     spec = scenario.fairlane_arm(arm)
     backend = start_backend(group, spec.seats if spec is not None else None)
     port = free_port()
-    if spec is None:
+    if arm in PEERS:
+        port = start_peer(arm, backend, group)
+    elif spec is None:
         admin = free_port()
         params = EnvoyParams(listen_port=port, admin_port=admin, backends=(backend,))
         path = group.log_dir / "envoy-direct.yaml"
@@ -176,6 +180,7 @@ def bench_overhead(scenario: OverheadScenario, out: Path) -> dict[str, Any]:
         "pids": pids,
     }
     results["targets"] = [t.to_json() for t in evaluate(scenario, arms)]
+    results["gateways"] = gateway_figures(arms, scenario.numeric_rates)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     write_report(out, results)

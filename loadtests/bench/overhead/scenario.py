@@ -2,11 +2,12 @@
 
 An overhead scenario is not a fleet simulation (no groups, no simulated seconds): it names
 the fairlane arms (each a policy, the API key the load generator sends, optionally the
-backend's declared seats), the open-loop rates (a number, or ``half_capacity``: half of the
-arm's own measured saturation), the wall seconds per phase, the closed-loop saturation
-phase, the concurrency-1 phase, the overload block and the targets. It is validated like the
-A/B scenarios (the same reader: every mistake as ``file:line: field: message``, unknown
-fields are errors), so a typo never silently changes what is measured.
+backend's declared seats), the peer gateways run beside them, the open-loop rates (a number,
+or ``half_capacity``: half of the arm's own measured saturation), the wall seconds per
+phase, the closed-loop saturation phase, the concurrency-1 phase, the overload block and the
+targets. It is validated like the A/B scenarios (the same reader: every mistake as
+``file:line: field: message``, unknown fields are errors), so a typo never silently changes
+what is measured.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ DIRECT = "direct"
 FAIRLANE = "fairlane"
 """The fairlane arm a scenario without ``fairlane_arms`` has (its ``policy``)."""
 OVERHEAD_ARMS = (DIRECT, FAIRLANE)
+PEERS = ("vllm-router", "litellm")
+"""Peer gateways in place of Envoy and fairlane, in front of the same instant backend
+(vllm-router round_robin, the LiteLLM proxy: ``loadtests.bench.peers``); run only when
+``arms`` names them. They run the saturation, the numeric rates and concurrency 1, not the
+overload (whose verdicts are about fairlane's own refusals)."""
 DEFAULT_API_KEY = "sk-overhead"
 """The key of ``policies/overhead.yaml``'s one tenant."""
 HALF_CAPACITY = "half_capacity"
@@ -140,7 +146,7 @@ class OverheadScenario:
 
     @property
     def all_arms(self) -> tuple[str, ...]:
-        return (DIRECT, *(a.name for a in self.fairlane_specs))
+        return (DIRECT, *(a.name for a in self.fairlane_specs), *PEERS)
 
     @property
     def run_order(self) -> tuple[str, ...]:
@@ -252,6 +258,7 @@ def _read_overhead(reader: FieldReader, root: Field) -> OverheadScenario | None:
     if fairlane_arms:
         policy = fairlane_arms[0].policy
     names = (DIRECT, *(a.name for a in fairlane_arms)) if fairlane_arms else OVERHEAD_ARMS
+    allowed = (*names, *PEERS)
     rates = reader.get(
         top, "rates", _rates, f"a list of distinct requests/s > 0 (or {HALF_CAPACITY})", []
     )
@@ -265,10 +272,10 @@ def _read_overhead(reader: FieldReader, root: Field) -> OverheadScenario | None:
     )
     overload = _read_overload(reader, top, rates or [])
     arms = reader.get(top, "arms", _names, "a list of distinct arm names", None)
-    unknown = [a for a in arms or [] if a not in names]
+    unknown = [a for a in arms or [] if a not in allowed]
     if unknown:
         reader.error_in(
-            top, "arms", f"unknown arm(s) {', '.join(unknown)}: the arms are {', '.join(names)}"
+            top, "arms", f"unknown arm(s) {', '.join(unknown)}: the arms are {', '.join(allowed)}"
         )
     if rates == [] and connections == 0:
         reader.error_in(top, "rates", "no phase to run: no rates and saturation_connections 0")
@@ -317,8 +324,9 @@ def _read_fairlane_arms(reader: FieldReader, top: Section) -> list[FairlaneArm]:
         return []
     arms = []
     for name, item in pairs:
-        if not isinstance(name, str) or not name.strip() or name == DIRECT:
-            reader.error(item, f"an arm's name must be a non-empty string other than {DIRECT}")
+        if not isinstance(name, str) or not name.strip() or name in (DIRECT, *PEERS):
+            others = ", ".join((DIRECT, *PEERS))
+            reader.error(item, f"an arm's name must be a non-empty string other than {others}")
             continue
         raw = reader.section(item, ARM_FIELDS)
         if raw is None:

@@ -22,6 +22,7 @@ from loadtests.bench.overhead.scenario import (
     DIRECT,
     HALF_CAPACITY,
     OVERLOAD_METRICS,
+    PEERS,
     SATURATION_METRICS,
     OverheadScenario,
     OverheadTarget,
@@ -125,7 +126,8 @@ def row_warnings(row: Row) -> list[str]:
 
 
 def fairlane_arms(scenario: OverheadScenario) -> list[str]:
-    return [a for a in scenario.arms if a != DIRECT]
+    """The arms a target without ``arm`` is judged for: neither direct nor a peer."""
+    return [a for a in scenario.arms if a != DIRECT and a not in PEERS]
 
 
 def evaluate(scenario: OverheadScenario, arms: Mapping[str, Sequence[Row]]) -> list[TargetResult]:

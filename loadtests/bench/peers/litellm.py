@@ -80,13 +80,16 @@ def start_litellm(
     group: ProcessGroup,
     backends: Sequence[BackendSpec],
     master_key: str = MASTER_KEY,
+    models: Sequence[str] | None = None,
     name: str = "litellm",
 ) -> str:
     """Start the proxy in ``group`` (its config written into the group's log directory,
-    the deployments read from each engine's ``/v1/models``), wait until it serves and warm
-    it up; its base URL."""
+    the deployments read from each engine's ``/v1/models``, or ``models`` on every
+    backend), wait until it serves and warm it up; its base URL."""
     binary = require(LITELLM)
-    deployments = {b.url: served_models(b.url) for b in backends}
+    deployments = {
+        b.url: tuple(models) if models is not None else served_models(b.url) for b in backends
+    }
     path = group.log_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(litellm_config(deployments, master_key), sort_keys=False))
     port = free_port()

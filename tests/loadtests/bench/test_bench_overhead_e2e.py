@@ -22,6 +22,7 @@ from extproc.ops.processes import ProcessGroup
 from loadtests.bench.overhead import runner as overhead_runner
 from loadtests.bench.overhead.driver import Started
 from loadtests.bench.overhead.scenario import OverheadScenario
+from loadtests.bench.peers.install import LITELLM, VLLM_ROUTER, missing_reason
 from loadtests.bench.scenario import SCENARIO_DIR
 from tests.pids import alive
 
@@ -85,7 +86,9 @@ def test_overhead_tiny_runs_both_arms_and_reports(
         "overload",
         "recovery",
     ]
-    assert [r["mode"] for r in direct] == ["saturation", "rate", "rate", "concurrency1"]
+    # direct also measures the backend alone at the numeric rate (the peers' baseline)
+    assert [r["mode"] for r in direct] == ["saturation", "rate", "rate", "concurrency1", "backend"]
+    assert direct[4]["target_rps"] == 50 and direct[4]["errors"] == 0
     for arm, rows in data["arms"].items():
         for row in rows[:4]:
             # the default policy's arm is not throttled (its backend's seats are declared)
@@ -186,3 +189,34 @@ def test_overhead_names_a_component_that_died(
     assert message in data["failed_arms"]["fairlane"]
     assert "**Arm fairlane failed**" in (out / "report.md").read_text()
     assert not [p for p in data["pids"]["fairlane"].values() if alive(p)]
+
+
+def test_overhead_runs_the_peers_beside_direct(tiny: Path, tmp_path: Path) -> None:
+    """vllm-router and LiteLLM in place of Envoy + fairlane: their phases, what each whole
+    gateway adds to the backend alone, and no target judging them. A peer that is not
+    installed fails the test with how to install it."""
+    for peer in (VLLM_ROUTER, LITELLM):
+        reason = missing_reason(peer)
+        if reason is not None:
+            pytest.fail(reason, pytrace=False)
+    out = tmp_path / "out"
+    assert (
+        main(["bench", str(tiny), "--out", str(out), "--arms", "vllm-router,litellm,direct"]) == 0
+    )
+    data = json.loads((out / "results.json").read_text())
+    assert data["failed_arms"] == {} and data["targets"] == []
+    for name in ("vllm-router", "litellm"):
+        rows = data["arms"][name]
+        assert [r["mode"] for r in rows] == ["saturation", "rate", "concurrency1"]
+        for row in rows:
+            assert row["errors"] == 0 and row["requests"] > 0, (name, row)
+            assert row["cpu_cores"][name] > 0, (name, row)
+        gateway = data["gateways"][name]
+        assert gateway["processes"] == [name]
+        assert gateway["rates"]["50"]["cpu_s_per_1000"] > 0
+        assert gateway["concurrency1"]["added_p50_ms"] is not None
+    report = (out / "report.md").read_text()
+    assert "## The whole gateway, beside the peers" in report
+    assert "| 50 req/s | the backend alone |" in report and "| 50 req/s | litellm |" in report
+    for arm, pids in data["pids"].items():
+        assert pids and not [p for p in pids.values() if alive(p)], arm

@@ -23,8 +23,9 @@ def test_shipped_overhead_scenario() -> None:
     assert document.kind == "overhead"
     scenario = parse_overhead(document)
     assert scenario.rates == (100.0, HALF_CAPACITY)
-    assert scenario.arms == ("fairlane", "fairlane-default", "direct")
-    assert scenario.run_order == ("fairlane", "fairlane-default", "direct")
+    assert scenario.arms == ("fairlane", "fairlane-default", "vllm-router", "litellm", "direct")
+    # the peers run before direct, which runs every fairlane arm's half capacity
+    assert scenario.run_order == scenario.arms
     fairlane, default, shared, replicas = scenario.fairlane_specs
     assert fairlane.policy != default.policy
     assert (shared.name, shared.shared_state, shared.replicas) == ("fairlane-shared", True, 1)

@@ -5,13 +5,13 @@ it never ages a waiting request. A tier gives the base number; a user's requests
 flight push its next one back, so a power user's fourth request ranks behind another user's
 first request of the same tier instead of tying with it and winning by arrival time.
 
-One user's own requests must still keep their order. Counting only the requests in flight
-at each grant does not: a user with 88 in flight sends its next at +88, some of its earlier
-ones finish, and the one after goes at +80 and overtakes it in the engine's queue, again and
-again (measured on ``shared-prefix``, one tenant's 80 clients with no user id: first tokens
-after 40-127 simulated seconds for a dozen requests that were never held in the gateway,
-where p90 was 3.4 s). So a user's offset never falls below the highest its requests still
-in flight went with (``UserOffsets``): within a user, ties, which vLLM runs in arrival order.
+One user's own requests must still keep their order. Counting only the requests in flight at
+each grant does not: a user with 88 in flight sends its next at +88, some of its earlier ones
+finish, and the one after goes at +80 and overtakes it in the engine's queue, again and again,
+until a few of its requests wait in the engine many times longer than the rest
+(docs/benchmarks/internals.md, ``shared-prefix``). So a user's offset never falls below the
+highest its requests still in flight went with (``UserOffsets``): within a user, ties, which
+vLLM runs in arrival order.
 """
 
 from __future__ import annotations

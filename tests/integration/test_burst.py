@@ -4,12 +4,11 @@ A real stack (Envoy, the service, one simulator) with small queues, so most of t
 refused at once: 429 (queue full) or 503 (Envoy's shed twin or the service refusing for
 overload, a queue deadline passed), each with the gateway's OpenAI error body, or Envoy's
 bare 503 when its ext_proc circuit breaker overflows (see the test). Every request must get
-an HTTP answer. Then, once
-the stack has drained, the service holds no queue entry and no in-flight slot (its
-``/metrics``), and Envoy no ext_proc stream beyond the long-lived ones (its admin stats).
-The client is ``fairlane bench overhead``'s open-loop generator (keep-alive connections,
-bounded, every answer classified); on this 2-core machine, sharing the cores with Envoy, the
-service and the simulator, its 10,000 sends due over 1 s go out in about 1.5 s.
+an HTTP answer. Then, once the stack has drained, the service holds no queue entry and no
+in-flight slot (its ``/metrics``), and Envoy no ext_proc stream beyond the long-lived ones
+(its admin stats). The client is ``fairlane bench overhead``'s open-loop generator
+(keep-alive connections, bounded, every answer classified); on a small machine shared with
+the stack, its sends fall behind their schedule (docs/benchmarks/internals.md).
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ instant backend), ``loadgen`` (the load generator, each response classified), ``
 (uvloop), ``phase`` (one phase's figures; the recovery rule), ``rates``, ``driver`` (one
 arm's phases), ``runner`` (the arms; ``results.json``), ``verdicts``, ``gateways`` (every
 arm's whole gateway against the backend alone), ``report``, ``plots``, and ``floor`` (a
-servicer that decides nothing, behind the same Envoy). ``python -m
-loadtests.bench.overhead`` is the same run with the older flags. Nothing else in
-``loadtests.bench`` imports this package, except the command's dispatch.
+servicer that decides nothing, behind the same Envoy). ``python -m loadtests.bench.overhead``
+is the same run with the older flags; in ``loadtests.bench`` only the command's dispatch imports it.
 """

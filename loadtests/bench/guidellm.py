@@ -41,14 +41,16 @@ from loadtests.bench.engine import add_arguments as add_engine_arguments
 from loadtests.bench.external import BackendError, external_backends, reset_prefix_caches
 from loadtests.bench.pinning import PinningError
 from loadtests.bench.scenario import Group, Scenario, ScenarioError, load_scenario
+from loadtests.bench.stats import percentile
 from loadtests.bench.workload import prompt_text, shape
 
 GUIDELLM_VERSION = "0.8.1"
 STARTUP_ALLOWANCE_S = 90.0
 """Wall seconds the flood keeps going beyond the measurement for guidellm to start (its
 imports take 10-20 s on a small machine); the flood stops as soon as guidellm is done."""
-MEASURE_START_DELAY_S = 1.0
-"""guidellm's own delay between its start and its first request (its scheduler's)."""
+SETTLE_S = 2.0
+"""Wall seconds of guidellm's own start (its first connections, its first requests sent at
+once) that the second guidellm row leaves out, as the bench leaves out its warm-up."""
 
 
 class GuidellmError(RuntimeError):
@@ -182,13 +184,36 @@ def read_ttft(path: Path, speedup: float) -> Ttft:
     )
 
 
-def bench_ttft(scenario: Scenario, arm: str, group: str, log_dir: Path, placed: Placement) -> Ttft:
-    """The bench's own client sending every group of ``arm``: ``group``'s TTFT."""
+def settled_ttft(path: Path, speedup: float, settle_s: float = SETTLE_S) -> Ttft:
+    """guidellm's TTFT of each successful request, those that started in its first
+    ``settle_s`` left out, with the bench's percentiles (its JSON keeps every request)."""
+    try:
+        requests = json.loads(path.read_text())["benchmarks"][0]["requests"]["successful"]
+        timed = [(r["request_start_time"], r["time_to_first_token_ms"]) for r in requests]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise GuidellmError(f"no requests in {path}: {type(exc).__name__}: {exc}") from None
+    first = min((start for start, _ in timed), default=0.0)
+    kept = [ms / 1000 * speedup for start, ms in timed if start >= first + settle_s and ms]
+    return Ttft(
+        f"guidellm after {settle_s:g} s",
+        len(kept),
+        percentile(kept, 50),
+        percentile(kept, 90),
+        percentile(kept, 95),
+    )
+
+
+def bench_ttft(
+    scenario: Scenario, arm: str, group: str, log_dir: Path, placed: Placement
+) -> tuple[Ttft, list[str]]:
+    """The bench's own client sending every group of ``arm``: ``group``'s TTFT, and the
+    run's CPU warnings (a saturated client or gateway core makes both figures suspect)."""
     _, result = run_arm(scenario, arm, log_dir, placed.backends, placed=placed)
     figures = result.summary.by_group[group]
-    return Ttft(
+    ttft = Ttft(
         "bench client", figures.measured, figures.ttft_p50, figures.ttft_p90, figures.ttft_p95
     )
+    return ttft, result.cpu.warnings
 
 
 def outside_ttft(
@@ -199,9 +224,10 @@ def outside_ttft(
     placed: Placement,
     tokenizer: Path,
     install: GuidellmInstall,
-) -> tuple[Ttft, float]:
+) -> tuple[list[Ttft], float]:
     """guidellm sending ``group`` through the arm while the bench's client sends the other
-    groups; its TTFT and the cores it used (CPU seconds / wall seconds of its run)."""
+    groups; its TTFT (its own summary, then without its start) and the cores it used (CPU
+    seconds / wall seconds of its run)."""
     measure_s = (scenario.duration_s - scenario.warmup_s) / scenario.speedup
     warmup_wall = scenario.warmup_s / scenario.speedup
     flood_wall = warmup_wall + measure_s + STARTUP_ALLOWANCE_S
@@ -269,7 +295,7 @@ def outside_ttft(
         )
     if failure:
         raise GuidellmError(failure[0])
-    return read_ttft(result, scenario.speedup), used[0]
+    return [read_ttft(result, scenario.speedup), settled_ttft(result, scenario.speedup)], used[0]
 
 
 def _children_cpu() -> float:
@@ -280,7 +306,7 @@ def _children_cpu() -> float:
 def comparison_lines(
     scenario: Scenario, arm: str, group: Group, rows: Sequence[Ttft], guidellm_cores: float
 ) -> list[str]:
-    """The two measurements side by side, and guidellm's over the bench's."""
+    """The measurements side by side, then each of guidellm's over the bench's."""
 
     def cell(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}"
@@ -288,23 +314,23 @@ def comparison_lines(
     lines = [
         f"{scenario.name}, arm {arm}, group {group.name} ({group.tier}): TTFT in simulated "
         f"seconds (wall x {scenario.speedup:g})",
-        f"  {'':>16} {'requests':>8} {'p50':>8} {'p90':>8} {'p95':>8}",
+        f"  {'':>24} {'requests':>8} {'p50':>8} {'p90':>8} {'p95':>8}",
     ]
     for row in rows:
         lines.append(
-            f"  {row.source:>16} {row.count:>8} {cell(row.p50):>8} {cell(row.p90):>8} "
+            f"  {row.source:>24} {row.count:>8} {cell(row.p50):>8} {cell(row.p90):>8} "
             f"{cell(row.p95):>8}"
         )
-    if len(rows) == 2:
+    ours = rows[0]
+    for theirs in rows[1:]:
         ratios = [
             f"{b / a:.2f}" if a and b is not None else "-"
             for a, b in zip(
-                (rows[0].p50, rows[0].p90, rows[0].p95),
-                (rows[1].p50, rows[1].p90, rows[1].p95),
-                strict=True,
+                (ours.p50, ours.p90, ours.p95), (theirs.p50, theirs.p90, theirs.p95), strict=True
             )
         ]
-        lines.append(f"  {'guidellm / bench':>16} {'':>8} " + " ".join(f"{r:>8}" for r in ratios))
+        label = f"{theirs.source} / bench"
+        lines.append(f"  {label:>24} {'':>8} " + " ".join(f"{r:>8}" for r in ratios))
     lines.append(f"  guidellm used {guidellm_cores:.2f} of a core while it ran")
     return lines
 
@@ -377,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         with run_placement(args, scenario, external, out / "logs" / "engines") as placed:
             for line in placed.describe():
                 print(f"guidellm bench: {line}", file=sys.stderr)
-            ours = bench_ttft(scenario, args.arm, group.name, out / "logs" / args.arm, placed)
+            ours, warnings = bench_ttft(
+                scenario, args.arm, group.name, out / "logs" / args.arm, placed
+            )
             reset_prefix_caches(placed.backends)
             theirs, cores = outside_ttft(scenario, args.arm, group, out, placed, tokenizer, install)
     except KeyboardInterrupt:
@@ -388,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    lines = comparison_lines(scenario, args.arm, group, [ours, theirs], cores)
+    lines = comparison_lines(scenario, args.arm, group, [ours, *theirs], cores)
     (out / "comparison.json").write_text(
         json.dumps(
             {
@@ -398,13 +426,17 @@ def main(argv: list[str] | None = None) -> int:
                 "speedup": scenario.speedup,
                 "unit": "simulated seconds (wall seconds x speedup)",
                 "bench": ours.to_json(),
-                "guidellm": theirs.to_json(),
+                "guidellm": theirs[0].to_json(),
+                "guidellm_settled": theirs[1].to_json(),
                 "guidellm_cores": cores,
+                "bench_cpu_warnings": warnings,
             },
             indent=1,
         )
     )
     print("\n".join(lines))
+    for warning in warnings:
+        print(f"  bench run: {warning}")
     print(f"results: {out / 'comparison.json'}; guidellm's own: {out / 'guidellm.json'}")
     return 0
 

@@ -25,6 +25,7 @@ from loadtests.bench.guidellm import (
     measurable,
     outside_ttft,
     read_ttft,
+    settled_ttft,
     write_prompts,
 )
 from loadtests.bench.scenario import ScenarioError, load_scenario
@@ -101,11 +102,33 @@ def test_guidellms_wall_milliseconds_are_read_as_simulated_seconds(tmp_path: Pat
         [Ttft("bench client", 25, 0.1, 0.3, None), read_ttft(path, 3.0)],
         0.42,
     )
-    assert "guidellm / bench" in lines[-2] and "1.20" in lines[-2] and "1.00" in lines[-2]
+    assert "guidellm 0.8.1 / bench" in lines[-2] and "1.20" in lines[-2] and "1.00" in lines[-2]
     assert lines[-1].endswith("0.42 of a core while it ran")
     path.write_text("{}")
     with pytest.raises(RuntimeError, match="no TTFT"):
         read_ttft(path, 1.0)
+
+
+def test_guidellms_own_start_is_left_out_as_the_bench_leaves_out_its_warm_up(
+    tmp_path: Path,
+) -> None:
+    """Its first connections and the requests it sends at once when it starts are its
+    transient; the second row counts what follows, with the bench's percentiles."""
+    starts = [100.0, 100.0, 101.0, 102.5, 103.0, 104.0, 105.0]
+    ttfts = [600.0, 500.0, 300.0, 40.0, 50.0, 60.0, 70.0]
+    requests = [
+        {"request_start_time": t, "time_to_first_token_ms": ms}
+        for t, ms in zip(starts, ttfts, strict=True)
+    ]
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps({"benchmarks": [{"requests": {"successful": requests}}]}))
+    settled = settled_ttft(path, 2.0, settle_s=2.0)
+    assert settled.source == "guidellm after 2 s" and settled.count == 4
+    assert settled.p50 == pytest.approx(0.11)  # (50 + 60) / 2 ms, x speedup 2
+    assert settled.p95 == pytest.approx(0.137)  # 68.5 ms, interpolated as the bench does
+    path.write_text("{}")
+    with pytest.raises(RuntimeError, match="no requests"):
+        settled_ttft(path, 1.0)
 
 
 def test_an_install_that_is_missing_says_so(tmp_path: Path) -> None:
@@ -120,7 +143,7 @@ args = dict(zip(sys.argv[2::2], sys.argv[3::2]))
 backend = dict(kv.split("=", 1) for kv in args["--backend"].split(","))
 rows = [json.loads(line) for line in open(args["--data"].split("path=", 1)[1])]
 seconds = float(args["--constraint"].split("seconds=", 1)[1])
-ttfts, end = [], time.monotonic() + seconds
+ttfts, timed, end = [], [], time.monotonic() + seconds
 for row in rows:
     if time.monotonic() > end:
         break
@@ -138,10 +161,13 @@ for row in rows:
             if first is None and b'"content"' in line:
                 first = time.monotonic() - started
     ttfts.append(first * 1000)
+    timed.append({"request_start_time": time.time() - first,
+                  "time_to_first_token_ms": first * 1000})
 ttfts.sort()
 ttft = {"count": len(ttfts), "median": ttfts[len(ttfts) // 2],
         "percentiles": {"p90": ttfts[int(0.9 * len(ttfts))], "p95": ttfts[-1]}}
-out = {"benchmarks": [{"metrics": {"time_to_first_token_ms": {"successful": ttft}}}]}
+out = {"benchmarks": [{"metrics": {"time_to_first_token_ms": {"successful": ttft}},
+                       "requests": {"successful": timed}}]}
 open(args["--output"].split("path=", 1)[1], "w").write(json.dumps(out))
 """
 
@@ -159,10 +185,11 @@ def test_guidellm_measures_the_group_while_the_bench_floods(tmp_path: Path) -> N
     scenario = load_scenario("flood-8seat").with_overrides(duration_s=12.0, arms=["fairlane"])
     out = tmp_path / "out"
     out.mkdir()
-    ttft, cores = outside_ttft(
+    (summary, settled), cores = outside_ttft(
         scenario, "fairlane", scenario.group("chat"), out, Placement(()), tmp_path, install
     )
-    assert ttft.count >= 1 and ttft.p50 is not None and ttft.p50 > 0
+    assert summary.count >= 1 and summary.p50 is not None and summary.p50 > 0
+    assert settled.count <= summary.count
     assert cores >= 0
     log = (out / "logs" / "fairlane-guidellm" / "guidellm.log").read_text()
     assert "Traceback" not in log

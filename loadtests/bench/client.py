@@ -259,7 +259,9 @@ class LoadRun:
             if now >= next_machine:
                 busy1, total1 = machine_busy_seconds()
                 if total1 > total0:
-                    self.machine_peak = max(self.machine_peak, (busy1 - busy0) / (total1 - total0))
+                    # busy <= total in /proc/stat; the division can round a hair past 1
+                    share = min(1.0, (busy1 - busy0) / (total1 - total0))
+                    self.machine_peak = max(self.machine_peak, share)
                 busy0, total0, next_machine = busy1, total1, now + 1.0
 
     async def _open_loop(self, session: aiohttp.ClientSession, group: Group) -> None:

@@ -31,10 +31,15 @@ def start_peer(
     kind: str, backends: Sequence[BackendSpec], group: ProcessGroup, model: str
 ) -> PeerGateway:
     """Start ``kind``'s gateway (:data:`PEER_ARMS`) in front of ``backends``; ``model`` is
-    the name every engine serves (``kv_aware``'s model identity)."""
+    the name every engine serves (``kv_aware``'s model identity). A configuration the
+    gateway cannot run with (engines without KV events for ``kv_aware``) is a RuntimeError,
+    which fails the arm and lets the others run."""
     arm = PEER_ARMS[kind]
     if arm.peer is LITELLM:
         return PeerGateway(start_litellm(group, backends), MASTER_KEY)
     assert arm.router_policy is not None
     kv = KvSources(model, block_size(backends[0].url)) if arm.kv_events else None
-    return PeerGateway(start_vllm_router(group, backends, arm.router_policy, kv))
+    try:
+        return PeerGateway(start_vllm_router(group, backends, arm.router_policy, kv))
+    except ValueError as exc:
+        raise RuntimeError(f"{kind}: {exc}") from None

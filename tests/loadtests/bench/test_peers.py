@@ -9,8 +9,11 @@ import pytest
 import yaml
 
 from extproc.fleet.backend import BackendSpec, KVEventPorts
+from extproc.ops.processes import ProcessGroup
 from loadtests.bench.arms import SCHEDULING
 from loadtests.bench.cpu import CpuUsage
+from loadtests.bench.peers import start as start_module
+from loadtests.bench.peers import vllm_router as router_module
 from loadtests.bench.peers.install import LITELLM, VLLM_ROUTER, PeerMissing, missing_reason, require
 from loadtests.bench.peers.kinds import PEER_ARMS
 from loadtests.bench.peers.litellm import (
@@ -21,6 +24,7 @@ from loadtests.bench.peers.litellm import (
 )
 from loadtests.bench.peers.report import peer_lines
 from loadtests.bench.peers.served import DEFAULT_BLOCK_SIZE, block_size_in
+from loadtests.bench.peers.start import start_peer
 from loadtests.bench.peers.vllm_router import KvSources, router_argv
 from loadtests.bench.request_style import request_style
 from loadtests.bench.results import ArmResult
@@ -267,3 +271,15 @@ def test_the_report_names_the_peer_arms_that_ran() -> None:
     assert "fifo" not in line
     assert "vLLM" not in peer_lines({"cache": arm("vllm-router-cache")}, external=True)[0]
     assert peer_lines({"fifo": arm("fifo")}) == []
+
+
+def test_kv_aware_on_engines_without_events_fails_the_arm_not_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A RuntimeError is what the bench reports as a failed arm before it runs the next."""
+    monkeypatch.setattr(start_module, "block_size", lambda url: 16)
+    monkeypatch.setattr(router_module, "require", lambda peer: Path("vllm-router"))
+    silent = (BackendSpec("127.0.0.1", 8003),)
+    with ProcessGroup(tmp_path) as group, pytest.raises(RuntimeError, match="kv-events"):
+        start_peer("vllm-router-kv", silent, group, "m")
+    assert group.children == []

@@ -1,6 +1,6 @@
 """fairlane's ext_proc service: classify, hold, prioritise and route LLM requests for Envoy.
 
-Where things live (one package per concern; the README's "Where things live" has the
+Where things live (one package per concern; docs/development/architecture.md has the
 module table and one request's path through them):
 
 - ``core``       every per-request decision, synchronous and free of I/O

@@ -380,7 +380,7 @@ class Routing:
     other backend's by more than this: 1.0 is one backend's slots more requests. A request
     that leaves its prefix pays the whole prefill again and copies the prefix over someone
     else's cache, while the tier's gate already bounds how deep the holder's queue gets.
-    Measured on ``shared-prefix`` (loadtests/bench/README.md): 0.25 hit 86.8 % of prompt
+    Measured on ``shared-prefix`` (docs/benchmarks/prefix-routing.md): 0.25 hit 86.8 % of prompt
     tokens, 0.5 89.5 %, 1.0 90.4 %, 3.0 90.9 % (KV unbounded, the ceiling: 91-92 %) at
     9.3-10.1 req/s; with one hot prefix every margin gave the same."""
     lora_weight: float = 1.0

@@ -4,7 +4,7 @@ ext_proc ``ProcessingRequest`` / ``ProcessingResponse`` and access-log entries a
 here to and from the plain objects of ``extproc.core.decisions``, and the runtime layer
 (RTDS) and the backends' host set (EDS) the service serves Envoy are packed here.
 upb-backed ``xds-protos`` classes are used because decoding them costs a few microseconds,
-where betterproto-style dataclasses cost hundreds (see the performance notes in the README).
+where betterproto-style dataclasses cost hundreds.
 The one answer every admitted request gets, ``forward``'s, is written in the wire format
 by hand instead: filling upb's message field by field cost more than the rest of the codec.
 """

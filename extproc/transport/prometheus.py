@@ -9,7 +9,7 @@ reading the state needs no locks; a scrape costs work proportional to the series
 bounded: tiers and backends come from configuration, reasons from the code, and client-chosen
 values (users, models) from ``BoundedLabel``.
 
-The names, their labels and what they mean are listed in the README ("Operating fairlane").
+The names, their labels and what they mean are listed in docs/reference/metrics.md.
 """
 
 from __future__ import annotations

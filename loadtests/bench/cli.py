@@ -423,7 +423,7 @@ def policy_note(scenario: Scenario, written_for: float) -> str | None:
         return (
             f"warning: the policy {policy} is in wall-clock seconds "
             f"for speedup {written_for:g}; at {scenario.speedup:g} its deadlines, aging and "
-            "scrape intervals mean different simulated times (see loadtests/bench/README.md)"
+            "scrape intervals mean different simulated times (see docs/development/scenarios.md)"
         )
     return None
 

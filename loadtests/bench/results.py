@@ -2,7 +2,7 @@
 
 The runner (``cli``) builds these, and the report, the plots and the frontier tool read
 them. ``results.json`` is their :meth:`~BenchResults.to_json` (plus every request record),
-a shape other tools and the README read, so each class writes exactly the keys it always
+a shape other tools and the benchmark pages read, so each class writes exactly the keys it always
 had, in the same order, and reads them back with ``from_json``.
 """
 

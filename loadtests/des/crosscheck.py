@@ -8,8 +8,8 @@ simulators' steps are longer than the model's by their own CPU, which depends on
 machine's load): the real run's median inter-token latency calibrates it
 (``calibrated_costs``), so what is compared is the scheduling: who is served, how soon. Tail
 percentiles of a few dozen requests move by a third between two real runs of the same code,
-so the headline figures leave them out (the README's discrete-event simulation section has
-the numbers).
+so the headline figures leave them out (docs/benchmarks/scale.md, "The core as a
+discrete-event simulation", has the numbers).
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ SHOWN: Mapping[str, tuple[Target, ...]] = {
 }
 """Figures printed beside the headlines but not held to the tolerance: chat's TTFT does not
 agree (the real one is 35-45 % longer at p50: at speedup 20 every wall millisecond of the
-machine's scheduling jitter is 20 simulated ones, the README's discrete-event simulation
-section) and the tails move too much between real runs."""
+machine's scheduling jitter is 20 simulated ones: docs/benchmarks/scale.md, "The core as a
+discrete-event simulation") and the tails move too much between real runs."""
 
 
 @dataclass(frozen=True)

@@ -165,8 +165,8 @@ def open_completion_feeds(stack: Stack, long_lived: int) -> None:
     lost, and a slot of a request whose completion was among them stayed counted until the
     service's expiry reclaims it (one CI run in three here: `fairlane_backend_in_flight` 1
     after a 20 s drain). That is a gap of the one-replica config (its feed shares the
-    ext_proc cluster, see the README's "still weak"), not what this test is about: the
-    burst's own streams."""
+    ext_proc cluster, see docs/operations/failure-modes.md, "Known weak spots"), not what
+    this test is about: the burst's own streams."""
     url = f"http://127.0.0.1:{stack.config.port}/v1/chat/completions"
     deadline = time.monotonic() + 10.0
     while envoy_stats(stack, f"^{EXTPROC_ACTIVE}$")[EXTPROC_ACTIVE] < long_lived:

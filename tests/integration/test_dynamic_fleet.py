@@ -10,7 +10,7 @@ port, as behind a headless Service).
 - a rolling replacement of every engine: no request fails;
 - a DNS outage: the last known set is kept and the failures are counted.
 
-Run with ``-s`` to see the figures each test measured (the README reports them).
+Run with ``-s`` to see the figures each test measured (docs/benchmarks/scale.md reports them).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ own events with the engine's tokenizer and matches the conversations' prompts ag
 (``fairlane_prefix_predicted_tokens_total{index="precise"}``, with clients pausing longer
 than the gateway counts blocks it just sent as held, so the matches are the engine's), and
 the engine finds those prompts cached. One engine is enough for that; ``fairlane bench
-prefix-vllm-cpu`` with two measures the routing (loadtests/bench/README.md). Nothing here is
+prefix-vllm-cpu`` with two measures the routing (docs/benchmarks/prefix-routing.md). Nothing here is
 timed.
 """
 

@@ -1,5 +1,5 @@
-"""The scrape-cost benchmark still runs (its figure is in the README), and its gateway held
-what it claims: thousands of users and models, yet bounded series."""
+"""The scrape-cost benchmark still runs (its figure is in docs/benchmarks/overhead.md), and its
+gateway held what it claims: thousands of users and models, yet bounded series."""
 
 import asyncio
 

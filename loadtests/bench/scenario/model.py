@@ -7,7 +7,7 @@ downstream (the workload, the arms, the report) reads only these.
 
 Times in a scenario are **simulated seconds** (the simulators run ``speedup`` times faster
 than the wall clock); the policy file it names is read by the gateway in wall-clock seconds
-(see ``loadtests/bench/README.md``), except ``policy: default``: fairlane's shipped default
+(see ``docs/development/scenarios.md``), except ``policy: default``: fairlane's shipped default
 policy with its durations divided by the speedup (:mod:`loadtests.bench.policy_scale`).
 """
 

@@ -1,5 +1,5 @@
 """The Redis outage bench's policy: the default policy with its two tenants added (the bench
-itself needs replicas, Redis and Envoy: run by hand, README "Replicas measured")."""
+itself needs replicas, Redis and Envoy: run by hand, docs/benchmarks/replicas.md)."""
 
 from __future__ import annotations
 

@@ -21,10 +21,11 @@ import math
 import random
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from extproc.core.bands import band_name, tier_of
+from extproc.core.bands import pool_of as band_pool
 from extproc.core.budgets import Budgets
 from extproc.core.errors import Rejection
 from extproc.core.filters import View
@@ -96,6 +97,24 @@ about this many completions."""
 
 ROOM_UNBOUNDED = 1 << 30
 """``Placement.room`` of a band that seats do not bound (its gates and the cap do)."""
+
+
+@dataclass(slots=True)
+class Memo:
+    """What one dispatch remembers between placements. A grant changes the fleet-wide
+    counts (requests in flight, reserves, active tiers) and its own pool's engines only,
+    so on a fleet of many pools the other pools' engines are not filtered again."""
+
+    fleet: tuple[Counter[int], dict[int, int], set[int]] | None = None
+    """Requests in flight by rank, the reserves and the active ranks; None: to compute."""
+    scans: dict[tuple[str, View], tuple[Backend, ...]] = field(default_factory=dict)
+    """The engines that passed the filters, per band and what the filters were asked."""
+
+    def changed(self, pool: str) -> None:
+        """A grant (or a cancellation) on ``pool``'s engines."""
+        self.fleet = None
+        for key in [key for key in self.scans if band_pool(key[0]) == pool]:
+            del self.scans[key]
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,7 +375,8 @@ class Admission:
             ) from None
         if claim is not None:
             self.budgets.charge(request_id, claim, request.prompt_tokens, estimate, now)
-        return self.dispatch()
+        # A new request frees no room: only its own pool's bands may have news.
+        return self.dispatch(pool=band_pool(band))
 
     def _band_for(self, tier: Tier, pool: str) -> str:
         """The band of ``tier`` for the model pool ``pool``, made on its first request."""
@@ -412,7 +432,7 @@ class Admission:
 
     # ----------------------------------------------------------------- dispatch
 
-    def dispatch(self, own_seats: int = 0) -> list[Grant]:
+    def dispatch(self, own_seats: int = 0, pool: str | None = None) -> list[Grant]:
         """Grant queued requests, in the scheduler's order, while some backend may take them.
 
         Run whenever a backend may have gained room: a completion released a slot, a scrape
@@ -424,8 +444,13 @@ class Admission:
         room that every replica sees at once (a scrape, a lease that left) is taken in
         turns. Deferring to a replica owed more (more urgent, or owed by VTC or by its
         wait) still applies.
+
+        ``pool``: only that model pool's bands may go (the event touched no other pool's
+        engines); on a fleet of many pools that spares a placement per band of every
+        other. A full dispatch follows every scrape round, for what time alone changed.
         """
         placements: dict[str, Placement | None] = {}
+        memo = Memo()
         grants: list[Grant] = []
         now = self._clock()
         ahead = most_urgent_elsewhere(self.peers, self._bands, now)
@@ -433,10 +458,15 @@ class Admission:
 
         def placement(band: str) -> Placement | None:
             if band not in placements:
-                placements[band] = self._place(band)
+                cancelled = len(self._preempted)
+                placements[band] = self._place(band, memo)
+                if len(self._preempted) != cancelled:  # it freed a seat of its pool
+                    memo.changed(band_pool(band))
             return placements[band]
 
         def eligible(band: str) -> bool:
+            if pool is not None and band_pool(band) != pool:
+                return False
             where = placement(band)
             if where is None:
                 self._deferrals.stop(band)  # no room: a deferral starts afresh with the next
@@ -461,6 +491,7 @@ class Admission:
             grants.append(self._grant(entry, where))
             own = max(0, own - 1)
             placements.clear()  # the grant changed loads and gates
+            memo.changed(band_pool(entry.band))
         return grants
 
     def _turn(self, band: str, now: float) -> int:
@@ -500,9 +531,10 @@ class Admission:
                 active.add(tier.rank)
         return active
 
-    def _place(self, band: str) -> Placement | None:
+    def _place(self, band: str, memo: Memo | None = None) -> Placement | None:
         """The backends a request of ``band`` could go to now, or None: whether it may go,
-        not where (the grant chooses among them for the request's own prompt)."""
+        not where (the grant chooses among them for the request's own prompt). ``memo``:
+        what the dispatch it is part of already worked out."""
         tier = self._acting_tier(band)
         rank = tier.rank if tier is not None else len(self._tiers)
         # A tier may queue inside vLLM as deep as its gate lets it wait (batch: not at all,
@@ -512,9 +544,12 @@ class Admission:
         # more urgent active tier reserves seats against may queue: it would otherwise
         # take the seats that free up before the urgent tier's next request arrives.
         queue = tier.gate.max_waiting if tier is not None else 0
-        # Every replica's requests in flight, summed once for the three uses below.
-        in_flight = self.fleet_in_flight_by_rank()
-        reserved, active = self.reserved(in_flight), self._active_ranks(in_flight)
+        # Every replica's requests in flight, and the reserves and active tiers they make.
+        memo = memo or Memo()
+        if memo.fleet is None:
+            in_flight = self.fleet_in_flight_by_rank()
+            memo.fleet = (in_flight, self.reserved(in_flight), self._active_ranks(in_flight))
+        in_flight, reserved, active = memo.fleet
         limit = self.backend_limit
         # Whether seats bound this tier here: it needs a free one (batch), or a more urgent
         # active tier holds a reserve it must leave. Otherwise its gates (the engine's own
@@ -551,11 +586,19 @@ class Admission:
         def admits(b: Backend) -> bool:  # every filter (``extproc.core.filters``)
             return all_filters_admit(b, view)
 
-        backends = self.pool.backends
-        if len(backends) > LARGE_FLEET:  # a sample, and a full fleet remembered
-            candidates = self._sample.candidates(band, backends, admits, now, self._refresh_s)
+        # Only the engines of the request's model (remembered per model): on a fleet of many
+        # pools the others would be scanned, or sampled, for nothing.
+        key = (band, view)
+        scanned = memo.scans.get(key)
+        if scanned is not None:
+            candidates = list(scanned)
         else:
-            candidates = [b for b in backends if admits(b)]
+            backends = self.pool.serving(view.model)
+            if len(backends) > LARGE_FLEET:  # a sample, and a full fleet remembered
+                candidates = self._sample.candidates(band, backends, admits, now, self._refresh_s)
+            else:
+                candidates = [b for b in backends if admits(b)]
+            memo.scans[key] = tuple(candidates)
         # vLLM never preempts a running request to seat a waiting one: a request sent to a
         # full engine waits for someone else's request to finish. For a tier that keeps
         # seats (chat), a free seat anywhere beats a better score on a full engine, the
@@ -890,7 +933,7 @@ class Admission:
             tier = self._tiers.get(tier_of(record.entry.band))
             if tier is not None and tier.preemptible:
                 self._note_run(record.backend.address, self._clock() - record.admitted_at)
-        return self.dispatch(own_seats=1)
+        return self.dispatch(own_seats=1, pool=band_pool(record.entry.band))
 
     def _free(self, request_id: str, output_tokens: int | None) -> InFlight | None:
         """``release`` without the dispatch: what was freed (None when the request was not

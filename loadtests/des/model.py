@@ -36,6 +36,9 @@ class Fleet:
     num_gpu_blocks: int = 2500
     declare_seats: bool = True
     """Tell the gateway each engine's seats (``#seats=N``), as a deployment file would."""
+    models: int = 1
+    """Models the fleet serves, each on its own block of engines (``/v1/models`` as read);
+    requests are spread evenly over them."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,9 @@ class DesScenario:
     outage: Outage | None = None
     sweep: tuple[tuple[int, int], ...] = ()
     """(engines, tenants) points of the decision-cost curve."""
+    model_sweep: tuple[tuple[int, int], ...] = ()
+    """(models, engines) points: the decision cost as one fleet becomes many pools, with
+    the same load and tenants per engine."""
     sweep_requests: int = 20_000
     path: Path | None = None
     start_s: float = 0.0
@@ -86,8 +92,11 @@ class DesScenario:
     of ``scale-day`` from noon is ``start_s: 43200`` with a short ``duration_s``. The run
     covers ``[start_s, start_s + duration_s]``; the warm-up counts from ``start_s``."""
 
-    def scaled(self, engines: int, tenants: int, max_requests: int) -> DesScenario:
-        """The same load per engine on ``engines`` engines with ``tenants`` tenants."""
+    def scaled(
+        self, engines: int, tenants: int, max_requests: int, models: int | None = None
+    ) -> DesScenario:
+        """The same load per engine on ``engines`` engines with ``tenants`` tenants (and
+        ``models`` models, when given)."""
         factor = engines / self.fleet.engines
         closed = tuple(
             replace(c, concurrency=max(1, round(c.concurrency * factor))) for c in self.closed_loops
@@ -96,13 +105,19 @@ class DesScenario:
             self,
             name=f"{self.name}-{engines}x{tenants}",
             max_requests=max_requests,
-            fleet=replace(self.fleet, engines=engines, regions=min(self.fleet.regions, engines)),
+            fleet=replace(
+                self.fleet,
+                engines=engines,
+                regions=min(self.fleet.regions, engines),
+                models=self.fleet.models if models is None else models,
+            ),
             open_loop=replace(
                 self.open_loop, tenants=tenants, rate_per_s=self.open_loop.rate_per_s * factor
             ),
             closed_loops=closed,
             outage=None,
             sweep=(),
+            model_sweep=(),
             sweep_requests=0,
         )
 
@@ -121,6 +136,7 @@ TOP = (
     "knobs",
     "outage",
     "sweep",
+    "model_sweep",
     "sweep_requests",
     "start_s",
 )
@@ -142,6 +158,7 @@ def _read(r: FieldReader, root: Field, path: Path) -> DesScenario | None:
     knobs = _knobs(r, top)
     outage = _outage(r, top)
     sweep = _sweep(r, top)
+    model_sweep = _pairs(r, top, "model_sweep", "[models, engines]")
     scenario = DesScenario(
         name=r.get(top, "name", string, "a string"),
         description=r.get(top, "description", text, "text", ""),
@@ -155,6 +172,7 @@ def _read(r: FieldReader, root: Field, path: Path) -> DesScenario | None:
         knobs=knobs,
         outage=outage,
         sweep=sweep,
+        model_sweep=model_sweep,
         sweep_requests=r.get(top, "sweep_requests", count, "an integer >= 1", 20_000),
         path=path,
         start_s=r.get(top, "start_s", non_negative, "simulated seconds >= 0", 0.0),
@@ -166,7 +184,15 @@ def _read(r: FieldReader, root: Field, path: Path) -> DesScenario | None:
 
 def _fleet(r: FieldReader, top: Section) -> Fleet | None:
     field = top.get("fleet")
-    allowed = ("engines", "regions", "profile", "max_num_seqs", "num_gpu_blocks", "declare_seats")
+    allowed = (
+        "engines",
+        "regions",
+        "profile",
+        "max_num_seqs",
+        "num_gpu_blocks",
+        "declare_seats",
+        "models",
+    )
     s = r.section(field, allowed) if field is not None else None
     if s is None:
         r.error_in(top, "fleet", "required (a mapping with engines)") if field is None else None
@@ -181,6 +207,7 @@ def _fleet(r: FieldReader, top: Section) -> Fleet | None:
         max_num_seqs=r.get(s, "max_num_seqs", count, "an integer >= 1", 16),
         num_gpu_blocks=r.get(s, "num_gpu_blocks", count, "an integer >= 1", 2500),
         declare_seats=r.get(s, "declare_seats", _bool, "true or false", True),
+        models=r.get(s, "models", count, "an integer >= 1", 1),
     )
 
 
@@ -334,14 +361,18 @@ def _outage(r: FieldReader, top: Section) -> Outage | None:
 
 
 def _sweep(r: FieldReader, top: Section) -> tuple[tuple[int, int], ...]:
+    return _pairs(r, top, "sweep", "[engines, tenants]")
+
+
+def _pairs(r: FieldReader, top: Section, key: str, shape: str) -> tuple[tuple[int, int], ...]:
     points = []
-    for item in r.items(top.get("sweep")) or []:
+    for item in r.items(top.get(key)) or []:
         value = r.value(item)
         ok = isinstance(value, list) and len(value) == 2
         if not ok or not all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value
         ):
-            r.error(item, f"must be [engines, tenants] integers >= 1, got {value!r}")
+            r.error(item, f"must be {shape} integers >= 1, got {value!r}")
             continue
         points.append((value[0], value[1]))
     return tuple(points)

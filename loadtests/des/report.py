@@ -141,6 +141,7 @@ def write(
     main: dict[str, Any],
     sweep: Mapping[str, dict[str, Any]],
     memory: Mapping[str, float],
+    by_models: Mapping[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """``out/results.json``, ``out/report.md`` and ``out/decision-cost.png`` (the plot only
     with a sweep)."""
@@ -157,12 +158,29 @@ def write(
         "memory_bytes": dict(memory),
         "run": main,
         "sweep": dict(sweep),
+        "model_sweep": dict(by_models or {}),
+        "model_sweep_ratio": model_ratios(by_models or {}),
     }
     (out / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     (out / "report.md").write_text(markdown(results))
     if sweep:
         plot(out / "decision-cost.png", sweep)
     return results
+
+
+MODEL_SCALE_TARGET = 1.2
+"""A fleet of many model pools keeps the decision cost within this of one pool's."""
+
+
+def model_ratios(by_models: Mapping[str, dict[str, Any]]) -> dict[str, float]:
+    """Each ``models x engines`` point's decision cost over the smallest one-model point's
+    (the one pool the others are judged against); empty without such a point."""
+    singles = [key for key in by_models if key.startswith("1x")]
+    if not singles:
+        return {}
+    base = min(singles, key=lambda key: int(key.split("x")[1]))
+    cost = by_models[base]["decision_us"]
+    return {key: run["decision_us"] / cost for key, run in by_models.items() if key != base}
 
 
 def _ms(value: float | None) -> str:
@@ -209,6 +227,26 @@ def markdown(results: Mapping[str, Any]) -> str:
             f"| {per.get('completed', 0):.0f} | {s['calls'].get('dispatch', 0):,} "
             f"| {s['wall_s']:.0f} s |"
         )
+    if results.get("model_sweep"):
+        lines += [
+            "",
+            "## Decision cost as the fleet becomes many model pools",
+            "",
+            "Same load and tenants per engine; ratio against the one-pool point "
+            f"(target: at most {MODEL_SCALE_TARGET}x for several models).",
+            "",
+            "| models x engines | µs per request | ratio | target |",
+            "|---|---|---|---|",
+        ]
+        ratios = results["model_sweep_ratio"]
+        for key, s in results["model_sweep"].items():
+            ratio = ratios.get(key)
+            several = not key.startswith("1x")
+            verdict = "-"
+            if ratio is not None and several:
+                verdict = "met" if ratio <= MODEL_SCALE_TARGET else "**not met**"
+            shown = "1.00x (base)" if ratio is None else f"{ratio:.2f}x"
+            lines.append(f"| {key} | **{s['decision_us']:.0f}** | {shown} | {verdict} |")
     outage = run.get("outage")
     if outage:
         lines += [

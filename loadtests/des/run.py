@@ -26,6 +26,7 @@ from extproc.core.decisions import Forward, Hold, Respond
 from extproc.core.events import Completion, RequestInfo
 from extproc.core.feedback import BODY_BYTES_PER_TOKEN, BODY_ENVELOPE_BYTES, STREAM_BYTES_PER_TOKEN
 from extproc.fleet.backend import BackendSpec
+from extproc.fleet.models import ServedModels
 from extproc.fleet.vllm_metrics import EngineMetrics
 from extproc.policy import DEFAULT_POLICY_PATH
 from loadtests.bench.workload import TEMPLATE_TOKENS
@@ -39,6 +40,13 @@ from loadtests.sim.engine import EngineConfig, EngineRequest, Policy
 from loadtests.sim.profiles import get_profile
 
 MODEL = "sim-model"
+
+
+def model_names(count: int) -> tuple[str, ...]:
+    """The fleet's models: the simulators' own name alone, or ``model-0`` ... for several."""
+    return (MODEL,) if count == 1 else tuple(f"model-{k}" for k in range(count))
+
+
 PRIORITY_HEADER = "x-vllm-priority"
 
 
@@ -154,6 +162,12 @@ class Simulation:
             )
         # Regions interleaved, so the first backend (the local region) is r0's.
         self.core = Core(policy_path, specs, self.loop)
+        self.models = model_names(fleet.models)
+        if fleet.models > 1:  # each block of engines serves one model, as /v1/models says
+            pool = self.core.pool
+            for i, backend in enumerate(pool.backends):
+                name = self.models[i * fleet.models // fleet.engines]
+                pool.set_models(backend, ServedModels(frozenset({name})))
         self.block_size = config.block_size
         policy = self.core.store.current
         self.scrape_interval_s = (
@@ -230,7 +244,9 @@ class Simulation:
                 "authorization": f"Bearer {ask.api_key}",
                 "content-type": "application/json",
             },
-            body=chat_body(MODEL, ask.prompt, ask.max_tokens, ask.stream),
+            body=chat_body(
+                self.models[self._ids % len(self.models)], ask.prompt, ask.max_tokens, ask.stream
+            ),
             request_id=request_id,
         )
         decision = self.core.handle(info)
@@ -578,6 +594,12 @@ def bench(scenario: DesScenario, out: Path) -> dict[str, Any]:
         sized = scenario.scaled(engines, tenants, scenario.sweep_requests)
         _, point = simulate(sized, work / f"sweep-{engines}x{tenants}")
         sweep[f"{engines}x{tenants}"] = report.run_summary(sized, point, aging)
+    by_models: dict[str, dict[str, Any]] = {}
+    for models, engines in scenario.model_sweep:
+        tenants = max(1, round(scenario.open_loop.tenants * engines / scenario.fleet.engines))
+        sized = scenario.scaled(engines, tenants, scenario.sweep_requests, models=models)
+        _, point = simulate(sized, work / f"models-{models}x{engines}")
+        by_models[f"{models}x{engines}"] = report.run_summary(sized, point, aging)
     memory: dict[str, float] = {}
     if scenario.sweep:
         low = min(scenario.sweep)
@@ -593,4 +615,4 @@ def bench(scenario: DesScenario, out: Path) -> dict[str, Any]:
             memory["per_tenant"] = (more_tenants - base) / (tenants - low[1])
         if high[0] > low[0]:
             memory["per_engine"] = (more_engines - base) / (high[0] - low[0])
-    return report.write(out, scenario, main, sweep, memory)
+    return report.write(out, scenario, main, sweep, memory, by_models)

@@ -30,5 +30,5 @@ class View:
     """The vLLM priority the band's next request would go with (the queue gate's input)."""
     now: float
     stale_after_s: float
-    loadable: Loadable = field(default_factory=lambda: NOTHING_LOADABLE)
+    loadable: Loadable = field(default_factory=lambda: NOTHING_LOADABLE, hash=False)
     """The policy's runtime adapters (adapter -> base): loaded where their base is served."""

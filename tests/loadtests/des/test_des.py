@@ -256,3 +256,27 @@ def test_an_engine_dying_in_a_step_loses_the_requests_that_step_finished() -> No
     assert req.finish_reason == "length" and not node.engine.has_work
     assert node.kill() == [req]
     loop.run_until(10.0)  # the dead step's end is ignored
+
+
+def test_a_fleet_of_several_models_sends_each_request_to_its_models_engines(
+    tmp_path: Path,
+) -> None:
+    text = SMALL.replace("max_num_seqs: 8}", "max_num_seqs: 8, models: 3}")
+    text = text.replace("max_requests: 1500", "max_requests: 600")
+    sim, measured = simulate(parse_des(read_document(scenario(tmp_path, text))), tmp_path / "w")
+    assert measured.stats.sent == 600 and sim.in_progress == 0
+    assert {key for key in measured.stats.statuses if key[1] != 200} <= {("batch", 503)}
+    pool = sim.core.pool
+    served = {b.address: b.models.bases for b in pool.backends if b.models is not None}
+    assert sorted(map(sorted, set(served.values()))) == [["model-0"], ["model-1"], ["model-2"]]
+    # every grant's band names the pool of the engine it went to
+    assert set(sim.core.admission.scheduler.depths()) >= {"batch@model-0", "batch@model-2"}
+
+
+def test_the_model_sweep_reports_each_point_against_one_pool(tmp_path: Path) -> None:
+    text = SMALL.replace("sweep: [[3, 100], [6, 300]]", "model_sweep: [[1, 3], [3, 6]]")
+    results = bench(parse_des(read_document(scenario(tmp_path, text))), tmp_path / "out")
+    assert set(results["model_sweep"]) == {"1x3", "3x6"}
+    assert set(results["model_sweep_ratio"]) == {"3x6"}
+    assert results["model_sweep_ratio"]["3x6"] > 0
+    assert "| 3x6 |" in (tmp_path / "out" / "report.md").read_text()

@@ -225,6 +225,10 @@ class TargetResult:
         }
         if t.either is not None:
             data["either"] = t.either
+        if t.baseline_metric is not None:
+            data["baseline_metric"] = t.baseline_metric
+        if t.allowance_s:
+            data["allowance_s"] = t.allowance_s
         if self.suspect is not None:
             data["suspect"] = self.suspect
         return data
@@ -244,6 +248,8 @@ class TargetResult:
             tenants=tuple(data["tenants"]),
             baseline_arm=data["baseline_arm"],
             either=data.get("either"),
+            baseline_metric=data.get("baseline_metric"),
+            allowance_s=data.get("allowance_s", 0.0),
         )
         return cls(
             target,

@@ -66,8 +66,14 @@ def evaluate(
         baseline = None
         measured = value
         if t.baseline_arm is not None:
-            baseline = metric_value(summaries[t.baseline_arm], t, weights)
-            measured = value / baseline if value is not None and baseline else None
+            asked = (
+                t if t.baseline_metric is None else dataclasses.replace(t, metric=t.baseline_metric)
+            )
+            baseline = metric_value(summaries[t.baseline_arm], asked, weights)
+            if value is not None and baseline:
+                measured = (value - t.allowance_s) / baseline
+            else:
+                measured = None
         if measured is None:
             results.append(TargetResult(t, value, baseline, None, None, "no data"))
             continue

@@ -238,7 +238,8 @@ class Arm:
 class Target:
     """One check on the results: ``metric`` of ``arm`` (over a tier, tenant or group; or the
     Jain index over ``tenants``), optionally divided by the same metric of ``baseline_arm``,
-    compared with ``max`` (≤) or ``min`` (≥). Targets with the same ``either`` label are
+    compared with ``max`` (≤) or ``min`` (≥); ``baseline_metric`` and ``allowance_s`` refine
+    the division. Targets with the same ``either`` label are
     alternatives ("at least 1.3x the throughput, or at most 0.7x the TTFT")."""
 
     name: str
@@ -254,6 +255,11 @@ class Target:
     either: str | None = None
     """A label shared with one or more other targets: alternatives, of which one passing
     meets the requirement (each is still checked and reported on its own)."""
+    baseline_metric: str | None = None
+    """The baseline arm's metric to divide by, when not ``metric`` itself (the longest wait
+    for a first token under a flood against the p90 with none)."""
+    allowance_s: float = 0.0
+    """Seconds allowed beyond the ratio: ``value <= bound x baseline + allowance_s``."""
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,8 @@ TARGET_FIELDS = (
     "max",
     "min",
     "either",
+    "baseline_metric",
+    "allowance_s",
 )
 
 
@@ -456,6 +458,12 @@ def _read_target(reader: FieldReader, item: Field, known: _Known) -> tuple[Targe
     op: Literal["max", "min"] = "max" if "max" in raw else "min"
     bound = reader.get(raw, op, number, "a number")
     either = reader.get(raw, "either", text, "a label shared with the alternative targets", None)
+    baseline_metric = reader.get(
+        raw, "baseline_metric", choice(*METRICS), f"one of {METRICS}", None
+    )
+    allowance = reader.get(raw, "allowance_s", non_negative, "seconds >= 0", 0.0)
+    if (baseline_metric is not None or allowance) and baseline is None:
+        reader.error_in(raw, "baseline_arm", "is required with baseline_metric or allowance_s")
     if len(reader.errors) > before:
         return None
     target = Target(
@@ -470,6 +478,8 @@ def _read_target(reader: FieldReader, item: Field, known: _Known) -> tuple[Targe
         tenants=tuple(tenants or ()),
         baseline_arm=baseline,
         either=either,
+        baseline_metric=baseline_metric,
+        allowance_s=float(allowance),
     )
     return target, raw
 

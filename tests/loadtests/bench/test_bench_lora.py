@@ -213,3 +213,28 @@ def test_either_round_trips_through_results_json() -> None:
     plain = dataclasses.replace(sooner, target=dataclasses.replace(SOONER, either=None))
     assert "either" not in plain.to_json()
     assert TargetResult.from_json(plain.to_json()).target.either is None
+
+
+def test_a_target_may_divide_by_another_metric_with_an_allowance() -> None:
+    """The longest first-token wait under a flood against the p90 with none, plus 0.2 s."""
+    longest = Target(
+        name="no chat waits past 3x the unloaded p90 + 0.2 s",
+        metric="wait_max",
+        arm="fairlane",
+        bound=3.0,
+        op="max",
+        tier="interactive",
+        baseline_arm="least-request",
+        baseline_metric="ttft_p90",
+        allowance_s=0.2,
+    )
+    arms = {
+        "fairlane": ArmSummary(by_tier={"interactive": Figures(wait_max=0.5, ttft_p90=0.1)}),
+        "least-request": ArmSummary(by_tier={"interactive": Figures(wait_max=9.0, ttft_p90=0.1)}),
+    }
+    (result,) = targets.evaluate([longest], arms)
+    assert result.measured == pytest.approx(3.0) and result.passed  # (0.5 - 0.2) / 0.1
+    assert TargetResult.from_json(result.to_json()) == result
+    arms["fairlane"] = ArmSummary(by_tier={"interactive": Figures(wait_max=0.6)})
+    (result,) = targets.evaluate([longest], arms)
+    assert result.passed is False

@@ -482,8 +482,9 @@ class Admission:
             # Leave the room to that replica, for a few exchanges at most (Deferrals).
             return not self._deferrals.still(band, now, self.peers.defer_s)
 
+        among = None if pool is None else [b for b in self._bands if band_pool(b) == pool]
         while len(self.scheduler):
-            entry = self.scheduler.pop(eligible=eligible)
+            entry = self.scheduler.pop(eligible=eligible, among=among)
             if entry is None:
                 break
             where = placement(entry.band)

@@ -304,6 +304,9 @@ class FairScheduler:
         self._fairness = fairness
         self._clock = clock
         self._bands: dict[str, _Band] = {}
+        self._band_of: dict[str, str] = {}
+        """Queued request id -> its band: finding one, and counting them, costs no walk of
+        the bands (a fleet of many model pools has a band per tier and pool)."""
         self._seq = 0
         self._ledger: dict[tuple[str, str], float] | None = None
         """Charges since ``take_ledger`` (None until a replica first asks: alone, no cost)."""
@@ -363,6 +366,7 @@ class FairScheduler:
         seq = self._seq
         self._seq += 1
         band.entries[entry.request_id] = entry
+        self._band_of[entry.request_id] = entry.band
         flow = band.flows.get(entry.flow)
         if flow is None:
             flow = band.flows[entry.flow] = _Flow(band.vtime)
@@ -378,8 +382,13 @@ class FairScheduler:
         if band.backlogged == 1:
             band.advance()
 
-    def pop(self, eligible: Callable[[str], bool] = lambda band: True) -> Entry | None:
-        """The next entry to admit among bands for which ``eligible(name)`` holds.
+    def pop(
+        self,
+        eligible: Callable[[str], bool] = lambda band: True,
+        among: Iterable[str] | None = None,
+    ) -> Entry | None:
+        """The next entry to admit among bands for which ``eligible(name)`` holds (and, when
+        given, that are ``among`` these names).
 
         The band with the best effective rank (ties: lower base rank), then that band's
         backlogged flow with the lowest counter, then that flow's oldest entry. The flow
@@ -388,7 +397,9 @@ class FairScheduler:
         now = self._clock()
         best: _Band | None = None
         best_key: tuple[float, int, str] | None = None
-        for name, band in self._bands.items():
+        bands = self._bands
+        named = bands.items() if among is None else ((n, bands[n]) for n in among if n in bands)
+        for name, band in named:
             if not band.entries:
                 continue
             oldest = next(iter(band.entries.values()))
@@ -404,6 +415,7 @@ class FairScheduler:
         heapq.heappop(best.ready)
         request_id, _ = flow.queue.popitem(last=False)
         entry = best.entries.pop(request_id)
+        del self._band_of[request_id]
         cost = self._fairness.cost(entry.input_tokens, entry.output_tokens_estimate, entry.weight)
         flow.counter += cost
         flow.fresh = False
@@ -424,6 +436,7 @@ class FairScheduler:
         if band is None or band.entries.get(entry.request_id) is not entry:
             return False
         del band.entries[entry.request_id]
+        del self._band_of[entry.request_id]
         flow = band.flows[entry.flow]
         was_head = next(iter(flow.queue)) == entry.request_id
         del flow.queue[entry.request_id]
@@ -497,18 +510,15 @@ class FairScheduler:
     # ----------------------------------------------------------------- reading
 
     def __len__(self) -> int:
-        return sum(len(band.entries) for band in self._bands.values())
+        return len(self._band_of)
 
     def contains(self, request_id: str) -> bool:
         return self.find(request_id) is not None
 
     def find(self, request_id: str) -> Entry | None:
         """The queued entry for ``request_id``, or None when it is not queued."""
-        for band in self._bands.values():
-            entry = band.entries.get(request_id)
-            if entry is not None:
-                return entry
-        return None
+        name = self._band_of.get(request_id)
+        return None if name is None else self._bands[name].entries.get(request_id)
 
     def entries(self) -> list[Entry]:
         """Every queued entry, band by band, oldest first within a band."""

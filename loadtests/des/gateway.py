@@ -120,6 +120,11 @@ class Core:
         """After a scrape round, as the poller's ``on_change``: held requests may go."""
         return self._timed("dispatch", self.admission.dispatch)
 
+    def restart_counting(self) -> None:
+        """Count CPU and calls from now on (the end of a warm-up)."""
+        self.cpu_ns.clear()
+        self.calls.clear()
+
     def request_path_us(self) -> float:
         """CPU microseconds of the request path per request handled: handling, resuming,
         giving up, completing, the dispatches scrapes trigger (they grant requests), and

@@ -84,7 +84,11 @@ class DesScenario:
     """(engines, tenants) points of the decision-cost curve."""
     model_sweep: tuple[tuple[int, int], ...] = ()
     """(models, engines) points: the decision cost as one fleet becomes many pools, with
-    the same load and tenants per engine."""
+    the same load and tenants per engine, each run for ``duration_s`` (its request cap
+    scaled with its engines, so that every point covers the same virtual time)."""
+    cost_after_warmup: bool = False
+    """Count the core's CPU from the end of the warm-up: the steady state, without the
+    start's burst (closed loops all sending their first requests at once)."""
     sweep_requests: int = 20_000
     path: Path | None = None
     start_s: float = 0.0
@@ -137,6 +141,7 @@ TOP = (
     "outage",
     "sweep",
     "model_sweep",
+    "cost_after_warmup",
     "sweep_requests",
     "start_s",
 )
@@ -173,6 +178,7 @@ def _read(r: FieldReader, root: Field, path: Path) -> DesScenario | None:
         outage=outage,
         sweep=sweep,
         model_sweep=model_sweep,
+        cost_after_warmup=r.get(top, "cost_after_warmup", _bool, "true or false", False),
         sweep_requests=r.get(top, "sweep_requests", count, "an integer >= 1", 20_000),
         path=path,
         start_s=r.get(top, "start_s", non_negative, "simulated seconds >= 0", 0.0),

@@ -199,6 +199,8 @@ class Simulation:
         for client in self.traffic.clients(start):
             loop.at(client.start_s, self._closed_send, client)
         loop.at(start, self._scrape_round)
+        if scenario.cost_after_warmup:
+            loop.at(start + scenario.warmup_s, lambda _: self.core.restart_counting())
         if scenario.outage is not None:
             loop.at(scenario.outage.at_s, self._outage_start)
         loop.run_until(start + scenario.duration_s)
@@ -596,8 +598,10 @@ def bench(scenario: DesScenario, out: Path) -> dict[str, Any]:
         sweep[f"{engines}x{tenants}"] = report.run_summary(sized, point, aging)
     by_models: dict[str, dict[str, Any]] = {}
     for models, engines in scenario.model_sweep:
-        tenants = max(1, round(scenario.open_loop.tenants * engines / scenario.fleet.engines))
-        sized = scenario.scaled(engines, tenants, scenario.sweep_requests, models=models)
+        factor = engines / scenario.fleet.engines
+        tenants = max(1, round(scenario.open_loop.tenants * factor))
+        cap = max(1, round(scenario.max_requests * factor))
+        sized = scenario.scaled(engines, tenants, cap, models=models)
         _, point = simulate(sized, work / f"models-{models}x{engines}")
         by_models[f"{models}x{engines}"] = report.run_summary(sized, point, aging)
     memory: dict[str, float] = {}

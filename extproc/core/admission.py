@@ -606,11 +606,8 @@ class Admission:
         # prefix it holds included; other tiers keep their prefix affinity (measured: on
         # shared-prefix, free seats first for every tier cut throughput to 0.8 x
         # least-request's, from 1.5 x).
-        # A seat the engine has not shown yet (its count is still a guess: it is probed by
-        # the tiers that may wait) is no seat for this tier: at a cold start under a flood,
-        # such a seat is where vLLM queues a request behind whole batch generations.
         if tier is not None and tier.reserved_share:
-            seated = [b for b in candidates if b.shown_free_seats() >= 1] or [
+            seated = [b for b in candidates if b.free_seats() >= 1] or [
                 b
                 for b in candidates
                 if self._can_cancel(b, rank) and self._worth_preempting(b, tier)
@@ -656,9 +653,7 @@ class Admission:
         assert pick is not None  # _place lists healthy candidates only
         backend = pick.chosen
         self._kv_preempting.pop(entry.band, None)
-        seated = where.tier is not None and where.tier.reserved_share
-        free = backend.shown_free_seats() if seated else backend.free_seats()
-        if free < 1 and self._worth_preempting(backend, where.tier):
+        if backend.free_seats() < 1 and self._worth_preempting(backend, where.tier):
             self._preempt_for(backend, where.rank)
         blocks = prompt.blocks(backend.block_size)
         keys = prompt.keys(backend.block_size) if backend.kv_index is not None else None

@@ -736,11 +736,6 @@ class Backend:
         """Seats no request holds or waits for (may be negative: requests queued in vLLM)."""
         return self.seats.count - self.busy_seats()
 
-    def shown_free_seats(self) -> float:
-        """``free_seats`` among the seats the engine has shown it has (``Seats.shown``):
-        what a request that must not wait inside vLLM can count on."""
-        return self.seats.shown - self.busy_seats()
-
     def record_scrape(
         self,
         metrics: EngineMetrics,

@@ -8,9 +8,9 @@ from what the engine does: requests waiting while the KV cache still has room me
 is taken, so the running count is the seat count (confirmed over several steps); more running
 than thought raises the count at once; a restarted engine is learned again. Until then the
 estimate grows a step past the most it was seen running, so learning costs one step of
-over-commitment per engine start, and the tiers that keep seats count only seats the engine
-has shown. A count declared in the deployment wins over any observation. ``Seats`` has the
-rules. Pure state fed by scrapes: no I/O, no clock, unit-tested without sockets.
+over-commitment per engine start. A count declared in the deployment wins over any
+observation. ``Seats`` has the rules. Pure state fed by scrapes: no I/O, no clock,
+unit-tested without sockets.
 """
 
 from __future__ import annotations
@@ -65,10 +65,9 @@ class Seats:
     or a quarter more on big engines): as the gateway fills an engine whose size it does not
     know, the estimate grows a step per scrape until the engine shows a queue, which teaches the
     real number. Learning costs that one step of over-commitment, once per engine start: a few
-    requests wait inside vLLM. The tiers that keep seats count only the seats the engine has
-    shown (``shown``), so chat is never sent into that queue: it takes a shown seat, by
-    preemption if it must. An engine that never shows a queue stays on the estimate, which
-    follows what it demonstrably runs: neither nothing nor everything.
+    requests wait inside vLLM, and chat that arrives before they drain may wait for a seat
+    (declare ``seats`` to avoid even that). An engine that never shows a queue stays on the
+    estimate, which follows what it demonstrably runs: neither nothing nor everything.
     """
 
     declared: int | None = None
@@ -93,17 +92,6 @@ class Seats:
         if self.learned is not None:
             return self.learned
         return max(self.fallback, probe(self.peak_running))
-
-    @property
-    def shown(self) -> int:
-        """The seats the engine has shown it has: ``count`` without the probe's guess (an
-        unknown engine's extra seat may not exist: a request sent to it can wait in vLLM
-        for a whole running request to finish)."""
-        if self.declared is not None:
-            return self.declared
-        if self.learned is not None:
-            return self.learned
-        return max(self.fallback, self.peak_running)
 
     @property
     def source(self) -> SeatSource:

@@ -9,7 +9,6 @@ from extproc.core.admission import Admission
 from extproc.core.peers import PeerView, PreemptAsks
 from extproc.core.preemption import LEND_MAX_SEATS, Cancellable
 from extproc.fleet.backend import BackendPool
-from extproc.fleet.seats import Seats
 from extproc.policy.model import Gate
 from tests.extproc.factories import (
     API,
@@ -200,24 +199,3 @@ def test_asks_are_repeated_for_a_few_exchanges_then_dropped() -> None:
     assert len(asks.recent(now=10.05, keep_s=0.1)) == 1
     assert asks.recent(now=10.2, keep_s=0.1) == ()
     assert asks.pending(BACKEND, now=10.2, keep_s=0.1) == {}
-
-
-def test_chat_does_not_count_on_a_seat_an_unknown_engine_has_not_shown() -> None:
-    """Seats not known yet (none declared, none learned): the probe's extra seat may not
-    exist, and a chat request sent there would wait in vLLM behind whole batch requests.
-    It takes a shown seat, by cancelling a batch request if it must."""
-    chat = dataclasses.replace(INTERACTIVE, reserved_share=0.25)  # it keeps seats
-    admission, pool, _ = make_admission(limit=100, seats=2, tiers=(chat, API, PREEMPTIBLE_BATCH))
-    engine = pool.backends[0]
-    engine.seats = Seats(peak_running=2)  # seen running 2, never queueing: 3 planned
-    assert (engine.seats.count, engine.seats.shown) == (3, 2)
-    for i in range(2):
-        (grant,) = admission.submit(f"b{i}", Request(PREEMPTIBLE_BATCH))  # type: ignore[arg-type]
-        admission.cancellable(grant.request_id)
-    assert engine.free_seats() == 1 and engine.shown_free_seats() == 0
-    grants = admission.submit("chat", Request(chat))  # type: ignore[arg-type]
-    assert [g.request_id for g in grants] == ["chat"]
-    assert admission.take_preempted() == ["b1"]
-    engine.seats = Seats(declared=3)  # a declared seat is a seat
-    admission.submit("chat-2", Request(chat))  # type: ignore[arg-type]
-    assert admission.take_preempted() == []

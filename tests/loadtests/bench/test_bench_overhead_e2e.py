@@ -210,7 +210,10 @@ def test_overhead_runs_the_peers_beside_direct(tiny: Path, tmp_path: Path) -> No
         assert [r["mode"] for r in rows] == ["saturation", "rate", "concurrency1"]
         for row in rows:
             assert row["errors"] == 0 and row["requests"] > 0, (name, row)
-            assert row["cpu_cores"][name] > 0, (name, row)
+            assert row["cpu_cores"][name] >= 0, (name, row)
+        # Saturation keeps the gateway busy; a few requests at concurrency 1 can cost a
+        # Rust router less than the 0.001 of a core a phase row is rounded to.
+        assert rows[0]["cpu_cores"][name] > 0, (name, rows[0])
         gateway = data["gateways"][name]
         assert gateway["processes"] == [name]
         assert gateway["rates"]["50"]["cpu_s_per_1000"] > 0

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from extproc.ops.processes import Child, NotReady, free_port, wait_http_ready
+from loadtests.bench.engine import descendants
 
 STARTUP_TIMEOUT_S = 240.0
 
@@ -107,23 +108,6 @@ def running(
         yield f"http://127.0.0.1:{port}", child
     finally:
         stop_tree(popen)
-
-
-def descendants(pid: int) -> list[int]:
-    """All processes below ``pid`` (vLLM's engine core and worker), from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def stop_tree(popen: subprocess.Popen[bytes], timeout: float = 20.0) -> None:

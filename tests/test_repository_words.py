@@ -73,12 +73,24 @@ def offending(line: str) -> list[str]:
     return [m.group() for m in WORDS.finditer(line)]
 
 
+def joined(previous: str, line: str) -> str:
+    """Where a line break falls between the words: the last word of ``previous`` and the
+    first of ``line`` (comment and list marks dropped), so "issue" at the end of one line
+    and its number on the next are read together."""
+    tail = previous.split()[-1:] if previous.strip() else []
+    head = line.lstrip(" \t#>*-").split()[:1]
+    return " ".join(tail + head)
+
+
 def test_no_tracked_file_speaks_of_how_it_was_built() -> None:
     found = []
     for path in tracked_text_files():
+        previous = ""
         for number, line in prose(path):
-            if words := offending(line):
+            words = offending(line) or offending(joined(previous, line))
+            if words:
                 found.append(f"{path.relative_to(REPO)}:{number}: {', '.join(words)}")
+            previous = line
     assert not found, "words about how the repository was built:\n" + "\n".join(found)
 
 
@@ -97,6 +109,12 @@ def test_no_tracked_file_speaks_of_how_it_was_built() -> None:
 )
 def test_words_about_the_work_are_caught(line: str) -> None:
     assert offending(line)
+
+
+def test_a_number_on_the_next_line_is_caught() -> None:
+    assert offending(joined("an instant backend (issue", "  13, the hot path)"))
+    assert offending(joined("# as issue", "# 7 said"))
+    assert not offending(joined("an open issue", "with the engine"))
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from extproc.core.affinity import Prompts, most_reused
 from extproc.core.bands import band_name, tier_of
 from extproc.core.bands import pool_of as band_pool
 from extproc.core.budgets import Budgets
@@ -47,7 +48,14 @@ from extproc.core.prefix import EngineHashing, PromptBlocks
 from extproc.core.priority import UserOffsets, vllm_priority
 from extproc.core.reservations import Demand, Reservation, headroom, reserved_seats
 from extproc.core.sampling import LARGE_FLEET, FleetSample
-from extproc.core.scheduler import BandConfig, Entry, FairnessConfig, FairScheduler, QueueFull
+from extproc.core.scheduler import (
+    BandConfig,
+    Entry,
+    FairnessConfig,
+    FairScheduler,
+    Lookahead,
+    QueueFull,
+)
 from extproc.fleet.backend import Backend, BackendPool
 
 if TYPE_CHECKING:
@@ -216,6 +224,9 @@ class Admission:
         self._pool_bands: set[str] = set()
         """Bands of a tier for one model pool (``extproc.core.bands``), made as requests
         for each pool arrive; kept across reloads."""
+        self._prompts = Prompts()
+        """Block hashes of queued requests a dispatch scored for a freed engine
+        (``extproc.core.affinity``), reused at their grant."""
         self._output_share: dict[str, float] = {}
         """Per band, the share of their output estimate its requests generated, a moving
         average (``_expected_output``): 1 until a completion says otherwise."""
@@ -482,9 +493,17 @@ class Admission:
             # Leave the room to that replica, for a few exchanges at most (Deferrals).
             return not self._deferrals.still(band, now, self.peers.defer_s)
 
+        def reusing_most(band: str, window: list[Entry]) -> Entry:
+            where = placements.get(band)
+            model = window[0].payload.model
+            same = [e for e in window if e.payload.model == model]  # the engines serve it
+            return most_reused(same, where.backends, self._prompt) if where else window[0]
+
+        size = self.policy.routing.prefix_lookahead
+        lookahead = Lookahead(size, reusing_most) if size > 1 else None
         among = None if pool is None else [b for b in self._bands if band_pool(b) == pool]
         while len(self.scheduler):
-            entry = self.scheduler.pop(eligible=eligible, among=among)
+            entry = self.scheduler.pop(eligible=eligible, among=among, lookahead=lookahead)
             if entry is None:
                 break
             where = placement(entry.band)
@@ -639,7 +658,7 @@ class Admission:
         user = (request.tenant.name, request.user)
         offset = self._users.next(user)
         priority = vllm_priority(self._tier_base(request, where.tier), offset)
-        prompt = PromptBlocks(request.prompt_text, request.model or "", request.body, self.engine)
+        prompt = self._prompts.pop(entry.request_id) or self._new_prompt(entry)
         fleet = self.pool.serving(request.model)  # retries and hedges stay with its model
         pick = choose(
             where.backends,
@@ -687,6 +706,14 @@ class Admission:
             backend, user, entry, where.rank, now, grant, kv_tokens, offset
         )
         return grant
+
+    def _prompt(self, entry: Entry) -> PromptBlocks:
+        """``entry``'s prompt blocks, kept until its grant (``extproc.core.affinity``)."""
+        return self._prompts.of(entry, self._new_prompt)
+
+    def _new_prompt(self, entry: Entry) -> PromptBlocks:
+        request: RequestClass = entry.payload
+        return PromptBlocks(request.prompt_text, request.model or "", request.body, self.engine)
 
     def _vllm_priority(self, request: RequestClass, tier: Tier | None) -> int:
         """The vLLM priority ``request`` would go with now, acting as ``tier`` (its own when

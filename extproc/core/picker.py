@@ -115,7 +115,7 @@ def _best(
     prompt: PromptBlocks | None,
     routing: Routing,
 ) -> tuple[Backend, PickReason]:
-    shares = [_share(b, prompt) for b in usable]
+    shares = [prefix_share(b, prompt) for b in usable]
     sent = _sent_past_the_read(usable, shares, prompt)
     holder_index = max(
         range(len(usable)), key=lambda i: (shares[i], sent[i], -loads[id(usable[i])])
@@ -154,7 +154,7 @@ def _sent_past_the_read(
     return sent
 
 
-def _share(backend: Backend, prompt: PromptBlocks | None) -> float:
+def prefix_share(backend: Backend, prompt: PromptBlocks | None) -> float:
     """The share of the prompt's leading blocks ``backend`` holds (0..1): what its KV events
     say when it publishes them, else what it was sent before (the approximate index)."""
     if prompt is None:

@@ -30,6 +30,7 @@ __all__ = [
     "FairScheduler",
     "FairnessConfig",
     "Head",
+    "Lookahead",
     "QueueFull",
 ]
 
@@ -129,6 +130,25 @@ class Entry:
     """On the scheduler's clock. Entries are assumed to be pushed in ``enqueued_at`` order."""
     payload: Any = None
     """The admission layer's own data (future, request class); never looked at here."""
+    passed_over: int = 0
+    """Later requests of its own flow that ``pop`` took before it (``Lookahead``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lookahead:
+    """Let ``pop`` take a later request of the chosen flow than its oldest.
+
+    Which of a flow's requests goes first changes nothing between flows: the flow is charged
+    whichever it sends. So the admission layer may pick, among the flow's ``size`` oldest,
+    the one that suits the room it has (a freed engine that already holds that request's
+    prompt prefix). No request is passed over more than ``size`` times: after that it is
+    the only choice, so reordering delays a request by at most ``size`` of its flow's
+    grants.
+    """
+
+    size: int
+    choose: Callable[[str, list[Entry]], Entry]
+    """(band, the flow's oldest entries, oldest first) -> the one to take."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,13 +406,15 @@ class FairScheduler:
         self,
         eligible: Callable[[str], bool] = lambda band: True,
         among: Iterable[str] | None = None,
+        lookahead: Lookahead | None = None,
     ) -> Entry | None:
         """The next entry to admit among bands for which ``eligible(name)`` holds (and, when
         given, that are ``among`` these names).
 
         The band with the best effective rank (ties: lower base rank), then that band's
-        backlogged flow with the lowest counter, then that flow's oldest entry. The flow
-        is charged the entry's estimated cost.
+        backlogged flow with the lowest counter, then that flow's oldest entry, or the one
+        ``lookahead`` chooses among its oldest. The flow is charged the entry's estimated
+        cost.
         """
         now = self._clock()
         best: _Band | None = None
@@ -413,7 +435,7 @@ class FairScheduler:
         assert top is not None, "a band with entries has a backlogged flow"
         name, flow = top
         heapq.heappop(best.ready)
-        request_id, _ = flow.queue.popitem(last=False)
+        request_id = self._take(best, flow, lookahead)
         entry = best.entries.pop(request_id)
         del self._band_of[request_id]
         cost = self._fairness.cost(entry.input_tokens, entry.output_tokens_estimate, entry.weight)
@@ -429,6 +451,30 @@ class FairScheduler:
         best.meter.record()
         self._advance(entry.band, best)
         return entry
+
+    def _take(self, band: _Band, flow: _Flow, lookahead: Lookahead | None) -> str:
+        """The id of the entry ``pop`` takes from ``flow``, out of its queue: the oldest,
+        unless ``lookahead`` chooses a later one without passing over a request that was
+        passed over ``size`` times already."""
+        queue = flow.queue
+        if lookahead is None or lookahead.size < 2 or len(queue) < 2:
+            return queue.popitem(last=False)[0]
+        entries = band.entries
+        window: list[Entry] = []
+        for request_id in queue:
+            entry = entries[request_id]
+            window.append(entry)
+            if len(window) == lookahead.size or entry.passed_over >= lookahead.size:
+                break  # nothing may pass over a request that was passed over enough
+        chosen = lookahead.choose(window[0].band, window) if len(window) > 1 else window[0]
+        if chosen is window[0]:
+            return queue.popitem(last=False)[0]
+        for entry in window:
+            if entry is chosen:
+                break
+            entry.passed_over += 1
+        del queue[chosen.request_id]
+        return chosen.request_id
 
     def remove(self, entry: Entry) -> bool:
         """Take ``entry`` out (client gone, deadline passed); False if it was not queued."""

@@ -389,6 +389,11 @@ class Routing:
     engine time), 0.4 of it when the adapter waits there for a slot, 0.2 with a slot free,
     none when it runs there already (llm-d's LoRA affinity: 1.0 / 0.6 / 0.8 / 1.0 as
     scores). 1.0 is one backend's slots of queue."""
+    prefix_lookahead: int = 8
+    """When one engine or a few have room, the queued request that goes there may be any of
+    the flow's this many oldest: the one whose prompt prefix they hold the most of
+    (``extproc.core.affinity``); 0 or 1 keeps strict arrival order within a flow. A request
+    is passed over at most this many times."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,6 +70,7 @@ _ROUTING_KEYS = (
     "region_weight",
     "sticky_margin",
     "lora_weight",
+    "prefix_lookahead",
 )
 _FAIRNESS_KEYS = ("flow", "input_weight", "output_weight", "default_output_tokens")
 _BACKPRESSURE_KEYS = ("scrape_interval_s", "stale_after_s")
@@ -228,9 +229,12 @@ def _read_settings(reader: LocatedReader, top: dict[str, Node]) -> dict[str, Any
 
 def _read_routing(reader: LocatedReader, node: Node) -> Routing:
     items = reader.mapping(node, "routing", _ROUTING_KEYS)
-    values: dict[str, float] = {}
+    values: dict[str, Any] = {}
     for key, item in items.items():
-        value = reader.number(item, f"routing.{key}", 0.0)
+        if key == "prefix_lookahead":
+            value: float | None = reader.integer(item, f"routing.{key}", 0)
+        else:
+            value = reader.number(item, f"routing.{key}", 0.0)
         if value is not None:
             values[key] = value
     return Routing(**values)

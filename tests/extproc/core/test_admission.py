@@ -544,3 +544,26 @@ def test_a_bands_output_estimate_follows_what_its_requests_generate() -> None:
     assert backend.kv_committed_tokens == 0
     submit(admission, "last", asked)
     assert 100 + 30 < backend.kv_committed_tokens < 100 + 60
+
+
+def test_a_freed_engine_takes_the_queued_request_whose_prefix_it_holds() -> None:
+    """On a full fleet room appears one engine at a time: of the flow's oldest queued
+    requests, the one whose conversation that engine holds goes there (same tenant, so
+    fairness between flows is untouched); with the lookahead off, arrival order decides."""
+    for lookahead, expected in ((8, ("first", "second")), (0, ("second", "first"))):
+        routing = dataclasses.replace(policy().routing, prefix_lookahead=lookahead)
+        admission, pool, _ = make_admission(limit=1, backends=2, routing=routing)
+        first, second = pool.backends
+        submit(admission, "x", Request(API, prompt_text=SYSTEM + "Lisbon in May?"))
+        submit(admission, "y", Request(API, prompt_text="another system prompt " * 40))
+        assert (admission.backend_of("x"), admission.backend_of("y")) == (first, second)
+        y_turn = submit(
+            admission, "y-2", Request(API, prompt_text="another system prompt " * 40 + "?")
+        )
+        x_turn = submit(admission, "x-2", Request(API, prompt_text=SYSTEM + "And Porto?"))
+        admission.release("x")  # the first engine frees
+        assert x_turn.granted is (lookahead > 1) and y_turn.granted is not (lookahead > 1)
+        admission.release("y")
+        backends = {"first": first, "second": second}
+        assert admission.backend_of("x-2") is backends[expected[0]]
+        assert admission.backend_of("y-2") is backends[expected[1]]

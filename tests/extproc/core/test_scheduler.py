@@ -16,6 +16,7 @@ from extproc.core.scheduler import (
     Entry,
     FairnessConfig,
     FairScheduler,
+    Lookahead,
     QueueFull,
 )
 
@@ -647,3 +648,50 @@ def test_a_flow_is_fresh_until_served_and_again_when_back_from_idle() -> None:
         heads[head.flow] = head.fresh
         sched.pop()
     assert heads == {"b": True, "a": True}
+
+
+# --------------------------------------------------------------------------- lookahead
+
+
+def test_a_lookahead_takes_a_later_request_of_the_flow_charging_the_flow_the_same() -> None:
+    sched = scheduler()
+    a, b, c = (entry("api", "t", inp=10, rid=r) for r in "abc")
+    other = entry("api", "u", inp=10, rid="u1")
+    for e in (a, b, c, other):
+        sched.push(e)
+    last = Lookahead(3, lambda band, window: window[-1])
+    assert sched.pop(lookahead=last) is c  # flow t's turn (earliest head), its third
+    assert sched.counters("api")["t"] == 10.0  # charged as for its oldest
+    assert a.passed_over == b.passed_over == 1
+    assert sched.pop(lookahead=last) is other  # VTC between flows as before
+    assert sched.pop(lookahead=last) is b
+    assert sched.pop(lookahead=last) is a
+    assert sched.pop(lookahead=last) is None
+
+
+def test_no_request_is_passed_over_more_than_the_lookahead_size() -> None:
+    sched = scheduler()
+    entries = [entry("api", "t", rid=f"r{i}") for i in range(6)]
+    for e in entries:
+        sched.push(e)
+    last = Lookahead(2, lambda band, window: window[-1])
+    order = [sched.pop(lookahead=last) for _ in range(6)]
+    # r0 is passed over twice (by r1, then r2), then it is the only choice.
+    assert [e.request_id for e in order if e] == ["r1", "r2", "r0", "r4", "r5", "r3"]
+    assert max(e.passed_over for e in entries) == 2
+
+
+def test_a_request_passed_over_enough_ends_the_window_it_is_in() -> None:
+    sched = scheduler()
+    a, b, c = (entry("api", "t", rid=r) for r in "abc")
+    for e in (a, b, c):
+        sched.push(e)
+    b.passed_over = 4
+    seen: list[list[str]] = []
+
+    def last(band: str, window: list[Entry]) -> Entry:
+        seen.append([e.request_id for e in window])
+        return window[-1]
+
+    assert sched.pop(lookahead=Lookahead(4, last)) is b  # c would pass over b
+    assert seen == [["a", "b"]]

@@ -657,6 +657,14 @@ def test_routing_weights_and_hedging_are_read_and_checked() -> None:
     assert any(e.startswith("r.yaml:2: routing.prefix_weight") for e in errors), errors
     errors = errors_of(text.replace("hedge_after_ms: 400", "hedge_after_ms: 0"), "r.yaml")
     assert any("tiers[0].hedge_after_ms" in e for e in errors), errors
+    assert policy.routing.prefix_lookahead == 8  # the default
+    looking = text.replace("sticky_margin: 0.1}", "sticky_margin: 0.1, prefix_lookahead: 3}")
+    assert parse_policy(looking, "r.yaml").routing.prefix_lookahead == 3
+    for bad, why in (("1.5", "must be an integer"), ("-1", "must be >= 0")):
+        errors = errors_of(
+            looking.replace("prefix_lookahead: 3", f"prefix_lookahead: {bad}"), "r.yaml"
+        )
+        assert any(e.startswith("r.yaml:2: routing.prefix_lookahead") and why in e for e in errors)
 
 
 # --------------------------------------------------------------------------- budgets

@@ -4,18 +4,18 @@
 the gateway's own Envoy bootstrap (ext_proc in BUFFERED mode, the completion access log,
 the runtime layer), but in place of the fairlane service a trivial servicer: it answers the
 headers message with "continue" and the body message with the endpoint header and metadata,
-deciding nothing, and drains the access log. It runs on the service's gRPC server
-(``h2``, ``extproc.transport.h2grpc``) and on grpc.aio (``grpcio``, the well-kept library it
-is measured against), one after the other. The saturation and concurrency-1 figures it prints
-are the floor the real service sits on: the difference is fairlane's own work, the rest is
-the gRPC server and the event loop.
+deciding nothing, and drains the access log. It runs on the service's gRPC server (``h2``,
+``extproc.transport.h2grpc``), on grpc.aio (``grpcio``, the reference) and, as ``direct``,
+with Envoy alone (no ext_proc), one after the other. The figures it prints, with the CPU per
+1,000 requests of Envoy and of the servicer at concurrency 1, are the floor the real service
+sits on: the rest is fairlane's own work. ``--headers-only`` and ``--no-access-log`` leave
+the body message or the access log out of Envoy's config: what each costs.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from tempfile import TemporaryDirectory
@@ -35,23 +35,30 @@ from extproc.fleet.backend import BackendSpec
 from extproc.ops.processes import ProcessGroup, free_port, wait_http_ready, wait_port_open
 from extproc.transport.h2grpc import GrpcServer
 from extproc.transport.limits import ServerLimits
-from extproc.wire import DESTINATION_HEADER, LB_NAMESPACE
-from loadtests.bench.cpu import process_cpu_seconds
+from extproc.wire import DESTINATION_HEADER, EXT_PROC_FILTER, LB_NAMESPACE
+from loadtests.bench.fifo_bootstrap import render_fifo_bootstrap
+from loadtests.bench.overhead.driver import Meter
 from loadtests.bench.overhead.eventloop import run_loop
+from loadtests.bench.overhead.gateways import cpu_per_1000
 from loadtests.bench.overhead.loadgen import LoadGenerator, concurrency1
+from loadtests.bench.overhead.phase import summarize_concurrency1
+from loadtests.bench.overhead.scenario import DIRECT
 
 
 class Continue(external_processor_pb2_grpc.ExternalProcessorServicer):
-    """Continue the headers; send the body on to ``endpoint``, unchanged."""
+    """Continue the headers; send the body on to ``endpoint``, unchanged (``headers_only``:
+    Envoy sends no body, so the headers' answer names the endpoint)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, headers_only: bool = False) -> None:
         self.endpoint = endpoint
+        self.headers_only = headers_only
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
     ) -> AsyncIterator[pb.ProcessingResponse]:
         async for message in request_iterator:
-            if message.WhichOneof("request") == "request_headers":
+            phase = message.WhichOneof("request")
+            if phase == "request_headers" and not self.headers_only:
                 yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
                 continue
             common = pb.CommonResponse()
@@ -60,9 +67,14 @@ class Continue(external_processor_pb2_grpc.ExternalProcessorServicer):
             metadata = struct_pb2.Struct()
             lb = metadata.fields[LB_NAMESPACE].struct_value
             lb.fields[DESTINATION_HEADER].string_value = self.endpoint
-            yield pb.ProcessingResponse(
-                request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
-            )
+            if phase == "request_headers":
+                yield pb.ProcessingResponse(
+                    request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata
+                )
+            else:
+                yield pb.ProcessingResponse(
+                    request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
+                )
             return
 
 
@@ -76,6 +88,8 @@ class Drain(als_pb2_grpc.AccessLogServiceServicer):
 
 
 SERVERS = ("h2", "grpcio")
+KINDS = (*SERVERS, DIRECT)
+HEADERS_ONLY = "headers"
 
 GRPCIO_OPTIONS = [
     # Envoy pings its connections every 10 s; grpc's default answers that with GOAWAY.
@@ -94,62 +108,112 @@ def grpc_server(kind: str) -> GrpcServer | grpc.aio.Server:
     raise ValueError(f"unknown gRPC server {kind!r}: one of {', '.join(SERVERS)}")
 
 
-async def serve(port: int, endpoint: str, kind: str) -> None:
+async def serve(port: int, endpoint: str, kind: str, headers_only: bool = False) -> None:
     server = grpc_server(kind)
-    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(Continue(endpoint), server)
+    servicer = Continue(endpoint, headers_only)
+    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(Drain(), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
 
 
+SERVICER = "floor"
+ENVOY = "envoy"
+
+
+def trimmed(bootstrap: dict[str, Any], headers_only: bool, access_log: bool) -> dict[str, Any]:
+    """The gateway's bootstrap less what it is asked to leave out: the request body in the
+    ext_proc stream (``headers_only``: one message and one answer per request), the
+    completion access log (``access_log`` False)."""
+    for listener in bootstrap["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for network_filter in chain["filters"]:
+                hcm = network_filter["typed_config"]
+                if not access_log:
+                    hcm.pop("access_log", None)
+                for http_filter in hcm["http_filters"]:
+                    if headers_only and http_filter["name"] == EXT_PROC_FILTER:
+                        mode = http_filter["typed_config"]["processing_mode"]
+                        mode["request_body_mode"] = "NONE"
+    return bootstrap
+
+
 async def measure(
-    port: int, backend: int, service_pid: int, seconds: float, c1_requests: int
-) -> dict[str, float]:
+    port: int, backend: int, pids: dict[str, int], seconds: float, c1_requests: int
+) -> dict[str, float | None]:
+    """Saturation (closed loop, 32 connections), then concurrency 1 (the gateway and the
+    backend alternately): req/s, the servicer's cores, the added p50, and the CPU seconds
+    per 1,000 requests at concurrency 1 of each process in ``pids`` and of all of them."""
     gen = LoadGenerator(port)
     for _ in range(300):
         await gen.one()
-    before, started = process_cpu_seconds(service_pid) or 0.0, time.monotonic()
+    meter = Meter(pids)
     latencies, errors = await gen.closed_loop(32, seconds)
-    elapsed = time.monotonic() - started
-    cores = ((process_cpu_seconds(service_pid) or 0.0) - before) / elapsed
-    rps = len(latencies) / elapsed
-    through, direct, c1_errors = await concurrency1(gen, LoadGenerator(backend), c1_requests)
-    through.sort()
-    direct.sort()
-    return {
-        "saturation_rps": round(rps),
-        "service_cores": round(cores, 2),
-        "rps_per_service_core": round(rps / max(cores, 1e-9)),
-        "c1_p50_ms": round(through[len(through) // 2], 3),
-        "c1_backend_p50_ms": round(direct[len(direct) // 2], 3),
-        "c1_added_p50_ms": round(through[len(through) // 2] - direct[len(direct) // 2], 3),
+    usage = meter.stop()
+    figures: dict[str, float | None] = {"saturation_rps": round(len(latencies) / usage.wall_s)}
+    service = usage.cpu_s.get(SERVICER)
+    if service is not None:
+        figures["service_cores"] = round(service / usage.wall_s, 2)
+        figures["rps_per_service_core"] = round(len(latencies) / max(service, 1e-9))
+    backend_gen = LoadGenerator(backend)
+    meter = Meter(pids)
+    through, direct, c1_errors = await concurrency1(gen, backend_gen, c1_requests)
+    c1 = summarize_concurrency1(through, direct, c1_errors, meter.stop())
+    gen.close()
+    backend_gen.close()
+    figures |= {
+        "c1_p50_ms": c1["p50_ms"],
+        "c1_backend_p50_ms": c1["backend_p50_ms"],
+        "c1_added_p50_ms": c1["c1_added_p50_ms"],
+        **{f"c1_{name}_cpu_s_per_1000": cpu_per_1000(c1, name) for name in pids},
+        "c1_cpu_s_per_1000": cpu_per_1000(c1),
         "errors": errors + c1_errors,
     }
+    return figures
 
 
-def run(seconds: float, kind: str, c1_requests: int = 2000) -> dict[str, float]:
-    """Start backend, trivial servicer (on a ``kind`` gRPC server) and Envoy; measure;
-    stop them all."""
+def run(
+    seconds: float,
+    kind: str,
+    c1_requests: int = 2000,
+    headers_only: bool = False,
+    access_log: bool = True,
+) -> dict[str, float | None]:
+    """Start backend, trivial servicer (on a ``kind`` gRPC server; none for ``direct``) and
+    Envoy (its bootstrap :func:`trimmed`); measure; stop them all."""
     with TemporaryDirectory() as folder, ProcessGroup(Path(folder)) as group:
         backend = BackendSpec("127.0.0.1", free_port(), "local")
         argv = [sys.executable, "-m", "loadtests.bench.overhead.backend"]
         child = group.start("backend", [*argv, "--port", str(backend.port)])
         wait_http_ready(f"{backend.url}/health", child, timeout=30)
-        service_port = free_port()
-        me = [sys.executable, "-m", "loadtests.bench.overhead.floor", "--serve"]
-        service = group.start("floor", [*me, str(service_port), backend.address, kind])
-        wait_port_open(service_port, service)
         port, admin = free_port(), free_port()
-        params = EnvoyParams(
-            listen_port=port, admin_port=admin, extproc_port=service_port, backends=(backend,)
-        )
+        pids: dict[str, int] = {}
+        if kind == DIRECT:
+            params = EnvoyParams(listen_port=port, admin_port=admin, backends=(backend,))
+            bootstrap = render_fifo_bootstrap(params)
+        else:
+            service_port = free_port()
+            me = [sys.executable, "-m", "loadtests.bench.overhead.floor", "--serve"]
+            messages = HEADERS_ONLY if headers_only else "headers,body"
+            args = [str(service_port), backend.address, kind, messages]
+            service = group.start(SERVICER, [*me, *args])
+            wait_port_open(service_port, service)
+            pids[SERVICER] = service.popen.pid
+            params = EnvoyParams(
+                listen_port=port, admin_port=admin, extproc_port=service_port, backends=(backend,)
+            )
+            bootstrap = trimmed(render_bootstrap(params), headers_only, access_log)
         config = Path(folder) / "envoy.yaml"
-        config.write_text(yaml.safe_dump(render_bootstrap(params), sort_keys=False))
-        envoy = group.start("envoy", envoy_argv(config))
+        config.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+        envoy = group.start(ENVOY, envoy_argv(config))
         wait_http_ready(f"http://127.0.0.1:{admin}/ready", envoy, timeout=30)
-        pid = service.popen.pid
-        return run_loop(measure(port, backend.port, pid, seconds, c1_requests))
+        pids[ENVOY] = envoy.popen.pid
+        return run_loop(measure(port, backend.port, pids, seconds, c1_requests))
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,18 +223,44 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=1, help="measure each server this many times, alternating"
     )
     parser.add_argument(
-        "--serve", nargs=3, metavar=("PORT", "ENDPOINT", "KIND"), help=argparse.SUPPRESS
+        "--kinds",
+        default=",".join(KINDS),
+        help=f"comma-separated, measured in this order (default: {','.join(KINDS)})",
+    )
+    parser.add_argument(
+        "--c1-requests",
+        type=int,
+        default=2000,
+        help="requests through the gateway at concurrency 1",
+    )
+    parser.add_argument(
+        "--headers-only",
+        action="store_true",
+        help="ext_proc without the request body: one message and one answer per request",
+    )
+    parser.add_argument(
+        "--no-access-log", action="store_true", help="Envoy without the completion access log"
+    )
+    parser.add_argument(
+        "--serve", nargs=4, metavar=("PORT", "ENDPOINT", "KIND", "MESSAGES"), help=argparse.SUPPRESS
     )
     args = parser.parse_args(argv)
     if args.serve:
         import uvloop
 
-        uvloop.run(serve(int(args.serve[0]), args.serve[1], args.serve[2]))
+        port, endpoint, kind, messages = args.serve
+        uvloop.run(serve(int(port), endpoint, kind, messages == HEADERS_ONLY))
         return 0
+    kinds = args.kinds.split(",")
+    for kind in kinds:
+        if kind not in KINDS:
+            parser.error(f"unknown kind {kind!r}: one of {', '.join(KINDS)}")
     for _ in range(args.rounds):
-        for kind in SERVERS:
-            figures = run(args.seconds, kind)
-            print(kind, " ".join(f"{key}={value:g}" for key, value in figures.items()))
+        for kind in kinds:
+            figures = run(
+                args.seconds, kind, args.c1_requests, args.headers_only, not args.no_access_log
+            )
+            print(kind, " ".join(f"{key}={_fmt(value)}" for key, value in figures.items()))
     return 0
 
 

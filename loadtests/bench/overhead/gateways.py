@@ -37,12 +37,13 @@ def gateway_processes(row: Row) -> list[str]:
     return [p for p in row["cpu_cores"] if p != BACKEND]
 
 
-def cpu_per_1000(row: Row) -> float | None:
-    """The gateway's CPU seconds per 1,000 requests completed in the phase."""
+def cpu_per_1000(row: Row, process: str | None = None) -> float | None:
+    """The gateway's CPU seconds per 1,000 requests completed in the phase (``process``:
+    that process's alone)."""
     rps = row.get("achieved_rps")
     if not rps:
         return None
-    cores = sum(c for p, c in row["cpu_cores"].items() if p != BACKEND)
+    cores = sum(c for p, c in row["cpu_cores"].items() if p != BACKEND and process in (None, p))
     return round(cores / rps * 1000, 3)
 
 

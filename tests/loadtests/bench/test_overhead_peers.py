@@ -94,6 +94,13 @@ def test_cpu_per_request_leaves_the_backend_out() -> None:
     assert cpu_per_1000(row("rate", 100.0, 1, 2, achieved_rps=0)) is None
 
 
+def test_cpu_per_request_of_one_process() -> None:
+    cores = {"envoy": 0.2, "service": 0.5, "backend": 1}
+    assert cpu_per_1000(row("rate", 100.0, 1, 2, cpu_cores=cores), "envoy") == 2
+    assert cpu_per_1000(row("rate", 100.0, 1, 2, cpu_cores=cores), "service") == 5
+    assert cpu_per_1000(row("rate", 100.0, 1, 2, cpu_cores=cores)) == 7
+
+
 def test_the_report_puts_the_peers_beside_fairlane() -> None:
     lines = "\n".join(gateway_lines(arms(), [100.0]))
     assert "## The whole gateway, beside the peers" in lines

@@ -45,9 +45,12 @@ class Gate:
 
 DEFAULT_GATES: Mapping[str, Gate] = MappingProxyType(
     {
-        # TNG: dispatch while the backend queue is below ~3. No ITL bound: an interactive
-        # request is better off inside vLLM, where its priority puts it first, than held here.
-        "interactive": Gate(max_waiting=3, max_kv_cache_usage=0.95),
+        # Chat may wait inside vLLM, where its priority puts it first, as deep as 8 (TNG
+        # dispatches below ~3): when chat alone fills the fleet, that lets a request wait
+        # for the engine holding its prompt prefix rather than take whichever seat frees
+        # (docs/benchmarks/prefix-routing.md: 90 % of prompt tokens cached against 73 %
+        # at 3). Only chat ahead of it counts, so batch never blocks it. No ITL bound.
+        "interactive": Gate(max_waiting=8, max_kv_cache_usage=0.95),
         # One step below interactive (see the module docstring), and a little more KV
         # headroom; no ITL bound, as api clients stream too and vLLM priority protects them.
         "api": Gate(max_waiting=2, max_kv_cache_usage=0.90),

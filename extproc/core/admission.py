@@ -115,14 +115,13 @@ class Memo:
 
     fleet: tuple[Counter[int], dict[int, int], set[int]] | None = None
     """Requests in flight by rank, the reserves and the active ranks; None: to compute."""
-    scans: dict[tuple[str, View], tuple[Backend, ...]] = field(default_factory=dict)
-    """The engines that passed the filters, per band and what the filters were asked."""
+    scans: dict[str, dict[tuple[str, View], tuple[Backend, ...]]] = field(default_factory=dict)
+    """Per pool, the engines that passed the filters, per band and what they were asked."""
 
     def changed(self, pool: str) -> None:
         """A grant (or a cancellation) on ``pool``'s engines."""
         self.fleet = None
-        for key in [key for key in self.scans if band_pool(key[0]) == pool]:
-            del self.scans[key]
+        self.scans.pop(pool, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,16 +238,18 @@ class Admission:
         self.budgets.configure(policy)
         self.pool.set_loadable({n: a.base for n, a in policy.runtime_adapters.items()})
         self._bands = {
-            t.name: BandConfig(t.name, t.rank, t.queue_limit, t.aging_rate, t.aging_cap)
+            t.name: BandConfig(t.name, t.rank, t.queue_limit, t.aging_rate, t.aging_cap, t.name)
             for t in policy.tiers
         }
         # Each tier's bands for the model pools seen so far take its new settings too.
-        self._bands_of_tier = {t.name: [t.name] for t in policy.tiers}
         for band in self._pool_bands:
             tier_config = self._bands.get(tier_of(band))
             if tier_config is not None:
                 self._bands[band] = dataclasses.replace(tier_config, name=band)
-                self._bands_of_tier[tier_config.name].append(band)
+        self._bands_of_pool: dict[str, list[str]] = {}
+        """Each model pool's bands (``extproc.core.bands``), most urgent tier first."""
+        for band in self._bands:
+            self._bands_of_pool.setdefault(band_pool(band), []).append(band)
         self.scheduler.configure(
             self._bands.values(),
             FairnessConfig(policy.fairness.input_weight, policy.fairness.output_weight),
@@ -396,14 +397,15 @@ class Admission:
             config = dataclasses.replace(self._bands[tier.name], name=band)
             self._bands[band] = config
             self._pool_bands.add(band)
-            self._bands_of_tier[tier.name].append(band)
+            pool_bands = self._bands_of_pool.setdefault(pool, [])
+            pool_bands.append(band)
+            pool_bands.sort(key=lambda b: self._bands[b].rank)
             self.scheduler.add_band(config)
         return band
 
     def _tier_depth(self, tier: str) -> int:
         """Requests of ``tier`` waiting here, in all its bands."""
-        depth = self.scheduler.depth
-        return sum(depth(band) for band in self._bands_of_tier.get(tier, (tier,)))
+        return self.scheduler.group_depth(tier)
 
     def _peers_waiting(self, tier: str) -> int:
         """Requests of ``tier`` waiting on the other replicas, in all its bands."""
@@ -460,8 +462,31 @@ class Admission:
         engines); on a fleet of many pools that spares a placement per band of every
         other. A full dispatch follows every scrape round, for what time alone changed.
         """
+        if pool is not None or len(self._bands_of_pool) < 2:
+            return self._dispatch(own_seats, pool, Memo())
+        # Pools share no engine: each goes in turn, the one with the most urgent waiting
+        # band first, so a grant re-places only its own pool's bands, not every pool's.
+        memo, grants = Memo(), []
+        waiting = [(self._pool_urgency(name), name) for name in self._bands_of_pool]
+        for urgency, name in sorted(waiting):
+            if urgency[0] < math.inf:
+                grants += self._dispatch(own_seats, name, memo)
+        removed = [b for b, n in self.scheduler.depths().items() if n and b not in self._bands]
+        if removed:  # bands a reload took out, served until they drain
+            grants += self._dispatch(own_seats, None, memo, removed)
+        return grants
+
+    def _pool_urgency(self, pool: str) -> tuple[float, int]:
+        """The most urgent key of the pool's bands that hold requests (``_band_key``)."""
+        depth = self.scheduler.depth
+        keys = [self._band_key(b) for b in self._bands_of_pool[pool] if depth(b)]
+        return min(keys, default=(math.inf, 0))
+
+    def _dispatch(
+        self, own_seats: int, pool: str | None, memo: Memo, bands: list[str] | None = None
+    ) -> list[Grant]:
+        """``dispatch`` over every band, or over ``pool``'s bands, or over ``bands``."""
         placements: dict[str, Placement | None] = {}
-        memo = Memo()
         grants: list[Grant] = []
         now = self._clock()
         ahead = most_urgent_elsewhere(self.peers, self._bands, now)
@@ -476,8 +501,6 @@ class Admission:
             return placements[band]
 
         def eligible(band: str) -> bool:
-            if pool is not None and band_pool(band) != pool:
-                return False
             where = placement(band)
             if where is None:
                 self._deferrals.stop(band)  # no room: a deferral starts afresh with the next
@@ -501,7 +524,7 @@ class Admission:
 
         size = self.policy.routing.prefix_lookahead
         lookahead = Lookahead(size, reusing_most) if size > 1 else None
-        among = None if pool is None else [b for b in self._bands if band_pool(b) == pool]
+        among = bands if pool is None else self._bands_of_pool.get(pool, [])
         while len(self.scheduler):
             entry = self.scheduler.pop(eligible=eligible, among=among, lookahead=lookahead)
             if entry is None:
@@ -609,7 +632,8 @@ class Admission:
         # Only the engines of the request's model (remembered per model): on a fleet of many
         # pools the others would be scanned, or sampled, for nothing.
         key = (band, view)
-        scanned = memo.scans.get(key)
+        scans = memo.scans.setdefault(band_pool(band), {})
+        scanned = scans.get(key)
         if scanned is not None:
             candidates = list(scanned)
         else:
@@ -618,7 +642,7 @@ class Admission:
                 candidates = self._sample.candidates(band, backends, admits, now, self._refresh_s)
             else:
                 candidates = [b for b in backends if admits(b)]
-            memo.scans[key] = tuple(candidates)
+            scans[key] = tuple(candidates)
         # vLLM never preempts a running request to seat a waiting one: a request sent to a
         # full engine waits for someone else's request to finish. For a tier that keeps
         # seats (chat), a free seat anywhere beats a better score on a full engine, the

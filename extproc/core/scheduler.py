@@ -86,6 +86,9 @@ class BandConfig:
     """Ranks gained per second the band's oldest entry has waited (0 = no aging)."""
     aging_cap: float = 0.0
     """At most this many ranks gained; 0 disables aging whatever the rate."""
+    group: str = ""
+    """Bands counted together by ``group_depth`` (one tier's bands for several model
+    pools); "" : the band's own name."""
 
     def __post_init__(self) -> None:
         if self.queue_limit < 0:
@@ -327,6 +330,8 @@ class FairScheduler:
         self._band_of: dict[str, str] = {}
         """Queued request id -> its band: finding one, and counting them, costs no walk of
         the bands (a fleet of many model pools has a band per tier and pool)."""
+        self._group_depth: dict[str, int] = {}
+        """Queued requests per ``BandConfig.group``, kept as they come and go."""
         self._seq = 0
         self._ledger: dict[tuple[str, str], float] | None = None
         """Charges since ``take_ledger`` (None until a replica first asks: alone, no cost)."""
@@ -347,7 +352,9 @@ class FairScheduler:
             configs[config.name] = config
         for name, band in list(self._bands.items()):
             if name in configs:
+                self._count(band, -len(band.entries))  # the group may be another now
                 band.config = configs[name]
+                self._count(band, len(band.entries))
                 band.configured = True
             elif band.entries:
                 band.configured = False
@@ -386,6 +393,7 @@ class FairScheduler:
         seq = self._seq
         self._seq += 1
         band.entries[entry.request_id] = entry
+        self._count(band, +1)
         self._band_of[entry.request_id] = entry.band
         flow = band.flows.get(entry.flow)
         if flow is None:
@@ -437,6 +445,7 @@ class FairScheduler:
         heapq.heappop(best.ready)
         request_id = self._take(best, flow, lookahead)
         entry = best.entries.pop(request_id)
+        self._count(best, -1)
         del self._band_of[request_id]
         cost = self._fairness.cost(entry.input_tokens, entry.output_tokens_estimate, entry.weight)
         flow.counter += cost
@@ -482,6 +491,7 @@ class FairScheduler:
         if band is None or band.entries.get(entry.request_id) is not entry:
             return False
         del band.entries[entry.request_id]
+        self._count(band, -1)
         del self._band_of[entry.request_id]
         flow = band.flows[entry.flow]
         was_head = next(iter(flow.queue)) == entry.request_id
@@ -573,6 +583,14 @@ class FairScheduler:
     def depth(self, band: str) -> int:
         state = self._bands.get(band)
         return len(state.entries) if state else 0
+
+    def group_depth(self, group: str) -> int:
+        """Entries in every band of ``group`` (``BandConfig.group``)."""
+        return self._group_depth.get(group, 0)
+
+    def _count(self, band: _Band, change: int) -> None:
+        group = band.config.group or band.config.name
+        self._group_depth[group] = self._group_depth.get(group, 0) + change
 
     def depths(self) -> dict[str, int]:
         """Entries per band, configured bands included when empty."""

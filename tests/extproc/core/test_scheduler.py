@@ -695,3 +695,21 @@ def test_a_request_passed_over_enough_ends_the_window_it_is_in() -> None:
 
     assert sched.pop(lookahead=Lookahead(4, last)) is b  # c would pass over b
     assert seen == [["a", "b"]]
+
+
+def test_group_depth_counts_every_band_of_a_group_as_entries_come_and_go() -> None:
+    bands = (BandConfig("chat@a", 0, 100, group="chat"), BandConfig("chat@b", 0, 100, group="chat"))
+    sched = scheduler(bands)
+    a1, a2, b1 = entry("chat@a"), entry("chat@a"), entry("chat@b")
+    for e in (a1, a2, b1):
+        sched.push(e)
+    assert sched.group_depth("chat") == 3 and sched.group_depth("other") == 0
+    sched.pop()
+    sched.remove(b1)
+    assert sched.group_depth("chat") == 1
+    regrouped = (BandConfig("chat@a", 0, 100, group="talk"), bands[1])
+    sched.configure(regrouped, FairnessConfig())  # a reload that regroups a busy band
+    assert (sched.group_depth("chat"), sched.group_depth("talk")) == (0, 1)
+    sched.configure((BandConfig("solo", 0, 100),), FairnessConfig())
+    sched.push(entry("solo"))
+    assert sched.group_depth("solo") == 1  # a band of no group counts as its own

@@ -248,7 +248,7 @@ class Admission:
                 self._bands[band] = dataclasses.replace(tier_config, name=band)
         self._bands_of_pool: dict[str, list[str]] = {}
         """Each model pool's bands (``extproc.core.bands``), most urgent tier first."""
-        for band in self._bands:
+        for band in sorted(self._bands, key=lambda b: self._bands[b].rank):
             self._bands_of_pool.setdefault(band_pool(band), []).append(band)
         self.scheduler.configure(
             self._bands.values(),
@@ -460,7 +460,8 @@ class Admission:
 
         ``pool``: only that model pool's bands may go (the event touched no other pool's
         engines); on a fleet of many pools that spares a placement per band of every
-        other. A full dispatch follows every scrape round, for what time alone changed.
+        other. A full dispatch follows every scrape round, for what time alone changed;
+        it lets each pool go in turn, the most urgent first.
         """
         if pool is not None or len(self._bands_of_pool) < 2:
             return self._dispatch(own_seats, pool, Memo())

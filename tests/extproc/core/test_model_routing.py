@@ -396,3 +396,20 @@ def test_alternates_that_would_need_a_load_of_their_own_are_left_out() -> None:
     decision = gateway.handle(chat("qwen-med", request_id="r2")).answer
     assert isinstance(decision, Forward) and decision.load is None
     assert decision.endpoints[0] == holder.address
+
+
+def test_a_full_dispatch_lets_every_pool_go_the_most_urgent_first() -> None:
+    gateway = two_pools(limit=2)
+    admission = gateway.admission
+    llama_engine, qwen_engine = admission.pool.backends
+    llama_engine.healthy = qwen_engine.healthy = False
+    for request_id, model, key in (
+        ("batch-llama", "llama", "sk-batch-demo"),
+        ("chat-qwen", "qwen-7b", "sk-chat-demo"),
+    ):
+        assert isinstance(gateway.handle(chat(model, request_id, key)).answer, Hold)
+    llama_engine.healthy = qwen_engine.healthy = True
+    grants = admission.dispatch()  # as after a scrape round: both pools gained room
+    assert [g.request_id for g in grants] == ["chat-qwen", "batch-llama"]
+    assert admission.backend_of("chat-qwen") is qwen_engine
+    assert admission.backend_of("batch-llama") is llama_engine
